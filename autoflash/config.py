@@ -1,0 +1,179 @@
+"""KernelConfig: the one description of a generated kernel, shared by tuner, codegen, cache and
+tuned tables. Everything that changes the generated code is a field; runtime scalars (lengths,
+strides, scale) are kernel arguments and never appear here."""
+from __future__ import annotations
+
+import dataclasses
+import re
+from typing import Any
+
+DTYPES = ("fp16", "bf16", "fp32")
+DIRECTIONS = ("fwd",)
+ELEM_BYTES = {"fp16": 2, "bf16": 2, "fp32": 4}
+HEAD_DIM_MIN, HEAD_DIM_MAX, HEAD_DIM_STEP = 32, 256, 8
+MAX_THREADS_PER_BLOCK = 1024
+MMA_M = 16  # rows of one mma.sync.m16n8k16 tile: each warp owns a multiple of 16 query rows
+MMA_K = 16  # its k extent: tensor-core head dims are padded up to a multiple of 16
+
+_NAME_RE = re.compile(
+    r"^(?P<direction>fwd)_hd(?P<head_dim>\d+)_(?P<dtype>fp16|bf16|fp32)(?P<causal>_causal)?"
+    r"_m(?P<block_m>\d+)n(?P<block_n>\d+)w(?P<num_warps>\d+)s(?P<num_stages>\d+)$"
+)
+
+
+def _round_up(x: int, m: int) -> int:
+    return (x + m - 1) // m * m
+
+
+def _require_int(field: str, value: Any) -> None:
+    if not isinstance(value, int) or isinstance(value, bool):
+        raise TypeError(f"KernelConfig.{field}: got {value!r} ({type(value).__name__}), expected an int")
+
+
+@dataclasses.dataclass(frozen=True)
+class KernelConfig:
+    """A fully resolved kernel: tile shape Br x Bc (block_m x block_n), warps, K/V pipeline depth.
+
+    fp16/bf16 run on tensor cores (mma.sync m16n8k16): each warp owns block_m / num_warps query
+    rows, a multiple of 16. fp32 runs on the SIMT path: (32 * num_warps) / block_m threads share
+    one query row.
+    """
+
+    head_dim: int
+    dtype: str
+    block_m: int
+    block_n: int
+    num_warps: int = 4
+    num_stages: int = 2
+    causal: bool = False
+    direction: str = "fwd"
+
+    def __post_init__(self) -> None:
+        for f in ("head_dim", "block_m", "block_n", "num_warps", "num_stages"):
+            _require_int(f, getattr(self, f))
+        if not isinstance(self.causal, bool):
+            raise TypeError(f"KernelConfig.causal: got {self.causal!r}, expected a bool")
+        if self.direction not in DIRECTIONS:
+            raise ValueError(f"KernelConfig.direction: got {self.direction!r}, expected one of {DIRECTIONS}")
+        if self.dtype not in DTYPES:
+            raise ValueError(f"KernelConfig.dtype: got {self.dtype!r}, expected one of {DTYPES}")
+        d = self.head_dim
+        if not (HEAD_DIM_MIN <= d <= HEAD_DIM_MAX and d % HEAD_DIM_STEP == 0):
+            raise ValueError(
+                f"KernelConfig.head_dim: got {d}, expected a multiple of {HEAD_DIM_STEP} "
+                f"in [{HEAD_DIM_MIN}, {HEAD_DIM_MAX}]"
+            )
+        for f in ("block_m", "block_n"):
+            v = getattr(self, f)
+            if not (16 <= v <= 256 and v % 16 == 0):
+                raise ValueError(f"KernelConfig.{f}: got {v}, expected a multiple of 16 in [16, 256]")
+        if self.num_warps not in (1, 2, 4, 8, 16):
+            raise ValueError(f"KernelConfig.num_warps: got {self.num_warps}, expected 1, 2, 4, 8 or 16")
+        if not 1 <= self.num_stages <= 4:
+            raise ValueError(f"KernelConfig.num_stages: got {self.num_stages}, expected 1..4")
+        if self.tensor_cores:
+            rows = MMA_M * self.num_warps
+            if self.block_m % rows:
+                raise ValueError(
+                    f"KernelConfig.block_m: got {self.block_m} with {self.num_warps} warps; the tensor-core "
+                    f"path needs block_m divisible by 16 * num_warps = {rows}"
+                )
+        else:
+            tpr = self.threads // self.block_m if self.threads >= self.block_m else 0
+            if tpr not in (1, 2, 4, 8) or tpr * self.block_m != self.threads:
+                raise ValueError(
+                    f"KernelConfig (fp32 SIMT path): got block_m={self.block_m} with {self.threads} threads; "
+                    f"expected 32 * num_warps / block_m to be 1, 2, 4 or 8 (threads sharing a query row)"
+                )
+            if self.block_n % tpr or (d // 4) % tpr:
+                raise ValueError(
+                    f"KernelConfig (fp32 SIMT path): {tpr} threads share a row, so block_n ({self.block_n}) "
+                    f"and head_dim / 4 ({d // 4}) must both be multiples of {tpr}"
+                )
+
+    # ---- derived facts (all pure functions of the fields) ----
+    @property
+    def name(self) -> str:
+        causal = "_causal" if self.causal else ""
+        return (
+            f"{self.direction}_hd{self.head_dim}_{self.dtype}{causal}"
+            f"_m{self.block_m}n{self.block_n}w{self.num_warps}s{self.num_stages}"
+        )
+
+    @property
+    def tensor_cores(self) -> bool:
+        return self.dtype != "fp32"
+
+    @property
+    def threads(self) -> int:
+        return 32 * self.num_warps
+
+    @property
+    def elem_bytes(self) -> int:
+        return ELEM_BYTES[self.dtype]
+
+    @property
+    def head_dim_padded(self) -> int:
+        """Columns each shared-memory row holds: the mma k extent needs multiples of 16."""
+        return _round_up(self.head_dim, MMA_K) if self.tensor_cores else self.head_dim
+
+    @property
+    def threads_per_row(self) -> int:
+        """SIMT path only: threads cooperating on one query row."""
+        return self.threads // self.block_m
+
+    @property
+    def smem_layout(self) -> dict[str, int]:
+        """Bytes of each shared-memory buffer, in the order the template declares them."""
+        row = self.head_dim_padded * self.elem_bytes
+        layout = {
+            "q": self.block_m * row,
+            "k": self.num_stages * self.block_n * row,
+            "v": self.num_stages * self.block_n * row,
+        }
+        if not self.tensor_cores:
+            layout["p"] = self.block_m * self.block_n * 4
+        return layout
+
+    @property
+    def smem_bytes(self) -> int:
+        """Dynamic shared memory per block: (Br + 2 * stages * Bc) * d_pad * bytes (+ P on SIMT).
+
+        With one stage this is FlashAttention-2's (Br + 2 Bc) * d * 2 bytes."""
+        return sum(self.smem_layout.values())
+
+    # ---- names and serialisation ----
+    @classmethod
+    def from_name(cls, name: str) -> "KernelConfig":
+        m = _NAME_RE.match(name)
+        if m is None:
+            raise ValueError(
+                f"kernel name {name!r} not understood; expected e.g. 'fwd_hd128_bf16_causal_m128n64w4s2'"
+            )
+        g = m.groupdict()
+        ints = {k: int(g[k]) for k in ("head_dim", "block_m", "block_n", "num_warps", "num_stages")}
+        return cls(direction=g["direction"], dtype=g["dtype"], causal=bool(g["causal"]), **ints)
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> "KernelConfig":
+        if not isinstance(data, dict):
+            raise TypeError(f"KernelConfig.from_dict: got {type(data).__name__}, expected a dict")
+        known = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(data) - known)
+        if unknown:
+            raise ValueError(f"KernelConfig.from_dict: unknown keys {unknown}; accepted keys {sorted(known)}")
+        return cls(**data)
+
+    def replace(self, **changes: Any) -> "KernelConfig":
+        return dataclasses.replace(self, **changes)
+
+    def check_fits(self, smem_per_block: int, gpu_name: str = "the GPU") -> None:
+        """Raise ValueError when this config needs more shared memory than one block may have."""
+        if self.smem_bytes > smem_per_block:
+            raise ValueError(
+                f"{self.name} needs {self.smem_bytes} bytes of shared memory per block; "
+                f"{gpu_name} allows at most {smem_per_block}"
+            )
