@@ -1,0 +1,119 @@
+"""CPU tier of the kernels themselves: a representative grid renders and compiles with NVRTC for
+sm_80 and sm_90 (no GPU needed), the built-in defaults compile without register spills, and the
+shared-memory model agrees with ptxas."""
+import collections
+import os
+import re
+from concurrent.futures import ProcessPoolExecutor
+
+import pytest
+
+from autoflash.compiler import Resources, compile_config, disassemble, static_smem_probe
+from autoflash.config import KernelConfig
+from autoflash.defaults import default_config
+from autoflash.gpus import get_profile
+
+HEAD_DIMS = (32, 40, 64, 96, 128, 160, 192, 256)
+DTYPES = ("fp16", "bf16", "fp32")
+ARCH_PROFILES = {"sm_80": get_profile("a100"), "sm_90": get_profile("h100")}
+# (block_m, block_n, num_warps, num_stages): several tile shapes per path, non-powers of two among them
+TC_TILES = ((64, 64, 4, 1), (128, 64, 8, 2), (64, 80, 2, 3), (128, 32, 4, 2))
+SIMT_TILES = ((32, 32, 4, 2), (16, 16, 4, 1), (64, 48, 4, 2))
+STATIC_SMEM_LIMIT = 48 * 1024  # the most a kernel may declare statically
+
+
+def _valid(**kw):
+    try:
+        return KernelConfig(**kw)
+    except ValueError:
+        return None
+
+
+def grid():
+    """The representative grid: a comprehension plus a filter (valid, fits the arch's smem)."""
+    cfgs = (
+        _valid(head_dim=d, dtype=dt, block_m=m, block_n=n, num_warps=w, num_stages=s, causal=c)
+        for d in HEAD_DIMS for dt in DTYPES for c in (False, True)
+        for (m, n, w, s) in (SIMT_TILES if dt == "fp32" else TC_TILES)
+    )
+    return [(cfg, arch) for cfg in cfgs if cfg is not None
+            for arch, prof in ARCH_PROFILES.items() if cfg.smem_bytes <= prof.smem_per_block_optin]
+
+
+def defaults():
+    return sorted({(default_config(d, dt, c, prof), arch)
+                   for d in HEAD_DIMS for dt in DTYPES for c in (False, True)
+                   for arch, prof in ARCH_PROFILES.items()}, key=lambda x: (x[0].name, x[1]))
+
+
+def _compile(job):
+    cfg, arch = job
+    try:
+        return compile_config(cfg, arch).resources
+    except Exception as e:  # reported per config by the test below
+        return f"{type(e).__name__}: {e}"
+
+
+@pytest.fixture(scope="module")
+def compiled():
+    jobs = sorted(set(grid()) | set(defaults()), key=lambda x: (x[0].name, x[1]))
+    with ProcessPoolExecutor(max(1, os.cpu_count() or 1)) as pool:
+        return dict(zip(jobs, pool.map(_compile, jobs)))
+
+
+def test_grid_is_representative():
+    g = grid()
+    assert {c.head_dim for c, _ in g} == set(HEAD_DIMS)
+    assert {c.dtype for c, _ in g} == set(DTYPES)
+    assert {c.causal for c, _ in g} == {False, True}
+    assert {a for _, a in g} == set(ARCH_PROFILES)
+    assert len({(c.block_m, c.block_n, c.num_warps, c.num_stages) for c, _ in g}) >= 6
+    assert len(g) > 150
+
+
+@pytest.mark.slow
+def test_every_grid_config_compiles(compiled):
+    failures = {f"{c.name}@{a}": r for (c, a), r in compiled.items() if not isinstance(r, Resources)}
+    assert not failures, "\n".join(f"{k}: {v[:2000]}" for k, v in failures.items())
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("cfg, arch", defaults(), ids=lambda x: x.name if isinstance(x, KernelConfig) else x)
+def test_default_configs_have_no_spills(compiled, cfg, arch):
+    res = compiled[(cfg, arch)]
+    assert isinstance(res, Resources), res
+    assert not res.spills and res.stack_bytes == 0, f"{cfg.name} on {arch}: {res}"
+    assert res.registers * cfg.threads <= ARCH_PROFILES[arch].regs_per_sm
+
+
+@pytest.mark.parametrize("dtype", ["fp16", "bf16"])
+def test_tensor_core_path_compiles_to_hmma_ldsm_and_cp_async(dtype):
+    cfg = default_config(128, dtype, True, get_profile("h100"))
+    sass = disassemble(compile_config(cfg, "sm_90"))
+    counts = collections.Counter(re.findall(r"\b(HMMA|LDSM|LDGSTS|MUFU\.EX2|LDL|STL)\b", sass))
+    assert counts["HMMA"] > 0 and counts["LDSM"] > 0 and counts["LDGSTS"] > 0 and counts["MUFU.EX2"] > 0, counts
+    assert counts["LDL"] == counts["STL"] == 0, counts  # nothing went to local memory
+
+
+def test_simt_path_uses_no_tensor_cores():
+    cfg = default_config(64, "fp32", False, get_profile("a100"))
+    sass = disassemble(compile_config(cfg, "sm_80"))
+    assert "HMMA" not in sass and "FFMA" in sass and "LDGSTS" in sass
+
+
+def _smem_jobs():
+    """Configs whose layout fits a static declaration, so ptxas can report its size."""
+    picks = {}
+    for cfg, arch in grid():
+        if cfg.smem_bytes <= STATIC_SMEM_LIMIT and arch == "sm_80":
+            picks.setdefault((cfg.dtype, cfg.head_dim), cfg)
+    return sorted(picks.values(), key=lambda c: c.name)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("cfg", _smem_jobs(), ids=lambda c: c.name)
+def test_smem_model_matches_ptxas(cfg):
+    # The kernel static_asserts sizeof(SharedStorage) == KernelConfig.smem_bytes for every config;
+    # here ptxas itself reports the bytes of the same layout declared statically.
+    res = static_smem_probe(cfg, "sm_80")
+    assert res.static_smem_bytes == cfg.smem_bytes, (cfg.name, res)
