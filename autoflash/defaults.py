@@ -1,0 +1,64 @@
+"""Built-in default configs: FlashAttention-2's published tile choices, adjusted where our kernel
+needs it (registers, shared memory), for a GPU profile. The tuner starts from these."""
+from __future__ import annotations
+
+import functools
+
+from autoflash.config import KernelConfig
+from autoflash.gpus import GpuProfile
+
+# A100-class parts let one block use up to 163 KB of shared memory; sm_86/sm_89 parts only 99 KB.
+_BIG_SMEM = 160 * 1024
+
+
+def _candidates(head_dim: int, dtype: str, causal: bool, big_smem: bool):
+    """Tile shapes in order of preference: (block_m, block_n, num_warps)."""
+    if dtype == "fp32":
+        # SIMT path: 4 warps; as many threads per row as the head dim allows keeps O in registers.
+        # O takes head_dim / tpr registers per thread: 8 threads per row above d = 128.
+        for block_n in (32, 16):
+            for tpr in ((4, 2, 1) if head_dim <= 128 else (8, 4, 2)):
+                if (head_dim // 4) % tpr == 0:
+                    yield 128 // tpr, block_n, 4
+        return
+    # FA2 csrc/flash_attn/src/flash_fwd_launch_template.h (sm80): d<=64 128x128 (4 warps),
+    # d<=128 128x64, d<=256 128x64 (8 warps) or 64x64 (4 warps) with less shared memory;
+    # sm86/sm89 at d=128: 128x32 non-causal, 64x64 causal. Our d=128 uses 8 warps at 128x64:
+    # with 4 warps the 128x64 tile spills registers (checked by tests/test_compile.py).
+    if head_dim <= 64:
+        if not causal and head_dim in (32, 64):  # causal masking and d = 40..56 spill at 128x128
+            yield 128, 128, 4
+        yield 128, 64, 4
+    elif head_dim <= 128:
+        if big_smem:
+            yield 128, 64, 8
+        elif causal:
+            yield 64, 64, 4
+        else:
+            yield 128, 32, 4
+        yield 64, 64, 4
+    else:
+        if big_smem:
+            yield 128, 64, 8
+        yield 64, 64, 4
+        yield 64, 32, 4
+    yield 64, 32, 4
+
+
+@functools.lru_cache(maxsize=None)
+def default_config(head_dim: int, dtype: str, causal: bool, profile: GpuProfile) -> KernelConfig:
+    """The built-in config for one problem on one GPU: the first preferred tile shape that fits the
+    profile's shared memory, with two K/V pipeline stages when they fit, else one."""
+    big = profile.smem_per_block_optin >= _BIG_SMEM
+    tried = []
+    for block_m, block_n, warps in _candidates(head_dim, dtype, causal, big):
+        for stages in (2, 1):
+            cfg = KernelConfig(head_dim=head_dim, dtype=dtype, block_m=block_m, block_n=block_n,
+                               num_warps=warps, num_stages=stages, causal=causal)
+            if cfg.smem_bytes <= profile.smem_per_block_optin:
+                return cfg
+            tried.append(cfg.name)
+    raise ValueError(
+        f"no built-in config for head_dim={head_dim} {dtype} fits {profile.name}'s "
+        f"{profile.smem_per_block_optin} bytes of shared memory per block; tried {tried}"
+    )

@@ -1,0 +1,201 @@
+"""Plain and tiled (online-softmax) PyTorch attention references, and FlashAttention's accuracy
+rule, used by the tests and the benchmark to judge generated kernels."""
+from __future__ import annotations
+
+import math
+
+import torch
+
+from autoflash.checks import check_qkv_shapes
+from autoflash.config import KernelConfig
+
+LOG2E = 1.4426950408889634  # log2(e): the kernel folds it into the softmax scale and uses exp2
+LN2 = 0.6931471805599453  # ln(2): turns the kernel's log2-domain LSE back into natural log
+
+_FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+
+
+def _scale(scale: float | None, d: int) -> float:
+    if scale is None:
+        return 1.0 / math.sqrt(d)
+    if isinstance(scale, bool) or not isinstance(scale, (int, float)):
+        raise TypeError(f"scale: got {scale!r}, expected a float or None")
+    return float(scale)
+
+
+def _upcast_dtype(dtype: torch.dtype) -> torch.dtype:
+    return torch.float64 if dtype == torch.float64 else torch.float32
+
+
+def attention_ref(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    *,
+    causal: bool = False,
+    scale: float | None = None,
+    upcast: bool = True,
+    mask: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Attention softmax(scale * q kᵀ) v in plain PyTorch; returns (out, lse).
+
+    q: (B, Hq, Lq, D); k, v: (B, Hkv, Lk, D) with Hq % Hkv == 0 (query head h reads kv head
+    h // (Hq // Hkv)). ``causal`` is top-left aligned like SDPA's ``is_causal``: query i sees keys
+    j <= i, also when Lq != Lk. ``mask`` is a boolean tensor broadcastable to (B, Hq, Lq, Lk),
+    True = keep. Default scale is 1/sqrt(D).
+
+    upcast=True computes in fp32 (fp64 for fp64 inputs): the accuracy reference. upcast=False
+    computes scores, softmax and output in the input dtype: "PyTorch in the same dtype".
+
+    Returns out (B, Hq, Lq, D) in the compute dtype and lse (B, Hq, Lq) fp32 (fp64 for fp64 inputs),
+    the natural-log logsumexp of the scaled, masked scores.
+
+    A row that sees no key (all masked) gets out = 0 and lse = +inf, so a backward pass that
+    recomputes P = exp(S - lse) gets exactly 0 there instead of NaN.
+    """
+    check_qkv_shapes(q, k, v, _FLOAT_DTYPES)
+    b, hq, lq, d = q.shape
+    hkv, lk = k.shape[1], k.shape[2]
+    sc = _scale(scale, d)
+    dtype = _upcast_dtype(q.dtype) if upcast else q.dtype
+    group = hq // hkv
+    qc, kc, vc = q.to(dtype), k.to(dtype), v.to(dtype)
+    if group > 1:
+        kc, vc = kc.repeat_interleave(group, dim=1), vc.repeat_interleave(group, dim=1)
+
+    keep = None
+    if mask is not None:
+        if not isinstance(mask, torch.Tensor) or mask.dtype != torch.bool:
+            got = mask.dtype if isinstance(mask, torch.Tensor) else type(mask).__name__
+            raise TypeError(f"mask: got {got}, expected a torch.bool tensor")
+        if mask.device != q.device:
+            raise ValueError(f"mask: got device {mask.device}, expected {q.device}")
+        try:
+            keep = mask.expand(b, hq, lq, lk)
+        except RuntimeError:
+            raise ValueError(
+                f"mask: got shape {tuple(mask.shape)}, expected broadcastable to {(b, hq, lq, lk)}"
+            ) from None
+    if causal:
+        tri = torch.ones(lq, lk, dtype=torch.bool, device=q.device).tril()
+        keep = tri if keep is None else keep & tri
+
+    # Scale applied to q kᵀ (not to q) as FlashAttention's reference does.
+    s = torch.matmul(qc, kc.transpose(-2, -1)) * sc
+    if keep is not None:
+        s = s.masked_fill(~keep, float("-inf"))
+    p = torch.softmax(s, dim=-1)
+    lse_dtype = torch.float64 if q.dtype == torch.float64 else torch.float32
+    lse = torch.logsumexp(s.to(lse_dtype), dim=-1)
+    if keep is not None:
+        # softmax of an all -inf row is NaN; the documented convention is P = 0, lse = +inf.
+        empty = ~keep.expand(b, hq, lq, lk).any(dim=-1)
+        p = p.masked_fill(empty.unsqueeze(-1), 0.0)
+        lse = lse.masked_fill(empty, float("inf"))
+    out = torch.matmul(p, vc)
+    return out, lse
+
+
+def attention_tiled(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    config: KernelConfig,
+    *,
+    scale: float | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Tiled online-softmax attention that follows the kernel's loops for ``config``; (out, lse).
+
+    Computes in fp32 (fp64 for fp64 inputs) with scores in the log2 domain; causal comes from
+    config.causal (top-left aligned, as in attention_ref). Key blocks entirely above the diagonal
+    are skipped, as the kernel skips them. Same shapes, GQA rule and empty-row convention as
+    attention_ref.
+    """
+    if not isinstance(config, KernelConfig):
+        raise TypeError(f"config: got {type(config).__name__}, expected a KernelConfig")
+    check_qkv_shapes(q, k, v, _FLOAT_DTYPES)
+    b, hq, lq, d = q.shape
+    hkv, lk = k.shape[1], k.shape[2]
+    if d != config.head_dim:
+        raise ValueError(f"head_dim: got {d}, expected config.head_dim = {config.head_dim}")
+    dtype = _upcast_dtype(q.dtype)
+    group = hq // hkv
+    br, bc = config.block_m, config.block_n
+    # The kernel multiplies once by scale * log2(e) and then uses exp2 throughout.
+    scale_log2 = _scale(scale, d) * LOG2E
+    # Grouping query heads under their kv head lets matmul broadcast instead of copying K and V.
+    qg = q.to(dtype).reshape(b, hkv, group, lq, d)
+    kg = k.to(dtype).unsqueeze(2)
+    vg = v.to(dtype).unsqueeze(2)
+    out = torch.empty(b, hkv, group, lq, d, dtype=dtype, device=q.device)
+    lse = torch.empty(b, hkv, group, lq, dtype=dtype, device=q.device)
+    neg_inf = torch.tensor(float("-inf"), dtype=dtype, device=q.device)
+
+    for m_block in range((lq + br - 1) // br):
+        r0, r1 = m_block * br, min((m_block + 1) * br, lq)
+        q_blk = qg[..., r0:r1, :]
+        rows = torch.arange(r0, r1, device=q.device).unsqueeze(1)
+        m = torch.full((b, hkv, group, r1 - r0, 1), float("-inf"), dtype=dtype, device=q.device)
+        l = torch.zeros_like(m)
+        acc = torch.zeros(b, hkv, group, r1 - r0, d, dtype=dtype, device=q.device)
+        n_keys = min(lk, (m_block + 1) * br) if config.causal else lk
+        for n_block in range((n_keys + bc - 1) // bc):
+            # Slicing to Lk drops the padded keys >= Lk the kernel masks to -inf; both add nothing.
+            c0, c1 = n_block * bc, min((n_block + 1) * bc, lk)
+            s2 = torch.matmul(q_blk, kg[..., c0:c1, :].transpose(-2, -1)) * scale_log2
+            if config.causal:
+                cols = torch.arange(c0, c1, device=q.device).unsqueeze(0)
+                s2 = torch.where(cols > rows, neg_inf, s2)
+            m_new = torch.maximum(m, s2.amax(dim=-1, keepdim=True))
+            # A row with no visible key yet has m_new = -inf; 0 avoids (-inf) - (-inf) = NaN.
+            m_safe = torch.where(m_new == float("-inf"), torch.zeros_like(m_new), m_new)
+            p = torch.exp2(s2 - m_safe)
+            alpha = torch.exp2(m - m_safe)
+            l = l * alpha + p.sum(dim=-1, keepdim=True)
+            acc = acc * alpha + torch.matmul(p, vg[..., c0:c1, :])
+            m = m_new
+        empty = l == 0
+        out[..., r0:r1, :] = torch.where(empty, torch.zeros_like(acc), acc / torch.where(empty, 1.0, l))
+        row_lse = torch.where(empty, float("inf"), (m + torch.log2(torch.where(empty, 1.0, l))) * LN2)
+        lse[..., r0:r1] = row_lse.squeeze(-1)
+
+    lse_dtype = torch.float64 if q.dtype == torch.float64 else torch.float32
+    return out.reshape(b, hq, lq, d), lse.reshape(b, hq, lq).to(lse_dtype)
+
+
+def within_tolerance(
+    out: torch.Tensor,
+    ref: torch.Tensor,
+    out_torch: torch.Tensor,
+    *,
+    factor: float = 2.0,
+    atol: float = 1e-5,
+) -> tuple[bool, float, float]:
+    """FlashAttention's accuracy rule: max|out - ref| <= factor * max|out_torch - ref| + atol.
+
+    ``ref`` is the upcast reference, ``out_torch`` PyTorch in the kernel's dtype. Returns
+    (ok, err, bound), computed in fp64. NaN in ``out`` is never ok. Equal infinities (lse of
+    empty rows) count as zero error.
+    """
+    for name, t in (("out", out), ("ref", ref), ("out_torch", out_torch)):
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"{name}: got {type(t).__name__}, expected a torch.Tensor")
+    if out.shape != ref.shape or out_torch.shape != ref.shape:
+        raise ValueError(
+            f"shapes: got out {tuple(out.shape)}, ref {tuple(ref.shape)}, out_torch {tuple(out_torch.shape)}, "
+            f"expected all equal"
+        )
+    o, r, t = (x.detach().to(device="cpu", dtype=torch.float64) for x in (out, ref, out_torch))
+
+    def max_err(x: torch.Tensor) -> float:
+        # x == r first, so matching infinities give 0 rather than inf - inf = NaN.
+        diff = torch.where(x == r, torch.zeros_like(x), (x - r).abs())
+        return float(diff.max()) if diff.numel() else 0.0
+
+    if torch.isnan(o).any():
+        err = math.nan
+    else:
+        err = max_err(o)
+    bound = factor * max_err(t) + atol
+    ok = not math.isnan(err) and not math.isnan(bound) and err <= bound
+    return ok, err, bound

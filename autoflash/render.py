@@ -1,0 +1,112 @@
+"""`python -m autoflash.render`: write the generated CUDA source of a kernel config, and with --gpu
+compile it for that GPU and print the ptxas resource report. Needs no GPU."""
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+from autoflash.config import DTYPES, KernelConfig
+
+EPILOG = """examples:
+  python -m autoflash.render fwd_hd128_bf16_causal_m128n64w4s2 --gpu h100
+  python -m autoflash.render --head-dim 96 --dtype fp16 --block-m 128 --block-n 64 --warps 8 -o k.cu
+  python -m autoflash.render --default --head-dim 128 --dtype bf16 --gpu a100
+
+The source goes to stdout (or -o FILE); the resource report goes to stderr when the source is on
+stdout. GPU names: a100, a10g, l4, l40s, rtx3090, rtx4090, h100, h200 (or an arch like sm_90)."""
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="python -m autoflash.render",
+        description="Render a FlashAttention kernel from the Jinja2 templates; optionally compile it "
+        "with NVRTC for a GPU (no GPU needed) and report registers, spills and shared memory.",
+        epilog=EPILOG,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    p.add_argument("name", nargs="?", help="a kernel name such as fwd_hd128_bf16_causal_m128n64w4s2")
+    p.add_argument("--head-dim", type=int, help="head dim, a multiple of 8 in 32..256")
+    p.add_argument("--dtype", choices=DTYPES, help="element type (fp32 uses the SIMT path)")
+    p.add_argument("--block-m", type=int, help="query rows per block (Br)")
+    p.add_argument("--block-n", type=int, help="keys per tile (Bc)")
+    p.add_argument("--warps", type=int, default=4, help="warps per block (default 4)")
+    p.add_argument("--stages", type=int, default=2, help="K/V pipeline stages (default 2)")
+    p.add_argument("--causal", action="store_true", help="causal masking (top-left aligned)")
+    p.add_argument("--default", action="store_true",
+                   help="use the built-in default config for --head-dim/--dtype/--causal on --gpu")
+    p.add_argument("--gpu", help="compile for this GPU profile or arch and print the resource report")
+    p.add_argument("-o", "--output", type=Path, help="write the source here instead of stdout")
+    p.add_argument("--no-line-directives", action="store_true",
+                   help="omit the #line directives that map compiler messages to template lines")
+    return p
+
+
+def _config(args, parser) -> KernelConfig:
+    if args.name:
+        return KernelConfig.from_name(args.name)
+    if args.head_dim is None or args.dtype is None:
+        parser.error("give a kernel name, or at least --head-dim and --dtype")
+    if args.default:
+        from autoflash.defaults import default_config
+        from autoflash.gpus import get_profile
+
+        if not args.gpu:
+            parser.error("--default needs --gpu (defaults depend on the GPU's shared memory)")
+        return default_config(args.head_dim, args.dtype, args.causal, get_profile(args.gpu))
+    if args.block_m is None or args.block_n is None:
+        parser.error("give --block-m and --block-n (or --default with --gpu)")
+    return KernelConfig(head_dim=args.head_dim, dtype=args.dtype, block_m=args.block_m, block_n=args.block_n,
+                        num_warps=args.warps, num_stages=args.stages, causal=args.causal)
+
+
+def report(config: KernelConfig, gpu: str) -> str:
+    """Compiles `config` for a GPU profile (or a bare arch) and describes the resources it uses."""
+    from autoflash.compiler import compile_config
+    from autoflash.gpus import PROFILES, arch_for
+
+    profile = PROFILES.get(gpu.lower())
+    arch = arch_for(gpu)
+    res = compile_config(config, arch).resources
+    lines = [
+        f"{config.name} for {gpu} ({arch}):",
+        f"  registers/thread   {res.registers} x {config.threads} threads",
+        f"  spills             {res.spill_stores} B stored, {res.spill_loads} B loaded"
+        + ("  <- spills" if res.spills else ""),
+        f"  stack frame        {res.stack_bytes} B",
+        f"  shared memory      {config.smem_bytes} B dynamic"
+        + "".join(f", {k} {v}" for k, v in config.smem_layout.items()),
+    ]
+    if profile is not None:
+        fits = config.smem_bytes <= profile.smem_per_block_optin
+        blocks = min(profile.smem_per_sm // max(config.smem_bytes, 1),
+                     profile.regs_per_sm // (res.registers * config.threads),
+                     profile.max_threads_per_sm // config.threads)
+        lines.append(f"  {profile.name + ' limit':18s} {profile.smem_per_block_optin} B per block -> "
+                     + ("fits" if fits else "DOES NOT FIT"))
+        lines.append(f"  blocks per SM      {blocks} (by shared memory, registers and threads)")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = _parser()
+    args = parser.parse_args(argv)
+    try:
+        config = _config(args, parser)
+        from autoflash.codegen import render
+
+        source = render(config, line_directives=not args.no_line_directives)
+        if args.output:
+            args.output.write_text(source)
+            print(f"wrote {args.output} ({config.name})")
+        else:
+            sys.stdout.write(source)
+        if args.gpu:
+            print(report(config, args.gpu), file=sys.stdout if args.output else sys.stderr)
+    except (ValueError, TypeError) as e:
+        parser.error(str(e))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

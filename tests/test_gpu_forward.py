@@ -1,0 +1,116 @@
+"""GPU tier of the forward kernels: FlashAttention's accuracy rule against an fp32 reference,
+    max|out - ref32| <= 2 * max|out_torch_same_dtype - ref32| + 1e-5   (and the same for the LSE),
+over FlashAttention's grid of head dims and (Lq, Lk) pairs; fp32 is held to an fp64 reference.
+Every test here needs CUDA and skips cleanly without it."""
+import pytest
+import torch
+
+from autoflash import KernelConfig, flash_forward
+from autoflash.reference import attention_ref, within_tolerance
+
+pytestmark = pytest.mark.gpu
+
+HEAD_DIMS = (32, 40, 64, 96, 128, 160, 192, 256)
+SEQLENS = ((113, 203), (128, 217), (108, 256), (256, 512), (512, 256), (1023, 1024), (1024, 1023), (2048, 2048))
+HEADS = {"mha": (6, 6), "gqa": (6, 2)}
+TORCH_DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16, "fp32": torch.float32}
+
+
+def make_qkv(b, hq, hkv, lq, lk, d, dtype, layout="bhsd", seed=0):
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    def one(h, l):
+        if layout == "bshd":  # (B, S, H, D) storage viewed as (B, H, S, D): no copy
+            return torch.randn(b, l, h, d, device="cuda", dtype=dtype, generator=g).transpose(1, 2)
+        return torch.randn(b, h, l, d, device="cuda", dtype=dtype, generator=g)
+    return one(hq, lq), one(hkv, lk), one(hkv, lk)
+
+
+def assert_accurate(q, k, v, causal, config=None, scale=None):
+    out, lse = flash_forward(q, k, v, causal=causal, config=config, scale=scale)
+    assert out.shape == q.shape and out.dtype == q.dtype and lse.dtype == torch.float32
+    assert lse.shape == q.shape[:3]
+    if q.dtype == torch.float32:  # fp32 is judged against fp64, with PyTorch's fp32 as the yardstick
+        ref, ref_lse = attention_ref(q.double(), k.double(), v.double(), causal=causal, scale=scale)
+        pt, pt_lse = attention_ref(q, k, v, causal=causal, scale=scale, upcast=False)
+    else:
+        ref, ref_lse = attention_ref(q, k, v, causal=causal, scale=scale)
+        pt, pt_lse = attention_ref(q, k, v, causal=causal, scale=scale, upcast=False)
+    ok, err, bound = within_tolerance(out, ref, pt, factor=2.0)
+    assert ok, f"out: max err {err:.3e} > bound {bound:.3e}"
+    ok, err, bound = within_tolerance(lse, ref_lse, pt_lse, factor=2.0)
+    assert ok, f"lse: max err {err:.3e} > bound {bound:.3e}"
+
+
+@pytest.mark.parametrize("lq, lk", SEQLENS, ids=lambda x: str(x))
+@pytest.mark.parametrize("heads", list(HEADS), ids=str)
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+@pytest.mark.parametrize("dtype", ["fp16", "bf16"])
+@pytest.mark.parametrize("d", HEAD_DIMS)
+def test_forward_matches_reference(d, dtype, causal, heads, lq, lk):
+    hq, hkv = HEADS[heads]
+    assert_accurate(*make_qkv(2, hq, hkv, lq, lk, d, TORCH_DTYPES[dtype]), causal)
+
+
+@pytest.mark.parametrize("lq, lk", [(113, 203), (1024, 1023)], ids=str)
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+@pytest.mark.parametrize("d", HEAD_DIMS)
+def test_fp32_simt_path_matches_fp64(d, causal, lq, lk):
+    assert_accurate(*make_qkv(2, 6, 2, lq, lk, d, torch.float32), causal)
+
+
+@pytest.mark.parametrize("config", [
+    KernelConfig(64, "bf16", 64, 64, num_warps=4, num_stages=1),
+    KernelConfig(64, "fp16", 64, 80, num_warps=2, num_stages=3),
+    KernelConfig(96, "bf16", 128, 32, num_warps=4, num_stages=2),
+    KernelConfig(40, "fp16", 128, 64, num_warps=8, num_stages=4),
+    KernelConfig(128, "bf16", 64, 112, num_warps=4, num_stages=2, causal=True),
+    KernelConfig(256, "fp16", 64, 64, num_warps=4, num_stages=1, causal=True),
+    KernelConfig(72, "fp32", 64, 48, num_warps=4, num_stages=2, causal=True),
+], ids=lambda c: c.name)
+def test_explicit_configs(config):
+    """Non-default tiles: stages 1..4, non-power-of-two block_n, head dims that pad to 16."""
+    q, k, v = make_qkv(2, 6, 3, 301, 517, config.head_dim, TORCH_DTYPES[config.dtype])
+    assert_accurate(q, k, v, config.causal, config=config)
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_bshd_layout_scale_and_mqa(causal):
+    q, k, v = make_qkv(3, 8, 1, 777, 333, 128, torch.bfloat16, layout="bshd")
+    assert not q.is_contiguous()
+    assert_accurate(q, k, v, causal, scale=0.3)
+
+
+def test_single_key_and_single_query():
+    assert_accurate(*make_qkv(1, 2, 2, 1, 1, 64, torch.float16), True)
+    assert_accurate(*make_qkv(1, 2, 2, 5, 1, 64, torch.float16), True)  # every row sees key 0
+    assert_accurate(*make_qkv(1, 2, 2, 1, 300, 64, torch.bfloat16), False)
+
+
+def test_runs_on_the_current_stream_without_syncs():
+    q, k, v = make_qkv(2, 4, 4, 1024, 1024, 64, torch.bfloat16)
+    flash_forward(q, k, v)  # compile and load outside the measured region
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        torch.cuda._sleep(50_000_000)  # keep the side stream busy: a hidden sync would wait here
+        done = torch.cuda.Event()
+        out, _ = flash_forward(q, k, v)
+        done.record()
+        assert not done.query(), "flash_forward waited for the GPU (or ran on another stream)"
+    torch.cuda.current_stream().wait_stream(side)
+    ref, _ = attention_ref(q, k, v)
+    pt, _ = attention_ref(q, k, v, upcast=False)
+    assert within_tolerance(out, ref, pt)[0]
+
+
+def test_bad_config_is_refused_before_launch_and_context_survives():
+    q, k, v = make_qkv(1, 2, 2, 64, 64, 64, torch.float16)
+    with pytest.raises(ValueError, match="is for"):
+        flash_forward(q, k, v, config=KernelConfig(128, "fp16", 64, 64))
+    props = torch.cuda.get_device_properties(0)
+    limit = getattr(props, "shared_memory_per_block_optin", 0)
+    huge = KernelConfig(64, "fp16", 256, 256, num_warps=16, num_stages=4)
+    if limit and huge.smem_bytes > limit:
+        with pytest.raises(ValueError, match="shared memory"):
+            flash_forward(q, k, v, config=huge)
+    assert_accurate(q, k, v, False)  # the CUDA context is still healthy
