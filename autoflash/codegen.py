@@ -12,7 +12,7 @@ from autoflash import __version__
 from autoflash.config import KernelConfig
 from autoflash.resources import templates_dir
 
-TEMPLATES = {"fwd": "flash_fwd.cu.j2"}
+TEMPLATES = {"fwd": "flash_fwd.cu.j2", "bwd": "flash_bwd.cu.j2"}
 # Per-dtype spellings the templates need; fp32 runs on the SIMT path and needs no mma.
 _DTYPE_CODE = {
     "fp16": {"elem_type": "__half", "mma": "mma_16816_f16", "pack": "pack_f16x2"},

@@ -8,7 +8,7 @@ import re
 from typing import Any
 
 DTYPES = ("fp16", "bf16", "fp32")
-DIRECTIONS = ("fwd",)
+DIRECTIONS = ("fwd", "bwd")
 ELEM_BYTES = {"fp16": 2, "bf16": 2, "fp32": 4}
 HEAD_DIM_MIN, HEAD_DIM_MAX, HEAD_DIM_STEP = 32, 256, 8
 MAX_THREADS_PER_BLOCK = 1024
@@ -16,7 +16,7 @@ MMA_M = 16  # rows of one mma.sync.m16n8k16 tile: each warp owns a multiple of 1
 MMA_K = 16  # its k extent: tensor-core head dims are padded up to a multiple of 16
 
 _NAME_RE = re.compile(
-    r"^(?P<direction>fwd)_hd(?P<head_dim>\d+)_(?P<dtype>fp16|bf16|fp32)(?P<causal>_causal)?"
+    r"^(?P<direction>fwd|bwd)_hd(?P<head_dim>\d+)_(?P<dtype>fp16|bf16|fp32)(?P<causal>_causal)?"
     r"_m(?P<block_m>\d+)n(?P<block_n>\d+)w(?P<num_warps>\d+)s(?P<num_stages>\d+)$"
 )
 
@@ -32,11 +32,14 @@ def _require_int(field: str, value: Any) -> None:
 
 @dataclasses.dataclass(frozen=True)
 class KernelConfig:
-    """A fully resolved kernel: tile shape Br x Bc (block_m x block_n), warps, K/V pipeline depth.
+    """A fully resolved kernel: tile shape Br x Bc (block_m x block_n), warps, pipeline depth.
 
-    fp16/bf16 run on tensor cores (mma.sync m16n8k16): each warp owns block_m / num_warps query
-    rows, a multiple of 16. fp32 runs on the SIMT path: (32 * num_warps) / block_m threads share
-    one query row.
+    Forward (direction "fwd"): a block owns block_m query rows and streams K/V in block_n tiles
+    through num_stages buffers. fp16/bf16 run on tensor cores (mma.sync m16n8k16), each warp owning
+    block_m / num_warps query rows (a multiple of 16); fp32 runs on the SIMT path, (32 * num_warps)
+    / block_m threads sharing one query row.
+    Backward (direction "bwd", fp16/bf16): a block owns block_n keys, each warp block_n / num_warps
+    of them (a multiple of 16), and streams Q/dO in block_m-row tiles through num_stages buffers.
     """
 
     head_dim: int
@@ -71,7 +74,9 @@ class KernelConfig:
             raise ValueError(f"KernelConfig.num_warps: got {self.num_warps}, expected 1, 2, 4, 8 or 16")
         if not 1 <= self.num_stages <= 4:
             raise ValueError(f"KernelConfig.num_stages: got {self.num_stages}, expected 1..4")
-        if self.tensor_cores:
+        if self.direction == "bwd":
+            self._validate_backward()
+        elif self.tensor_cores:
             rows = MMA_M * self.num_warps
             if self.block_m % rows:
                 raise ValueError(
@@ -90,6 +95,26 @@ class KernelConfig:
                     f"KernelConfig (fp32 SIMT path): {tpr} threads share a row, so block_n ({self.block_n}) "
                     f"and head_dim / 4 ({d // 4}) must both be multiples of {tpr}"
                 )
+
+    def _validate_backward(self) -> None:
+        if not self.tensor_cores:
+            raise ValueError(
+                f"KernelConfig (backward): got dtype {self.dtype!r}; the backward kernels support 'fp16' and "
+                f"'bf16' (the fp32 SIMT backward is not written yet)"
+            )
+        keys = MMA_M * self.num_warps
+        if self.block_n % keys:
+            raise ValueError(
+                f"KernelConfig.block_n: got {self.block_n} with {self.num_warps} warps; the backward needs "
+                f"block_n divisible by 16 * num_warps = {keys} (each warp owns 16k keys)"
+            )
+        m_tiles = self.block_m // MMA_M
+        warps_q = min(self.num_warps, m_tiles)
+        if self.num_warps % warps_q or m_tiles % warps_q:
+            raise ValueError(
+                f"KernelConfig (backward): block_m={self.block_m} gives {m_tiles} query tiles of 16, which "
+                f"{self.num_warps} warps cannot share evenly for dQ; expected a count dividing or divided by num_warps"
+            )
 
     # ---- derived facts (all pure functions of the fields) ----
     @property
@@ -126,6 +151,16 @@ class KernelConfig:
     def smem_layout(self) -> dict[str, int]:
         """Bytes of each shared-memory buffer, in the order the template declares them."""
         row = self.head_dim_padded * self.elem_bytes
+        if self.direction == "bwd":
+            return {
+                "k": self.block_n * row,
+                "v": self.block_n * row,
+                "q": self.num_stages * self.block_m * row,
+                "dout": self.num_stages * self.block_m * row,
+                "ds": self.block_m * self.block_n * self.elem_bytes,
+                "lse": self.num_stages * self.block_m * 4,
+                "delta": self.num_stages * self.block_m * 4,
+            }
         layout = {
             "q": self.block_m * row,
             "k": self.num_stages * self.block_n * row,

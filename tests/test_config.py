@@ -44,7 +44,10 @@ def test_frozen():
         (dict(num_warps=3), ValueError, "num_warps: got 3"),
         (dict(num_stages=0), ValueError, "num_stages: got 0"),
         (dict(causal=1), TypeError, "causal: got 1, expected a bool"),
-        (dict(direction="bwd"), ValueError, "direction: got 'bwd'"),
+        (dict(direction="dq"), ValueError, "direction: got 'dq'"),
+        (dict(direction="bwd", dtype="fp32"), ValueError, "backward kernels support 'fp16' and 'bf16'"),
+        (dict(direction="bwd", block_n=64, num_warps=8), ValueError, "block_n divisible by 16 \\* num_warps = 128"),
+        (dict(direction="bwd", block_m=48, block_n=128, num_warps=2), ValueError, "3 query tiles"),
         # Br not divisible by the warps' rows: 8 warps x 16 rows = 128
         (dict(block_m=64, num_warps=8), ValueError, "block_m divisible by 16 \\* num_warps = 128"),
         # SIMT: 128 threads over 64 rows is fine, over 256 rows is not
@@ -75,6 +78,15 @@ def test_smem_model_pads_head_dim_for_tensor_cores_and_adds_p_on_simt():
     assert KernelConfig(40, "fp16", 64, 64, num_stages=2).smem_bytes == (64 + 4 * 64) * 48 * 2
     simt = KernelConfig(40, "fp32", 64, 32, num_warps=4, num_stages=1)
     assert simt.smem_layout == {"q": 64 * 40 * 4, "k": 32 * 40 * 4, "v": 32 * 40 * 4, "p": 64 * 32 * 4}
+
+
+def test_backward_names_and_smem():
+    cfg = KernelConfig(128, "bf16", 64, 128, num_warps=8, num_stages=2, causal=True, direction="bwd")
+    assert cfg.name == "bwd_hd128_bf16_causal_m64n128w8s2"
+    assert KernelConfig.from_name(cfg.name) == cfg
+    row = 128 * 2
+    assert cfg.smem_layout == {"k": 128 * row, "v": 128 * row, "q": 2 * 64 * row, "dout": 2 * 64 * row,
+                               "ds": 64 * 128 * 2, "lse": 2 * 64 * 4, "delta": 2 * 64 * 4}
 
 
 def test_check_fits():

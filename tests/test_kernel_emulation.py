@@ -51,21 +51,34 @@ def build(cfg: KernelConfig, out: Path) -> Path:
     src = out / f"{cfg.name}.cu"
     src.write_text(render(cfg))
     exe = out / cfg.name
+    driver = "run_kernel.cpp" if cfg.direction == "fwd" else "run_bwd.cpp"
     cmd = ["g++", "-std=c++20", "-O1", "-no-pie", "-pthread", "-include", str(HERE / "emu" / "prelude.h"),
            "-I", str(HERE / "emu"), "-I", str(templates_dir()), "-DAUTOFLASH_STATIC_SMEM",
            "-DAUTOFLASH_HOST_EMULATION", f'-DKERNEL_SOURCE="{src}"', f"-DKERNEL_NAME={cfg.name}",
-           str(HERE / "run_kernel.cpp"), "-o", str(exe)]
+           f"-DKERNEL_NAME_DELTA={cfg.name}_delta", str(HERE / driver), "-o", str(exe)]
     r = subprocess.run(cmd, capture_output=True, text=True)
     assert r.returncode == 0, r.stderr[-4000:]
     return exe
 
 
+# Backward: (config, batch, heads_q, heads_kv, seqlen_q, seqlen_k, layout)
+BWD_CASES = [
+    (KernelConfig(64, "bf16", 32, 64, num_warps=4, num_stages=2, causal=True, direction="bwd"), 1, 2, 1, 70, 100, "bhsd"),
+    (KernelConfig(64, "fp16", 64, 64, num_warps=4, num_stages=1, direction="bwd"), 1, 2, 2, 45, 77, "bshd"),
+    (KernelConfig(40, "bf16", 16, 32, num_warps=2, num_stages=3, causal=True, direction="bwd"), 2, 3, 1, 50, 33, "bshd"),
+    (KernelConfig(96, "fp16", 32, 64, num_warps=2, num_stages=2, causal=True, direction="bwd"), 1, 1, 1, 29, 140, "bhsd"),
+]
+
+
 @pytest.fixture(scope="module")
-def binaries(tmp_path_factory):
+def binaries(request, tmp_path_factory):
+    """Builds, in parallel and once, the kernels of the selected tests of this module."""
     out = tmp_path_factory.mktemp("emu")
-    cfgs = sorted({c[0] for c in CASES}, key=lambda c: c.name)
+    wanted = sorted({item.callspec.params["case"][0] for item in request.session.items
+                     if item.module is request.module and "case" in getattr(item, "callspec", None).params},
+                    key=lambda c: c.name)
     with ThreadPoolExecutor(os.cpu_count() or 1) as pool:
-        return dict(zip(cfgs, pool.map(lambda c: build(c, out), cfgs)))
+        return dict(zip(wanted, pool.map(lambda c: build(c, out), wanted)))
 
 
 def run_emulated(exe: Path, q, k, v, layout: str, scale: float, tmp: Path):
@@ -107,3 +120,50 @@ def test_emulated_kernel_matches_reference(binaries, case, tmp_path):
     assert ok, f"out: err {err:.3e} > bound {bound:.3e}"
     ok, err, bound = within_tolerance(lse, ref_lse, pt_lse)
     assert ok, f"lse: err {err:.3e} > bound {bound:.3e}"
+
+
+def _raw(t, layout):
+    t = t.transpose(1, 2) if layout == "bshd" else t
+    return t.contiguous().view(torch.int16 if t.element_size() == 2 else torch.int32).numpy().tobytes()
+
+
+@pytest.mark.parametrize("case", BWD_CASES, ids=lambda c: f"{c[0].name}-L{c[4]}x{c[5]}-{c[6]}")
+def test_emulated_backward_matches_reference(binaries, case, tmp_path):
+    """dq, dk, dv against autograd through the fp32 reference, with FlashAttention's gradient rule
+    max|dX - dX_ref| <= 3 * max|dX_torch - dX_ref| + 1e-5 (dX_torch: autograd in the input dtype)."""
+    cfg, b, hq, hkv, lq, lk, layout = case
+    g = torch.Generator().manual_seed(hash(cfg.name) % 2**31)
+    dt = TORCH_DTYPES[cfg.dtype]
+    d = cfg.head_dim
+    q, k, v = (torch.randn(b, h, n, d, generator=g).to(dt) for h, n in ((hq, lq), (hkv, lk), (hkv, lk)))
+    dout = torch.randn(b, hq, lq, d, generator=g).to(dt)
+    scale = 0.9 / d ** 0.5
+
+    def grads(upcast):
+        x = [t.float().requires_grad_() if upcast else t.clone().requires_grad_() for t in (q, k, v)]
+        o, _ = attention_ref(*x, causal=cfg.causal, scale=scale, upcast=upcast)
+        return torch.autograd.grad(o, x, dout.float() if upcast else dout)
+
+    ref, pt = grads(True), grads(False)
+    out, lse = attention_ref(q, k, v, causal=cfg.causal, scale=scale)
+    header = np.array([b, hq, hkv, lq, lk, d, int(layout == "bshd")], dtype=np.int32).tobytes()
+    (tmp_path / "in.bin").write_bytes(header + np.float32(scale).tobytes() + _raw(q, layout) + _raw(k, layout)
+                                      + _raw(v, layout) + _raw(out.to(dt), layout) + _raw(dout, layout)
+                                      + lse.float().contiguous().numpy().tobytes())
+    r = subprocess.run([str(binaries[cfg]), str(tmp_path / "in.bin"), str(tmp_path / "out.bin")],
+                       capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stderr
+    data = np.frombuffer((tmp_path / "out.bin").read_bytes(), dtype=np.uint8)
+    sizes = [q.numel() * 4, b * hq * lk * d * 2, b * hq * lk * d * 2, b * hq * lq * 4]
+    parts = np.split(data, np.cumsum(sizes)[:-1])
+    dq = torch.from_numpy(parts[0].copy().view(np.float32)).view(b, hq, lq, d).to(dt)
+    dk_x, dv_x = (torch.from_numpy(p.copy().view(np.int16)).view(dt).view(b, hq, lk, d) for p in parts[1:3])
+    delta = torch.from_numpy(parts[3].copy().view(np.float32)).view(b, hq, lq)
+    torch.testing.assert_close(delta, (dout.float() * out.to(dt).float()).sum(-1), rtol=1e-4, atol=1e-4)
+    group = hq // hkv  # GQA: sum the per-query-head dK, dV of the heads sharing a K/V head
+    dk = dk_x.float().view(b, hkv, group, lk, d).sum(2).to(dt)
+    dv = dv_x.float().view(b, hkv, group, lk, d).sum(2).to(dt)
+    for name, got, want, yard in zip(("dq", "dk", "dv"), (dq, dk, dv), ref, pt):
+        assert not torch.isnan(got).any(), f"{name}: NaN (unwritten or poisoned)"
+        ok, err, bound = within_tolerance(got, want, yard, factor=3.0)
+        assert ok, f"{name}: err {err:.3e} > bound {bound:.3e}"

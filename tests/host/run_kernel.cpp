@@ -1,4 +1,4 @@
-// Runs one rendered autoflash kernel on the host emulator (tests/host/emu). Built per kernel with
+// Runs one rendered autoflash forward kernel on the host emulator (tests/host/emu). Built per kernel with
 //   g++ -std=c++20 -no-pie -pthread -include emu/prelude.h -I emu -I <templates>
 //       -DAUTOFLASH_STATIC_SMEM -DAUTOFLASH_HOST_EMULATION -DKERNEL_SOURCE='"k.cu"' -DKERNEL_NAME=<name>
 // Usage: run_kernel IN OUT. IN holds int32 b, hq, hkv, lq, lk, d, layout (0 = bhsd, 1 = bshd),
@@ -7,8 +7,8 @@
 #include <array>
 #include <cstdio>
 #include <fstream>
-#include <thread>
 #include KERNEL_SOURCE
+#include "launch.h"
 
 int main(int argc, char** argv) {
   if (argc != 3) { std::fprintf(stderr, "usage: run_kernel IN OUT\n"); return 2; }
@@ -32,25 +32,10 @@ int main(int argc, char** argv) {
                 : std::array<long long, 3>{1LL * heads * len * d, 1LL * len * d, d};
   };
   const auto sq = strides(hq, lq), sk = strides(hkv, lk);
-  gridDim = {unsigned((lq + BLOCK_M - 1) / BLOCK_M), unsigned(hq), unsigned(b)};
-  blockDim = {unsigned(THREADS), 1, 1};
-  for (unsigned z = 0; z < gridDim.z; ++z)
-    for (unsigned y = 0; y < gridDim.y; ++y)
-      for (unsigned x = 0; x < gridDim.x; ++x) {
-        std::barrier<> block_barrier(THREADS);
-        std::vector<WarpExchange> warps(THREADS / 32);
-        g_block_barrier = &block_barrier;
-        g_warps = &warps;
-        std::vector<std::thread> threads;
-        for (int t = 0; t < THREADS; ++t)
-          threads.emplace_back([&, t] {
-            threadIdx = {unsigned(t), 0, 0};
-            blockIdx = {x, y, z};
-            KERNEL_NAME(q.data(), k.data(), v.data(), o.data(), lse.data(), sq[0], sq[1], sq[2], sk[0], sk[1],
-                        sk[2], sk[0], sk[1], sk[2], sq[0], sq[1], sq[2], lq, lk, hq / hkv, scale_log2);
-          });
-        for (auto& th : threads) th.join();
-      }
+  run_grid({unsigned((lq + BLOCK_M - 1) / BLOCK_M), unsigned(hq), unsigned(b)}, THREADS, [&] {
+    KERNEL_NAME(q.data(), k.data(), v.data(), o.data(), lse.data(), sq[0], sq[1], sq[2], sk[0], sk[1], sk[2],
+                sk[0], sk[1], sk[2], sq[0], sq[1], sq[2], lq, lk, hq / hkv, scale_log2);
+  });
   std::ofstream out(argv[2], std::ios::binary);
   out.write(reinterpret_cast<const char*>(o.data()), o.size() * sizeof(elem_t));
   out.write(reinterpret_cast<const char*>(lse.data()), lse.size() * 4);

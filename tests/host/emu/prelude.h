@@ -61,3 +61,6 @@ inline float __shfl_xor_sync(unsigned, float x, int offset) {
 // address" is simply the host address.
 inline uint32_t __cvta_generic_to_shared(const void* p) { return uint32_t(uintptr_t(p)); }
 inline unsigned char* shared_ptr(uint32_t addr) { return reinterpret_cast<unsigned char*>(uintptr_t(addr)); }
+
+#include <atomic>
+inline float atomicAdd(float* address, float value) { return std::atomic_ref<float>(*address).fetch_add(value); }

@@ -1,0 +1,188 @@
+"""Attention backward references: a tiled FlashAttention-2 backward that follows the kernel's loops,
+PyTorch autograd gradients of attention_ref, and an autograd.Function tying the tiled forward and
+backward together so torch.autograd.gradcheck can check the tiled backward in fp64."""
+from __future__ import annotations
+
+import torch
+
+from autoflash.checks import check_qkv_shapes
+from autoflash.config import KernelConfig
+from autoflash.reference import LOG2E, _FLOAT_DTYPES, _scale, _upcast_dtype, attention_ref, attention_tiled
+
+
+def _check_like_q(name: str, t, q: torch.Tensor) -> None:
+    """``t`` must have q's shape and device, and q's dtype or its compute dtype (the references
+    return out in fp32 for fp16/bf16 inputs, the kernel writes it in q's dtype)."""
+    if not isinstance(t, torch.Tensor):
+        raise TypeError(f"{name}: got {type(t).__name__}, expected a torch.Tensor")
+    if t.shape != q.shape:
+        raise ValueError(f"{name}: got shape {tuple(t.shape)}, expected q's shape {tuple(q.shape)}")
+    allowed = {q.dtype, _upcast_dtype(q.dtype)}
+    if t.dtype not in allowed:
+        raise TypeError(f"{name}: got dtype {t.dtype}, expected {' or '.join(sorted(str(d) for d in allowed))}")
+    if t.device != q.device:
+        raise ValueError(f"{name}: got device {t.device}, expected q's device {q.device}")
+
+
+def _check_lse(lse, q: torch.Tensor) -> None:
+    if not isinstance(lse, torch.Tensor):
+        raise TypeError(f"lse: got {type(lse).__name__}, expected a torch.Tensor")
+    b, hq, lq, _ = q.shape
+    if lse.shape != (b, hq, lq):
+        raise ValueError(f"lse: got shape {tuple(lse.shape)}, expected (B, Hq, Lq) = {(b, hq, lq)}")
+    if not lse.dtype.is_floating_point:
+        raise TypeError(f"lse: got dtype {lse.dtype}, expected a floating-point dtype")
+    if lse.device != q.device:
+        raise ValueError(f"lse: got device {lse.device}, expected q's device {q.device}")
+
+
+def attention_backward_tiled(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    out: torch.Tensor,
+    lse: torch.Tensor,
+    dout: torch.Tensor,
+    config: KernelConfig,
+    *,
+    scale: float | None = None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """FlashAttention-2 backward following the kernel's loops for ``config``; returns (dq, dk, dv).
+
+    q, out, dout: (B, Hq, Lq, D); k, v: (B, Hkv, Lk, D), Hq % Hkv == 0; lse: (B, Hq, Lq), the
+    natural-log logsumexp from attention_ref / attention_tiled (+inf for a row that sees no key:
+    its P, and so its dq, is exactly 0). Causal comes from config.causal (top-left aligned).
+
+    Preprocess Dvec = rowsum(dout * out). The outer loop runs over key blocks of block_n keys (one
+    CTA); the inner loop over query blocks of block_m rows, starting, when causal, at the first
+    block holding a row >= the block's first key. Per tile, in the log2 domain:
+    P = exp2(scale*log2e * q kᵀ - lse*log2e), dV += Pᵀ dO, dP = dO Vᵀ, dS = P (dP - Dvec),
+    dK += scale dSᵀ Q, dQ += scale dS K. dK/dV of a kv head sum over the query heads sharing it.
+
+    Computes in fp32 (fp64 for fp64 inputs); gradients come back in that dtype with the shapes of
+    q, k and v.
+    """
+    if not isinstance(config, KernelConfig):
+        raise TypeError(f"config: got {type(config).__name__}, expected a KernelConfig")
+    check_qkv_shapes(q, k, v, _FLOAT_DTYPES)
+    _check_like_q("out", out, q)
+    _check_like_q("dout", dout, q)
+    _check_lse(lse, q)
+    b, hq, lq, d = q.shape
+    hkv, lk = k.shape[1], k.shape[2]
+    if d != config.head_dim:
+        raise ValueError(f"head_dim: got {d}, expected config.head_dim = {config.head_dim}")
+    dtype = _upcast_dtype(q.dtype)
+    group = hq // hkv
+    br, bc = config.block_m, config.block_n
+    sc = _scale(scale, d)
+    scale_log2 = sc * LOG2E
+    dev = q.device
+
+    # Query-side tensors grouped under their kv head: (B, Hkv, group, Lq, ...); K, V broadcast.
+    qg = q.to(dtype).reshape(b, hkv, group, lq, d)
+    dog = dout.to(dtype).reshape(b, hkv, group, lq, d)
+    og = out.to(dtype).reshape(b, hkv, group, lq, d)
+    lse2 = (lse.to(dtype) * LOG2E).reshape(b, hkv, group, lq, 1)  # +inf stays +inf
+    dvec = (dog * og).sum(dim=-1, keepdim=True)  # preprocess kernel: rowsum(dO ∘ O)
+    kg = k.to(dtype).unsqueeze(2)
+    vg = v.to(dtype).unsqueeze(2)
+
+    dq = torch.zeros(b, hkv, group, lq, d, dtype=dtype, device=dev)
+    dk = torch.zeros(b, hkv, lk, d, dtype=dtype, device=dev)
+    dv = torch.zeros(b, hkv, lk, d, dtype=dtype, device=dev)
+    zero = torch.zeros((), dtype=dtype, device=dev)
+
+    for n_block in range((lk + bc - 1) // bc):
+        # Slicing to Lk drops the padded keys >= Lk that the kernel masks to P = 0.
+        c0, c1 = n_block * bc, min((n_block + 1) * bc, lk)
+        k_j, v_j = kg[..., c0:c1, :], vg[..., c0:c1, :]
+        dk_j = torch.zeros(b, hkv, group, c1 - c0, d, dtype=dtype, device=dev)
+        dv_j = torch.zeros_like(dk_j)
+        cols = torch.arange(c0, c1, device=dev).unsqueeze(0)
+        # Causal: query blocks whose rows all lie above the block's first key contribute nothing.
+        m_start = c0 // br if config.causal else 0
+        for m_block in range(m_start, (lq + br - 1) // br):
+            r0, r1 = m_block * br, min((m_block + 1) * br, lq)
+            q_i, do_i = qg[..., r0:r1, :], dog[..., r0:r1, :]
+            s2 = torch.matmul(q_i, k_j.transpose(-2, -1)) * scale_log2
+            # s2 is finite, so lse = +inf gives exp2(-inf) = 0, never NaN.
+            p = torch.exp2(s2 - lse2[..., r0:r1, :])
+            if config.causal:
+                rows = torch.arange(r0, r1, device=dev).unsqueeze(1)
+                p = torch.where(cols > rows, zero, p)
+            dv_j += torch.matmul(p.transpose(-2, -1), do_i)
+            dp = torch.matmul(do_i, v_j.transpose(-2, -1))
+            ds = p * (dp - dvec[..., r0:r1, :])
+            dk_j += torch.matmul(ds.transpose(-2, -1), q_i) * sc
+            dq[..., r0:r1, :] += torch.matmul(ds, k_j) * sc
+        # GQA: the kv head's gradient is the sum over the query heads that read it.
+        dk[..., c0:c1, :] = dk_j.sum(dim=2)
+        dv[..., c0:c1, :] = dv_j.sum(dim=2)
+
+    return dq.reshape(b, hq, lq, d), dk, dv
+
+
+def attention_backward_ref(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    dout: torch.Tensor,
+    *,
+    causal: bool = False,
+    scale: float | None = None,
+    upcast: bool = True,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Gradients (dq, dk, dv) of attention_ref's out for upstream gradient ``dout``, by autograd.
+
+    upcast=True differentiates in fp32 (fp64 for fp64 inputs) and returns gradients in that dtype:
+    the accuracy reference. upcast=False differentiates in the input dtype and returns gradients
+    in it: "PyTorch in the same dtype", the yardstick of FlashAttention's gradient rule
+    (err(dX) <= 3 * err(dX_torch) + 1e-5, see within_tolerance(factor=3.0)).
+    """
+    check_qkv_shapes(q, k, v, _FLOAT_DTYPES)
+    if not isinstance(dout, torch.Tensor):
+        raise TypeError(f"dout: got {type(dout).__name__}, expected a torch.Tensor")
+    if dout.shape != q.shape:
+        raise ValueError(f"dout: got shape {tuple(dout.shape)}, expected q's shape {tuple(q.shape)}")
+    if not dout.dtype.is_floating_point:
+        raise TypeError(f"dout: got dtype {dout.dtype}, expected a floating-point dtype")
+    if dout.device != q.device:
+        raise ValueError(f"dout: got device {dout.device}, expected q's device {q.device}")
+    dtype = _upcast_dtype(q.dtype) if upcast else q.dtype
+    # Leaves in the compute dtype, so the gradients are not rounded back to the input dtype.
+    leaves = [t.detach().to(dtype).requires_grad_(True) for t in (q, k, v)]
+    with torch.enable_grad():
+        out, _ = attention_ref(*leaves, causal=causal, scale=scale, upcast=upcast)
+        dq, dk, dv = torch.autograd.grad(out, leaves, grad_outputs=dout.detach().to(out.dtype))
+    return dq, dk, dv
+
+
+class TiledAttention(torch.autograd.Function):
+    """Forward attention_tiled (returns out), backward attention_backward_tiled; lse is saved."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, config, scale=None):
+        out, lse = attention_tiled(q, k, v, config, scale=scale)
+        ctx.save_for_backward(q, k, v, out, lse)
+        ctx.config, ctx.scale = config, scale
+        return out
+
+    @staticmethod
+    def backward(ctx, dout):
+        q, k, v, out, lse = ctx.saved_tensors
+        dq, dk, dv = attention_backward_tiled(
+            q, k, v, out, lse, dout.to(out.dtype), ctx.config, scale=ctx.scale
+        )
+        return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None
+
+
+def tiled_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    config: KernelConfig,
+    scale: float | None = None,
+) -> torch.Tensor:
+    """Differentiable tiled attention: out of attention_tiled, gradients of attention_backward_tiled."""
+    return TiledAttention.apply(q, k, v, config, scale)
