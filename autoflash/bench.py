@@ -1,15 +1,22 @@
-"""Forward-pass benchmark: autoflash against torch SDPA's FlashAttention, memory-efficient and
-cuDNN backends, on the same random inputs in one run.
+"""Benchmark of autoflash against torch SDPA's FlashAttention, memory-efficient and cuDNN backends
+(and, on request, the unfused math backend), forward, backward and both, on the same random inputs.
 
-    python -m autoflash.bench                      # FlashAttention's default sweep
+    python -m autoflash.bench                      # FlashAttention's default sweep, all directions
     python -m autoflash.bench --head-dims 128 --seqlens 1k,4k --causal on --backends autoflash,flash
+    python -m autoflash.bench --direction bwd --dtype fp16 --backends autoflash,flash,math
 
-Every shape is checked before it is timed: each backend's output (on a slice of batch x heads small
-enough for the plain reference) must satisfy FlashAttention's rule
-max|out - ref| <= 2 * max|torch_same_dtype - ref| + 1e-5, ref = fp32 attention. A wrong result is
-recorded as "failed" and not timed; an SDPA backend that refuses a shape is "unsupported".
+Directions: fwd = the forward call; bwd = the backward only (autoflash: flash_backward on a saved
+forward; SDPA: torch.autograd.grad through a saved graph, retain_graph=True, under the backend);
+fwdbwd = forward then backward in one timed call (autoflash through its autograd flash_attn).
+
+Everything timed is checked first, on a slice of batch x heads small enough for the plain
+reference: out must satisfy FlashAttention's rule max|out - ref| <= 2 * max|torch_same_dtype - ref|
++ 1e-5, and dq, dk, dv the same rule with factor 3, ref = fp32 attention (fp64 for fp32 inputs).
+A wrong result is recorded as "failed" and not timed; an SDPA backend that refuses a shape is
+"unsupported".
 Timing: CUDA events around the call only, after warm-up, with the L2 cache flushed before every
-repetition; the median (and min/max) of the repetitions is reported.
+repetition; the median (and min/max) of the repetitions is reported. Peak memory: one extra
+untimed call, max_memory_allocated after it minus memory_allocated before it (reset in between).
 """
 from __future__ import annotations
 
@@ -20,18 +27,22 @@ import datetime
 import json
 import math
 import shlex
-import statistics
 import sys
 import warnings
 from pathlib import Path
 
+from autoflash.bench_report import (  # noqa: F401  (re-exported: the report helpers are part of bench's API)
+    DIRECTION_FLOPS_FORMULA, DIRECTIONS, FLOPS_FACTORS, FLOPS_FORMULA, build_record, flops, format_table,
+    plot_results, summarize, tflops)
 from autoflash.config import HEAD_DIM_MAX, HEAD_DIM_MIN, HEAD_DIM_STEP
 
-BACKENDS = ("autoflash", "flash", "efficient", "cudnn")
-SDPA_BACKENDS = {"flash": "FLASH_ATTENTION", "efficient": "EFFICIENT_ATTENTION", "cudnn": "CUDNN_ATTENTION"}
+BACKENDS = ("autoflash", "flash", "efficient", "cudnn", "math")
+DEFAULT_BACKENDS = ("autoflash", "flash", "efficient", "cudnn")
+SDPA_BACKENDS = {"flash": "FLASH_ATTENTION", "efficient": "EFFICIENT_ATTENTION", "cudnn": "CUDNN_ATTENTION",
+                 "math": "MATH"}
 DTYPES = ("fp16", "bf16", "fp32")
 CAUSAL_MODES = {"off": (False,), "on": (True,), "both": (False, True)}
-FLOPS_FORMULA = "FLOPs = 4 * batch * heads * seqlen_q * seqlen_k * head_dim, halved when causal"
+DIRECTION_MODES = {"fwd": ("fwd",), "bwd": ("bwd",), "fwdbwd": ("fwdbwd",), "all": DIRECTIONS}
 NO_GPU_MESSAGE = (
     "autoflash.bench needs a CUDA GPU; none is visible (torch.cuda.is_available() is False). "
     "Without a GPU you can still render and compile kernels, e.g. "
@@ -40,16 +51,6 @@ NO_GPU_MESSAGE = (
 CHECK_SCORE_ELEMS = 1 << 26  # largest b * h * Lq * Lk the plain reference is run on
 FLUSH_BYTES = 256 << 20  # written before every timed call: larger than any L2 (x4 L2 if that is more)
 DEVICE = "cuda"
-
-
-def flops(batch: int, heads: int, seqlen_q: int, seqlen_k: int, head_dim: int, causal: bool) -> float:
-    """Forward FLOPs as FlashAttention's benchmarks count them: two matmuls, 2 FLOPs per MAC."""
-    f = 4.0 * batch * heads * seqlen_q * seqlen_k * head_dim
-    return f / 2 if causal else f
-
-
-def tflops(n_flops: float, ms: float) -> float:
-    return n_flops / (ms * 1e-3) / 1e12
 
 
 @dataclasses.dataclass(frozen=True)
@@ -66,6 +67,7 @@ class Shape:
 
     @property
     def flops(self) -> float:
+        """Forward FLOPs; flops(..., direction) for the backward's."""
         return flops(self.batch, self.heads, self.seqlen, self.seqlen, self.head_dim, self.causal)
 
 
@@ -106,11 +108,15 @@ def _backend_list(text: str) -> list[str]:
 def make_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="python -m autoflash.bench", formatter_class=argparse.RawDescriptionHelpFormatter,
-        description=__doc__ + "\n" + FLOPS_FORMULA + ";\nTFLOPs = FLOPs / median time. Layout (batch, heads, seqlen,"
-        " head_dim),\nheads = hidden / head_dim, batch = tokens / seqlen. Writes a table to stdout and\n"
-        "<date>-fwd.json (provenance + all measurements) and <date>-fwd.png (TFLOPs vs seqlen)\n"
-        "to --out. Exit status 1 if an autoflash result is wrong or errors, 2 without a GPU.")
+        description=__doc__ + "\n" + FLOPS_FORMULA + ";\n" + DIRECTION_FLOPS_FORMULA + ";\nTFLOPs = FLOPs / median"
+        " time. Layout (batch, heads, seqlen, head_dim), heads = hidden / head_dim,\nbatch = tokens / seqlen."
+        " Writes a table to stdout and, to --out, <date>-bench.json\n(provenance + all measurements, each with its"
+        " direction and peak_mib) and one\n<date>-<direction>.png per direction (<date>-fwd.png, <date>-bwd.png,"
+        " <date>-fwdbwd.png:\nTFLOPs vs seqlen). Exit status 1 if an autoflash result is wrong or errors, 2 without"
+        " a GPU.")
     p.add_argument("--dtype", choices=DTYPES, default="bf16", help="input dtype (default bf16)")
+    p.add_argument("--direction", choices=tuple(DIRECTION_MODES), default="all",
+                   help="fwd, bwd (backward only), fwdbwd (both in one call) or all of them (default all)")
     p.add_argument("--head-dims", type=_int_list, default=[64, 128], help=f"comma-separated, multiples of "
                    f"{HEAD_DIM_STEP} in [{HEAD_DIM_MIN}, {HEAD_DIM_MAX}] (default 64,128)")
     p.add_argument("--seqlens", type=_int_list, default=[512, 1024, 2048, 4096, 8192, 16384],
@@ -118,82 +124,14 @@ def make_parser() -> argparse.ArgumentParser:
     p.add_argument("--hidden", type=int, default=2048, help="heads * head_dim (default 2048)")
     p.add_argument("--tokens", type=int, default=16384, help="batch * seqlen (default 16384)")
     p.add_argument("--causal", choices=tuple(CAUSAL_MODES), default="both", help="default both")
-    p.add_argument("--backends", type=_backend_list, default=list(BACKENDS), help=f"subset of {','.join(BACKENDS)}")
+    p.add_argument("--backends", type=_backend_list, default=list(DEFAULT_BACKENDS),
+                   help=f"subset of {','.join(BACKENDS)} (default {','.join(DEFAULT_BACKENDS)}); math is SDPA's "
+                   "unfused reference, for the memory comparison (it materialises the L x L scores)")
     p.add_argument("--reps", type=int, default=30, help="timed repetitions (default 30)")
     p.add_argument("--warmup", type=int, default=5, help="untimed warm-up calls (default 5)")
     p.add_argument("--out", type=Path, default=None, help="output folder (default bench/results/<gpu-name>/)")
-    p.add_argument("--no-plot", action="store_true", help="skip the PNG")
+    p.add_argument("--no-plot", action="store_true", help="skip the PNGs")
     return p
-
-
-def summarize(times_ms: list[float]) -> dict:
-    return {"ms_median": statistics.median(times_ms), "ms_min": min(times_ms), "ms_max": max(times_ms)}
-
-
-def build_record(*, command: str, date: str, device: dict, software: dict, settings: dict,
-                 measurements: list[dict]) -> dict:
-    """The JSON document: provenance, settings and every measurement (pure; no GPU needed)."""
-    for name, d, keys in (("device", device, ("name", "compute_capability", "driver_version")),
-                          ("software", software, ("torch", "cupy", "nvrtc", "autoflash", "template_hash"))):
-        missing = [k for k in keys if k not in d]
-        if missing:
-            raise ValueError(f"{name}: missing {missing}, expected keys {list(keys)}")
-    configs = {m["shape"]: m.get("config") for m in measurements if m["backend"] == "autoflash"}
-    return {"benchmark": "autoflash.bench fwd", "flops_formula": FLOPS_FORMULA,
-            "provenance": {"command": command, "date": date, "device": device, "software": software,
-                           "kernel_configs": configs},
-            "settings": settings, "measurements": measurements}
-
-
-def _num(x) -> str:
-    return f"{x:.3g}" if isinstance(x, float) else str(x)
-
-
-def format_table(measurements: list[dict]) -> str:
-    flash = {m["shape"]: m.get("tflops") for m in measurements if m["backend"] == "flash"}
-    rows = [("shape", "backend", "ms (min-max)", "TFLOPs", "/flash", "note")]
-    for m in measurements:
-        if m["status"] == "ok":
-            ms = f"{m['ms_median']:.3f} ({m['ms_min']:.3f}-{m['ms_max']:.3f})"
-            ref = flash.get(m["shape"])
-            ratio = f"{m['tflops'] / ref:.2f}x" if ref else "-"
-            rows.append((m["shape"], m["backend"], ms, f"{m['tflops']:.1f}", ratio, m.get("config") or ""))
-        else:
-            note = m.get("reason") or f"err {_num(m.get('err'))} > bound {_num(m.get('bound'))}"
-            rows.append((m["shape"], m["backend"], m["status"], "-", "-", note[:100]))
-    widths = [max(len(r[i]) for r in rows) for i in range(5)]
-    return "\n".join("  ".join(c.ljust(w) for c, w in zip(r[:5], widths)) + "  " + r[5] for r in rows)
-
-
-def plot_results(results: dict, path) -> None:
-    """TFLOPs vs seqlen per backend, one panel per (head_dim, causal), from the JSON record alone."""
-    from matplotlib.backends.backend_agg import FigureCanvasAgg
-    from matplotlib.figure import Figure
-
-    ms = results["measurements"]
-    dims, modes = sorted({m["head_dim"] for m in ms}), sorted({m["causal"] for m in ms})
-    fig = Figure(figsize=(6 * len(modes), 4.2 * len(dims)))
-    FigureCanvasAgg(fig)
-    axes = fig.subplots(len(dims), len(modes), squeeze=False)
-    for (r, d), (c, causal) in ((rd, cc) for rd in enumerate(dims) for cc in enumerate(modes)):
-        ax = axes[r][c]
-        for b in BACKENDS:
-            pts = sorted((m["seqlen"], m["tflops"]) for m in ms if m["backend"] == b and m["status"] == "ok"
-                         and (m["head_dim"], m["causal"]) == (d, causal))
-            if pts:
-                ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=b)
-        seqlens = sorted({m["seqlen"] for m in ms})
-        ax.set_xscale("log", base=2)
-        ax.set_xticks(seqlens, [f"{s // 1024}k" if s % 1024 == 0 else str(s) for s in seqlens])
-        ax.set_ylim(bottom=0)
-        ax.set(title=f"head_dim {d}, causal {'on' if causal else 'off'}", xlabel="seqlen", ylabel="TFLOPs (median)")
-        ax.grid(alpha=0.3)
-        if ax.lines:
-            ax.legend()
-    dev = results.get("provenance", {}).get("device", {}).get("name", "")
-    fig.suptitle(f"attention forward, {results.get('settings', {}).get('dtype', '')}, {dev}")
-    fig.tight_layout()
-    fig.savefig(str(path), dpi=110)
 
 
 # ---------------------------------------------------------------- GPU part (imports torch lazily)
@@ -212,62 +150,162 @@ def _time_cuda(torch, fn, *, reps: int, warmup: int, flush) -> dict:
     return summarize([s.elapsed_time(e) for s, e in events])
 
 
-def _bench_shape(torch, sh: Shape, args, profile, flush) -> list[dict]:
+def _peak_mib(torch, fn) -> float:
+    """MiB one call allocates at its peak beyond what was allocated before it (its outputs included)."""
+    torch.cuda.synchronize()
+    before = torch.cuda.memory_allocated()
+    torch.cuda.reset_peak_memory_stats()
+    result = fn()
+    torch.cuda.synchronize()
+    peak = torch.cuda.max_memory_allocated() - before
+    del result
+    return peak / 2**20
+
+
+def _references(torch, q, k, v, dout, causal: bool, directions) -> dict:
+    """name -> (upcast reference, PyTorch in the input dtype) for out and/or dq, dk, dv of the slice.
+    fp32 inputs get an fp64 reference, so that fp32 PyTorch has an error to compare against."""
+    from autoflash.reference import attention_ref
+    from autoflash.reference_bwd import attention_backward_ref
+
+    hi = (lambda t: t.double()) if q.dtype == torch.float32 else (lambda t: t)
+    refs = {}
+    if {"fwd", "fwdbwd"} & set(directions):
+        refs["out"] = (attention_ref(hi(q), hi(k), hi(v), causal=causal)[0],
+                       attention_ref(q, k, v, causal=causal, upcast=False)[0])
+    if {"bwd", "fwdbwd"} & set(directions):
+        grads = attention_backward_ref(hi(q), hi(k), hi(v), hi(dout), causal=causal)
+        grads_lp = attention_backward_ref(q, k, v, dout, causal=causal, upcast=False)
+        refs.update(zip(("dq", "dk", "dv"), zip(grads, grads_lp)))
+    return refs
+
+
+def _check(result, refs: dict, sl, direction: str) -> tuple[bool, dict]:
+    """FlashAttention's rule on each output of one call (factor 2 for out, 3 for gradients). Returns
+    (ok, fields): errors {name: [err, bound]}, and err, bound, err_of of the failing (else worst) one."""
+    from autoflash.reference import within_tolerance
+
+    names = {"fwd": ("out",), "bwd": ("dq", "dk", "dv"), "fwdbwd": ("out", "dq", "dk", "dv")}[direction]
+    outputs = (result,) if direction == "fwd" else tuple(result)
+    if len(outputs) != len(names):
+        raise ValueError(f"{direction}: got {len(outputs)} outputs, expected {', '.join(names)}")
+    errors, failed = {}, []
+    for name, t in zip(names, outputs):
+        ok, err, bound = within_tolerance(t[sl], *refs[name], factor=2.0 if name == "out" else 3.0)
+        errors[name] = [err if math.isfinite(err) else str(err), bound if math.isfinite(bound) else str(bound)]
+        if not ok:
+            failed.append(name)
+    ratio = {n: e / b if isinstance(e, float) and isinstance(b, float) and b > 0 else math.inf
+             for n, (e, b) in errors.items()}
+    worst = failed[0] if failed else max(names, key=lambda n: ratio[n])
+    return not failed, {"errors": errors, "err": errors[worst][0], "bound": errors[worst][1], "err_of": worst}
+
+
+def _make_call(torch, backend: str, direction: str, sh: Shape, dtype: str, tensors, m: dict, profile):
+    """The callable timed for (backend, direction); it returns out, (dq, dk, dv) or (out, dq, dk, dv).
+    For bwd this runs the forward once (not timed) and times the backward on its saved results."""
+    q, k, v, dout = tensors
+    c = sh.causal
+    if backend == "autoflash":
+        from autoflash.defaults import default_backward_config, default_config
+        from autoflash.launch import flash_backward, flash_forward
+
+        cfg = default_config(sh.head_dim, dtype, c, profile)
+        m["config"] = cfg.name
+        if direction == "fwd":
+            return lambda: flash_forward(q, k, v, causal=c, config=cfg)[0]
+        bcfg = default_backward_config(sh.head_dim, dtype, c, profile)
+        m["backward_config"] = bcfg.name
+        if direction == "bwd":
+            out, lse = flash_forward(q, k, v, causal=c, config=cfg)
+            return lambda: flash_backward(dout, q, k, v, out, lse, causal=c, config=bcfg)
+        from autoflash.function import flash_attn
+
+        def attn(*qkv):
+            return flash_attn(*qkv, causal=c, config=cfg, backward_config=bcfg)
+    else:
+        from torch.nn.functional import scaled_dot_product_attention as sdpa
+
+        if direction == "fwd":
+            return lambda: sdpa(q, k, v, is_causal=c)
+
+        def attn(*qkv):
+            return sdpa(*qkv, is_causal=c)
+    leaves = tuple(t.detach().requires_grad_(True) for t in (q, k, v))
+    if direction == "bwd":
+        with torch.enable_grad():
+            saved = attn(*leaves)
+        # autograd.grad, not .backward(): no accumulation into .grad, nothing but the backward timed
+        return lambda: torch.autograd.grad(saved, leaves, dout, retain_graph=True)
+
+    def fwdbwd():
+        with torch.enable_grad():
+            out = attn(*leaves)
+        return (out.detach(), *torch.autograd.grad(out, leaves, dout))
+    return fwdbwd
+
+
+def _bench_one(torch, m: dict, backend: str, direction: str, sh: Shape, tensors, sl, refs, args, profile,
+               flush) -> dict:
+    """Check, then measure peak memory, then time one (backend, direction) on one shape."""
     from torch.nn.attention import SDPBackend, sdpa_kernel
-    from torch.nn.functional import scaled_dot_product_attention as sdpa
 
-    from autoflash.defaults import default_config
-    from autoflash.launch import flash_forward
-    from autoflash.reference import attention_ref, within_tolerance
+    if backend == "autoflash":
+        ctx = contextlib.nullcontext()
+    elif (kind := getattr(SDPBackend, SDPA_BACKENDS[backend], None)) is None:
+        return dict(m, status="unsupported", reason=f"SDPBackend.{SDPA_BACKENDS[backend]} not in this torch")
+    else:
+        ctx = sdpa_kernel(kind)
+    with ctx, warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        try:
+            call = _make_call(torch, backend, direction, sh, args.dtype, tensors, m, profile)
+            result = call()
+        except RuntimeError as e:  # sdpa_kernel: "No available kernel"; the reasons come as warnings
+            if backend == "autoflash" or isinstance(e, torch.cuda.OutOfMemoryError):
+                raise
+            why = "; ".join([str(w.message).strip() for w in caught] + [str(e).strip()])
+            return dict(m, status="unsupported", reason=why)
+        ok, fields = _check(result, refs, sl, direction)
+        m.update(fields)
+        del result
+        if not ok:  # a wrong result is not timed
+            return dict(m, status="failed")
+        m["peak_mib"] = _peak_mib(torch, call)
+        t = _time_cuda(torch, call, reps=args.reps, warmup=args.warmup, flush=flush)
+    return dict(m, status="ok", **t, tflops=tflops(m["flops"], t["ms_median"]),
+                tflops_best=tflops(m["flops"], t["ms_min"]))
 
+
+def _bench_shape(torch, sh: Shape, args, profile, flush) -> list[dict]:
     dt = {"fp16": torch.float16, "bf16": torch.bfloat16, "fp32": torch.float32}[args.dtype]
-    q, k, v = (torch.randn(sh.batch, sh.heads, sh.seqlen, sh.head_dim, device=DEVICE, dtype=dt) for _ in range(3))
+    directions = DIRECTION_MODES[args.direction]
+    tensors = tuple(torch.randn(sh.batch, sh.heads, sh.seqlen, sh.head_dim, device=DEVICE, dtype=dt)
+                    for _ in range(4))  # q, k, v and dout
     # The plain reference materialises (b, h, L, L) scores: check the (b, h) slice it can afford.
     n = max(1, CHECK_SCORE_ELEMS // (sh.seqlen * sh.seqlen))
     hs, bs = min(sh.heads, n), min(sh.batch, max(1, n // sh.heads))
     sl = (slice(0, bs), slice(0, hs))
-    base = {"shape": sh.label, **dataclasses.asdict(sh), "dtype": args.dtype, "flops": sh.flops,
-            "checked": f"batch[:{bs}] x heads[:{hs}] of {sh.batch} x {sh.heads}", "config": None}
-    try:
-        ref, _ = attention_ref(q[sl], k[sl], v[sl], causal=sh.causal)
-        ref_lp, _ = attention_ref(q[sl], k[sl], v[sl], causal=sh.causal, upcast=False)
-    except Exception as e:  # without a reference nothing can be checked, so nothing is timed
-        return [dict(base, backend=b, status="error", reason=f"reference: {type(e).__name__}: {e}")
-                for b in args.backends]
+    base = {"shape": sh.label, **dataclasses.asdict(sh), "dtype": args.dtype,
+            "checked": f"batch[:{bs}] x heads[:{hs}] of {sh.batch} x {sh.heads}", "config": None,
+            "backward_config": None}
     rows = []
+    try:
+        refs = _references(torch, *(t[sl] for t in tensors), sh.causal, directions)
+    except Exception as e:  # without a reference nothing can be checked, so nothing is timed
+        refs, why = None, f"reference: {type(e).__name__}: {e}"
     for b in args.backends:
-        m = dict(base, backend=b)
-        try:
-            if b == "autoflash":
-                cfg = default_config(sh.head_dim, args.dtype, sh.causal, profile)
-                m["config"] = cfg.name
-                call, ctx = (lambda: flash_forward(q, k, v, causal=sh.causal, config=cfg)[0]), contextlib.nullcontext()
-            elif (kind := getattr(SDPBackend, SDPA_BACKENDS[b], None)) is None:
-                rows.append(dict(m, status="unsupported", reason=f"SDPBackend.{SDPA_BACKENDS[b]} not in this torch"))
+        for d in directions:
+            m = dict(base, backend=b, direction=d, flops=flops(sh.batch, sh.heads, sh.seqlen, sh.seqlen,
+                                                               sh.head_dim, sh.causal, d))
+            if refs is None:
+                rows.append(dict(m, status="error", reason=why))
                 continue
-            else:
-                call, ctx = (lambda: sdpa(q, k, v, is_causal=sh.causal)), sdpa_kernel(kind)
-            with ctx, warnings.catch_warnings(record=True) as caught:
-                warnings.simplefilter("always")
-                try:
-                    out = call()
-                except RuntimeError as e:  # sdpa_kernel: "No available kernel"; the reasons come as warnings
-                    if b == "autoflash" or isinstance(e, torch.cuda.OutOfMemoryError):
-                        raise
-                    why = "; ".join([str(w.message).strip() for w in caught] + [str(e).strip()])
-                    rows.append(dict(m, status="unsupported", reason=why))
-                    continue
-                ok, err, bound = within_tolerance(out[sl], ref, ref_lp, factor=2.0)
-                m.update(err=err if math.isfinite(err) else str(err), bound=bound)  # JSON has no NaN
-                if not ok:  # a wrong result is not timed
-                    rows.append(dict(m, status="failed"))
-                    continue
-                t = _time_cuda(torch, call, reps=args.reps, warmup=args.warmup, flush=flush)
-            rows.append(dict(m, status="ok", **t, tflops=tflops(sh.flops, t["ms_median"]),
-                             tflops_best=tflops(sh.flops, t["ms_min"])))
-        except Exception as e:  # one backend crashing is recorded; the sweep goes on
-            rows.append(dict(m, status="error", reason=f"{type(e).__name__}: {e}"))
-    del q, k, v, ref, ref_lp
+            try:
+                rows.append(_bench_one(torch, m, b, d, sh, tensors, sl, refs, args, profile, flush))
+            except Exception as e:  # one backend crashing is recorded; the sweep goes on
+                rows.append(dict(m, status="error", reason=f"{type(e).__name__}: {e}"))
+    del tensors, refs
     torch.cuda.empty_cache()
     return rows
 
@@ -334,7 +372,8 @@ def main(argv: list[str] | None = None) -> int:
     out_dir = args.out or Path("bench/results") / profile.name  # profile names are slugs: "h100"
     l2 = getattr(torch.cuda.get_device_properties(0), "L2_cache_size", 0)
     flush = torch.empty(max(FLUSH_BYTES, 4 * l2), dtype=torch.int8, device=DEVICE)
-    print(f"{device['name']} (sm {device['compute_capability']}), {args.dtype}; {FLOPS_FORMULA}", flush=True)
+    print(f"{device['name']} (sm {device['compute_capability']}), {args.dtype}, {args.direction}; {FLOPS_FORMULA}; "
+          f"{DIRECTION_FLOPS_FORMULA}", flush=True)
     torch.manual_seed(0)
     measurements = []
     with torch.no_grad():
@@ -343,17 +382,20 @@ def main(argv: list[str] | None = None) -> int:
             measurements += _bench_shape(torch, sh, args, profile, flush)
     print(format_table(measurements))
     now = datetime.datetime.now().astimezone()
-    settings = {**vars(args), "out": str(out_dir), "l2_flush_bytes": flush.numel(), "timing": "CUDA events, median"}
+    settings = {**vars(args), "out": str(out_dir), "l2_flush_bytes": flush.numel(), "timing": "CUDA events, median",
+                "peak_memory": "max_memory_allocated after one untimed call minus memory_allocated before it"}
     record = build_record(command=shlex.join(["python", "-m", "autoflash.bench", *argv]),
                           date=now.isoformat(timespec="seconds"), device=device, software=software,
                           settings=settings, measurements=measurements)
     out_dir.mkdir(parents=True, exist_ok=True)
-    stem = out_dir / f"{now:%Y-%m-%d_%H%M%S}-fwd"
-    stem.with_suffix(".json").write_text(json.dumps(record, indent=1) + "\n")
-    print(f"wrote {stem.with_suffix('.json')}")
+    stamp = f"{now:%Y-%m-%d_%H%M%S}"
+    json_path = out_dir / f"{stamp}-bench.json"
+    json_path.write_text(json.dumps(record, indent=1) + "\n")
+    print(f"wrote {json_path}")
     if not args.no_plot:
-        plot_results(record, stem.with_suffix(".png"))
-        print(f"wrote {stem.with_suffix('.png')}")
+        for d in record["directions"]:
+            plot_results(record, out_dir / f"{stamp}-{d}.png", d)
+            print(f"wrote {out_dir / f'{stamp}-{d}.png'}")
     return 1 if any(m["status"] in ("failed", "error") and m["backend"] == "autoflash" for m in measurements) else 0
 
 

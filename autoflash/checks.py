@@ -2,7 +2,16 @@
 launcher and the references): errors say what was received and what is accepted."""
 from __future__ import annotations
 
+import math
+
 import torch
+
+from autoflash.config import HEAD_DIM_MAX, HEAD_DIM_MIN, HEAD_DIM_STEP, KernelConfig
+from autoflash.gpus import GpuProfile
+
+DTYPE_NAMES = {torch.float16: "fp16", torch.bfloat16: "bf16", torch.float32: "fp32"}
+_GRID_YZ_MAX = 65535  # CUDA's limit on gridDim.y / gridDim.z (heads, batch)
+_INT32_MAX = 2**31 - 1
 
 
 def check_qkv_shapes(q, k, v, dtypes: tuple[torch.dtype, ...]) -> None:
@@ -30,3 +39,67 @@ def check_qkv_shapes(q, k, v, dtypes: tuple[torch.dtype, ...]) -> None:
         )
     if hq % hkv:
         raise ValueError(f"heads: got {hq} query heads and {hkv} kv heads; expected kv heads dividing query heads")
+
+
+def check_qkv(q, k, v) -> str:
+    """Validates (batch, heads, seqlen, head_dim) inputs; returns the dtype name ("fp16", ...)."""
+    check_qkv_shapes(q, k, v, tuple(DTYPE_NAMES))
+    (b, hq, lq, d), lk = q.shape, k.shape[2]
+    if not (HEAD_DIM_MIN <= d <= HEAD_DIM_MAX and d % HEAD_DIM_STEP == 0):
+        raise ValueError(
+            f"head_dim: got {d}, expected a multiple of {HEAD_DIM_STEP} in [{HEAD_DIM_MIN}, {HEAD_DIM_MAX}]"
+        )
+    if b > _GRID_YZ_MAX or hq > _GRID_YZ_MAX or max(lq, lk) > _INT32_MAX:
+        raise ValueError(
+            f"q {tuple(q.shape)}, k {tuple(k.shape)}: expected batch and heads <= {_GRID_YZ_MAX} and "
+            f"sequence lengths <= {_INT32_MAX}"
+        )
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        check_chunked_layout(name, t)
+    return DTYPE_NAMES[q.dtype]
+
+
+def check_chunked_layout(name: str, t: torch.Tensor) -> None:
+    """The kernels move 16-byte chunks: a contiguous last dim, 16-byte aligned rows and start."""
+    align = 16 // t.element_size()
+    if t.stride(-1) != 1:
+        raise ValueError(f"{name}: got stride {t.stride(-1)} on the last dim, expected 1 (contiguous head_dim)")
+    if any(s % align for s in t.stride()[:3]) or t.data_ptr() % 16:
+        raise ValueError(
+            f"{name}: got strides {t.stride()} (data_ptr % 16 = {t.data_ptr() % 16}); expected the "
+            f"first three strides to be multiples of {align} elements and a 16-byte aligned start"
+        )
+
+
+def check_like(name: str, t, q: torch.Tensor) -> None:
+    """`t` (out, dout) must match q's shape, dtype and device, and be laid out in 16-byte chunks."""
+    if not isinstance(t, torch.Tensor):
+        raise TypeError(f"{name}: got {type(t).__name__}, expected a torch.Tensor")
+    if t.shape != q.shape or t.dtype != q.dtype or t.device != q.device:
+        raise ValueError(
+            f"{name}: got {tuple(t.shape)} {t.dtype} on {t.device}; expected q's {tuple(q.shape)} {q.dtype} on {q.device}"
+        )
+    check_chunked_layout(name, t)
+
+
+def check_scale(scale, head_dim: int) -> float:
+    if scale is None:
+        return 1.0 / math.sqrt(head_dim)
+    if isinstance(scale, bool) or not isinstance(scale, (int, float)):
+        raise TypeError(f"scale: got {type(scale).__name__}, expected a float or None")
+    if not (math.isfinite(scale) and scale > 0):
+        raise ValueError(f"scale: got {scale}, expected a finite number > 0")
+    return float(scale)
+
+
+def check_config(config: KernelConfig, head_dim: int, dtype: str, causal: bool, profile: GpuProfile,
+                 direction: str = "fwd") -> None:
+    if not isinstance(config, KernelConfig):
+        raise TypeError(f"config: got {type(config).__name__}, expected a KernelConfig")
+    want = (head_dim, dtype, causal, direction)
+    got = (config.head_dim, config.dtype, config.causal, config.direction)
+    if got != want:
+        raise ValueError(
+            f"config {config.name} is for (head_dim, dtype, causal, direction) = {got}; the call needs {want}"
+        )
+    config.check_fits(profile.smem_per_block_optin, profile.name)

@@ -17,7 +17,7 @@ MMA_K = 16  # its k extent: tensor-core head dims are padded up to a multiple of
 
 _NAME_RE = re.compile(
     r"^(?P<direction>fwd|bwd)_hd(?P<head_dim>\d+)_(?P<dtype>fp16|bf16|fp32)(?P<causal>_causal)?"
-    r"_m(?P<block_m>\d+)n(?P<block_n>\d+)w(?P<num_warps>\d+)s(?P<num_stages>\d+)$"
+    r"_m(?P<block_m>\d+)n(?P<block_n>\d+)w(?P<num_warps>\d+)s(?P<num_stages>\d+)(?:h(?P<head_split>\d+))?$"
 )
 
 
@@ -39,7 +39,9 @@ class KernelConfig:
     block_m / num_warps query rows (a multiple of 16); fp32 runs on the SIMT path, (32 * num_warps)
     / block_m threads sharing one query row.
     Backward (direction "bwd", fp16/bf16): a block owns block_n keys, each warp block_n / num_warps
-    of them (a multiple of 16), and streams Q/dO in block_m-row tiles through num_stages buffers.
+    of them (a multiple of 16), and streams Q/dO in block_m-row tiles through num_stages buffers;
+    with head_split > 1 that many blocks share a key block, each keeping dK, dV for a slice of the
+    head dim (fewer registers; S and dP are recomputed per slice).
     """
 
     head_dim: int
@@ -50,9 +52,10 @@ class KernelConfig:
     num_stages: int = 2
     causal: bool = False
     direction: str = "fwd"
+    head_split: int = 1  # backward: blocks sharing one key block, each owning a slice of the head dim
 
     def __post_init__(self) -> None:
-        for f in ("head_dim", "block_m", "block_n", "num_warps", "num_stages"):
+        for f in ("head_dim", "block_m", "block_n", "num_warps", "num_stages", "head_split"):
             _require_int(f, getattr(self, f))
         if not isinstance(self.causal, bool):
             raise TypeError(f"KernelConfig.causal: got {self.causal!r}, expected a bool")
@@ -74,8 +77,12 @@ class KernelConfig:
             raise ValueError(f"KernelConfig.num_warps: got {self.num_warps}, expected 1, 2, 4, 8 or 16")
         if not 1 <= self.num_stages <= 4:
             raise ValueError(f"KernelConfig.num_stages: got {self.num_stages}, expected 1..4")
+        if self.head_split not in (1, 2, 4, 8):
+            raise ValueError(f"KernelConfig.head_split: got {self.head_split}, expected 1, 2, 4 or 8")
         if self.direction == "bwd":
             self._validate_backward()
+        elif self.head_split != 1:
+            raise ValueError(f"KernelConfig.head_split: got {self.head_split}; only the backward splits (expected 1)")
         elif self.tensor_cores:
             rows = MMA_M * self.num_warps
             if self.block_m % rows:
@@ -98,15 +105,27 @@ class KernelConfig:
 
     def _validate_backward(self) -> None:
         if not self.tensor_cores:
-            raise ValueError(
-                f"KernelConfig (backward): got dtype {self.dtype!r}; the backward kernels support 'fp16' and "
-                f"'bf16' (the fp32 SIMT backward is not written yet)"
-            )
+            tpr = self.threads // self.block_n if self.threads >= self.block_n else 0
+            if tpr not in (1, 2, 4, 8) or tpr * self.block_n != self.threads or (self.head_dim // 4) % tpr:
+                raise ValueError(
+                    f"KernelConfig (fp32 SIMT backward): got block_n={self.block_n} with {self.threads} threads and "
+                    f"head_dim {self.head_dim}; expected 32 * num_warps / block_n in 1, 2, 4, 8 (threads sharing a "
+                    f"key row) and dividing head_dim / 4"
+                )
+            if self.head_split != 1:
+                raise ValueError(f"KernelConfig.head_split: got {self.head_split}; the fp32 backward takes 1")
+            return
         keys = MMA_M * self.num_warps
         if self.block_n % keys:
             raise ValueError(
                 f"KernelConfig.block_n: got {self.block_n} with {self.num_warps} warps; the backward needs "
                 f"block_n divisible by 16 * num_warps = {keys} (each warp owns 16k keys)"
+            )
+        pairs = self.head_dim_padded // MMA_K
+        if pairs % self.head_split:
+            raise ValueError(
+                f"KernelConfig.head_split: got {self.head_split} for head_dim {self.head_dim}; expected a divisor "
+                f"of its {pairs} column pairs of 16"
             )
         m_tiles = self.block_m // MMA_M
         warps_q = min(self.num_warps, m_tiles)
@@ -120,9 +139,10 @@ class KernelConfig:
     @property
     def name(self) -> str:
         causal = "_causal" if self.causal else ""
+        split = f"h{self.head_split}" if self.head_split > 1 else ""
         return (
             f"{self.direction}_hd{self.head_dim}_{self.dtype}{causal}"
-            f"_m{self.block_m}n{self.block_n}w{self.num_warps}s{self.num_stages}"
+            f"_m{self.block_m}n{self.block_n}w{self.num_warps}s{self.num_stages}{split}"
         )
 
     @property
@@ -187,6 +207,7 @@ class KernelConfig:
             )
         g = m.groupdict()
         ints = {k: int(g[k]) for k in ("head_dim", "block_m", "block_n", "num_warps", "num_stages")}
+        ints["head_split"] = int(g["head_split"] or 1)
         return cls(direction=g["direction"], dtype=g["dtype"], causal=bool(g["causal"]), **ints)
 
     def to_dict(self) -> dict[str, Any]:

@@ -62,3 +62,51 @@ def default_config(head_dim: int, dtype: str, causal: bool, profile: GpuProfile)
         f"no built-in config for head_dim={head_dim} {dtype} fits {profile.name}'s "
         f"{profile.smem_per_block_optin} bytes of shared memory per block; tried {tried}"
     )
+
+
+def _backward_candidates(head_dim: int, dtype: str):
+    """(block_m, block_n, num_warps, head_split) for the backward, in order of preference.
+
+    FA2's sm80 backward keeps 128 keys per block with 8 warps where shared memory allows, else 64
+    (csrc/flash_attn/src/flash_bwd_launch_template.h). Here each warp owns 16 of the block's keys
+    and holds their dK, dV rows for the whole head dim in registers, so ptxas sets the rest: past
+    d = 64 the head dim is split over 2 or 4 blocks (head_split) and the query step shrinks to 32
+    or 16 rows; these choices compile without spills on sm_80 and sm_90 (tests/test_compile.py)."""
+    if dtype == "fp32":  # SIMT: 4 threads share a key row up to d = 128, then 8 (registers)
+        for tpr in ((4, 2, 1) if head_dim <= 128 else (8, 4, 2)):
+            if (head_dim // 4) % tpr == 0:
+                for block_m in (32, 16):
+                    yield block_m, 128 // tpr, 4, 1
+        return
+    if head_dim <= 64:
+        prefs = [(32, 1)]
+    elif head_dim <= 128:
+        prefs = [(32, 2), (16, 1)]
+    elif head_dim <= 160:
+        prefs = [(16, 2), (16, 4)]
+    else:
+        prefs = [(16, 4), (16, 8)]
+    for block_n, warps in ((128, 8), (64, 4)):
+        for block_m, split in prefs:
+            yield block_m, block_n, warps, split
+
+
+@functools.lru_cache(maxsize=None)
+def default_backward_config(head_dim: int, dtype: str, causal: bool, profile: GpuProfile) -> KernelConfig:
+    """The built-in backward config: the first preferred tile that fits the profile's shared memory,
+    two Q/dO stages when they fit, else one."""
+    tried = []
+    for block_m, block_n, warps, split in _backward_candidates(head_dim, dtype):
+        for stages in (2, 1):
+            try:
+                cfg = KernelConfig(head_dim=head_dim, dtype=dtype, block_m=block_m, block_n=block_n, num_warps=warps,
+                                   num_stages=stages, causal=causal, direction="bwd", head_split=split)
+            except ValueError:  # e.g. a head_split that does not divide this head dim
+                continue
+            if cfg.smem_bytes <= profile.smem_per_block_optin:
+                return cfg
+            tried.append(cfg.name)
+    raise ValueError(
+        f"no built-in backward config for head_dim={head_dim} {dtype} fits {profile.name}'s "
+        f"{profile.smem_per_block_optin} bytes of shared memory per block; tried {tried}"
+    )

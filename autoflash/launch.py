@@ -7,63 +7,16 @@ import math
 
 import torch
 
-from autoflash.checks import check_qkv_shapes
+from autoflash.checks import DTYPE_NAMES, check_config, check_like, check_qkv, check_scale
 from autoflash.compiler import compile_config
-from autoflash.config import HEAD_DIM_MAX, HEAD_DIM_MIN, HEAD_DIM_STEP, KernelConfig
-from autoflash.defaults import default_config
+from autoflash.config import KernelConfig
+from autoflash.defaults import default_backward_config, default_config
 from autoflash.gpus import GpuProfile, detect
 
-DTYPE_NAMES = {torch.float16: "fp16", torch.bfloat16: "bf16", torch.float32: "fp32"}
 LOG2E = 1.4426950408889634  # log2(e): the kernels run the softmax in base 2
-_GRID_YZ_MAX = 65535  # CUDA's limit on gridDim.y / gridDim.z (heads, batch)
-_INT32_MAX = 2**31 - 1
+DELTA_ROWS_PER_BLOCK = 4  # the backward's delta kernel: one warp per query row, 128 threads
 
-
-def check_qkv(q, k, v) -> str:
-    """Validates (batch, heads, seqlen, head_dim) inputs; returns the dtype name ("fp16", ...)."""
-    check_qkv_shapes(q, k, v, tuple(DTYPE_NAMES))
-    (b, hq, lq, d), lk = q.shape, k.shape[2]
-    if not (HEAD_DIM_MIN <= d <= HEAD_DIM_MAX and d % HEAD_DIM_STEP == 0):
-        raise ValueError(
-            f"head_dim: got {d}, expected a multiple of {HEAD_DIM_STEP} in [{HEAD_DIM_MIN}, {HEAD_DIM_MAX}]"
-        )
-    if b > _GRID_YZ_MAX or hq > _GRID_YZ_MAX or max(lq, lk) > _INT32_MAX:
-        raise ValueError(
-            f"q {tuple(q.shape)}, k {tuple(k.shape)}: expected batch and heads <= {_GRID_YZ_MAX} and "
-            f"sequence lengths <= {_INT32_MAX}"
-        )
-    align = 16 // q.element_size()  # the kernels move 16-byte chunks
-    for name, t in (("q", q), ("k", k), ("v", v)):
-        if t.stride(-1) != 1:
-            raise ValueError(f"{name}: got stride {t.stride(-1)} on the last dim, expected 1 (contiguous head_dim)")
-        if any(s % align for s in t.stride()[:3]) or t.data_ptr() % 16:
-            raise ValueError(
-                f"{name}: got strides {t.stride()} (data_ptr % 16 = {t.data_ptr() % 16}); expected the "
-                f"first three strides to be multiples of {align} elements and a 16-byte aligned start"
-            )
-    return DTYPE_NAMES[q.dtype]
-
-
-def check_scale(scale, head_dim: int) -> float:
-    if scale is None:
-        return 1.0 / math.sqrt(head_dim)
-    if isinstance(scale, bool) or not isinstance(scale, (int, float)):
-        raise TypeError(f"scale: got {type(scale).__name__}, expected a float or None")
-    if not (math.isfinite(scale) and scale > 0):
-        raise ValueError(f"scale: got {scale}, expected a finite number > 0")
-    return float(scale)
-
-
-def check_config(config: KernelConfig, head_dim: int, dtype: str, causal: bool, profile: GpuProfile) -> None:
-    if not isinstance(config, KernelConfig):
-        raise TypeError(f"config: got {type(config).__name__}, expected a KernelConfig")
-    want = (head_dim, dtype, causal, "fwd")
-    got = (config.head_dim, config.dtype, config.causal, config.direction)
-    if got != want:
-        raise ValueError(
-            f"config {config.name} is for (head_dim, dtype, causal, direction) = {got}; the call needs {want}"
-        )
-    config.check_fits(profile.smem_per_block_optin, profile.name)
+__all__ = ["DTYPE_NAMES", "flash_backward", "flash_forward", "load_functions"]
 
 
 @functools.lru_cache(maxsize=None)
@@ -72,18 +25,52 @@ def _device_profile(index: int) -> GpuProfile:
 
 
 @functools.lru_cache(maxsize=None)
-def load_kernel(config: KernelConfig, arch: str, device_index: int):
-    """Compiles (disk-cached) and loads the kernel once per device; returns a cupy Function with
-    its dynamic shared-memory limit raised to what the config needs."""
+def load_functions(config: KernelConfig, arch: str, device_index: int) -> dict:
+    """Compiles (disk-cached) and loads a config's kernels once per device: {symbol: cupy Function},
+    the main kernel's dynamic shared-memory limit raised to what the config needs."""
     import cupy
 
     compiled = compile_config(config, arch)
+    names = [config.name] + ([f"{config.name}_delta"] if config.direction == "bwd" else [])
     with cupy.cuda.Device(device_index):
         module = cupy.RawModule(path=str(compiled.cubin_path))
-        fn = module.get_function(config.name)
-        fn.max_dynamic_shared_size_bytes = config.smem_bytes
-    fn._autoflash_module = module  # keep the module alive as long as the function
-    return fn
+        fns = {n: module.get_function(n) for n in names}
+        fns[config.name].max_dynamic_shared_size_bytes = config.smem_bytes
+    fns["_module"] = module  # keeps the module alive as long as its functions
+    return fns
+
+
+def _prepare(q, k, v, causal, scale, what: str):
+    """Common checks of both directions; returns (dtype name, scale, device index, profile)."""
+    dtype = check_qkv(q, k, v)
+    if not isinstance(causal, bool):
+        raise TypeError(f"causal: got {causal!r}, expected a bool")
+    if not q.is_cuda:
+        raise ValueError(f"{what} runs on CUDA tensors; got tensors on {q.device}")
+    scale = check_scale(scale, q.shape[-1])
+    index = q.device.index if q.device.index is not None else torch.cuda.current_device()
+    return dtype, scale, index, _device_profile(index)
+
+
+def _call(fn, grid, threads: int, smem: int, device: torch.device, args) -> None:
+    """One launch on torch's current stream of `device`; no synchronisation."""
+    import cupy
+
+    stream = cupy.cuda.ExternalStream(torch.cuda.current_stream(device).cuda_stream, device.index)
+    with cupy.cuda.Device(device.index):
+        fn(grid, (threads, 1, 1), args, shared_mem=smem, stream=stream)
+
+
+def _ptr(t: torch.Tensor):
+    import numpy as np
+
+    return np.uint64(t.data_ptr())
+
+
+def _strides(t: torch.Tensor) -> list:
+    import numpy as np
+
+    return [np.int64(s) for s in t.stride()[:3]]
 
 
 def flash_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool = False,
@@ -95,38 +82,74 @@ def flash_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: 
     contiguous last dim. `causal` is top-left aligned as SDPA's is_causal; scale defaults to
     1/sqrt(head_dim). Returns (out like q, lse (batch, heads_q, seqlen_q) fp32).
     """
-    dtype = check_qkv(q, k, v)
-    if not isinstance(causal, bool):
-        raise TypeError(f"causal: got {causal!r}, expected a bool")
-    if not q.is_cuda:
-        raise ValueError(f"flash_forward runs on CUDA tensors; got tensors on {q.device}")
+    import numpy as np
+
+    dtype, scale, index, profile = _prepare(q, k, v, causal, scale, "flash_forward")
     b, hq, lq, d = q.shape
     hkv, lk = k.shape[1], k.shape[2]
-    scale = check_scale(scale, d)
-    index = q.device.index if q.device.index is not None else torch.cuda.current_device()
-    profile = _device_profile(index)
-    if config is None:
-        config = default_config(d, dtype, causal, profile)
-    check_config(config, d, dtype, causal, profile)
+    config = config or default_config(d, dtype, causal, profile)
+    check_config(config, d, dtype, causal, profile, "fwd")
 
     out = torch.empty_like(q)
     lse = torch.empty((b, hq, lq), dtype=torch.float32, device=q.device)
-    fn = load_kernel(config, profile.arch, index)
-    _launch(fn, config, q, k, v, out, lse, hq // hkv, scale)
+    fn = load_functions(config, profile.arch, index)[config.name]
+    args = (_ptr(q), _ptr(k), _ptr(v), _ptr(out), _ptr(lse), *_strides(q), *_strides(k), *_strides(v),
+            *_strides(out), np.int32(lq), np.int32(lk), np.int32(hq // hkv), np.float32(scale * LOG2E))
+    _call(fn, (math.ceil(lq / config.block_m), hq, b), config.threads, config.smem_bytes, q.device, args)
     return out, lse
 
 
-def _launch(fn, config: KernelConfig, q, k, v, out, lse, group: int, scale: float) -> None:
-    import cupy
+def flash_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
+                   lse: torch.Tensor, *, causal: bool = False, scale: float | None = None,
+                   config: KernelConfig | None = None, deterministic: bool = False):
+    """FlashAttention backward: (dq, dk, dv) like (q, k, v), from the forward's out and lse
+    (fp16/bf16 on tensor cores, fp32 on the SIMT path).
+
+    dQ is added into an fp32 buffer with atomics; with `deterministic=True` the key blocks run one
+    launch at a time, so the additions happen in a fixed order and the gradients are bit-identical
+    run to run (slower: each launch has only batch x heads blocks). With GQA each block writes its
+    query head's dK, dV and the heads that share a K/V head are summed in fp32 afterwards.
+    """
     import numpy as np
 
-    b, hq, lq, _ = q.shape
-    lk = k.shape[2]
-    ptr = lambda t: np.uint64(t.data_ptr())  # noqa: E731
-    strides = lambda t: [np.int64(s) for s in t.stride()[:3]]  # noqa: E731
-    args = (ptr(q), ptr(k), ptr(v), ptr(out), ptr(lse), *strides(q), *strides(k), *strides(v), *strides(out),
-            np.int32(lq), np.int32(lk), np.int32(group), np.float32(scale * LOG2E))
-    grid = (math.ceil(lq / config.block_m), hq, b)
-    stream = cupy.cuda.ExternalStream(torch.cuda.current_stream(q.device).cuda_stream, q.device.index)
-    with cupy.cuda.Device(q.device.index):
-        fn(grid, (config.threads, 1, 1), args, shared_mem=config.smem_bytes, stream=stream)
+    dtype, scale, index, profile = _prepare(q, k, v, causal, scale, "flash_backward")
+    if not isinstance(deterministic, bool):
+        raise TypeError(f"deterministic: got {deterministic!r}, expected a bool")
+    check_like("out", out, q)
+    check_like("dout", dout, q)
+    b, hq, lq, d = q.shape
+    hkv, lk = k.shape[1], k.shape[2]
+    group = hq // hkv
+    if not isinstance(lse, torch.Tensor) or lse.shape != (b, hq, lq) or lse.dtype != torch.float32 \
+            or lse.device != q.device:
+        got = f"{tuple(lse.shape)} {lse.dtype} on {lse.device}" if isinstance(lse, torch.Tensor) else type(lse).__name__
+        raise ValueError(f"lse: got {got}; expected ({b}, {hq}, {lq}) float32 on {q.device} (the forward's LSE)")
+    lse = lse.contiguous()
+    config = config or default_backward_config(d, dtype, causal, profile)
+    check_config(config, d, dtype, causal, profile, "bwd")
+    fns = load_functions(config, profile.arch, index)
+
+    delta = torch.empty((b, hq, lq), dtype=torch.float32, device=q.device)
+    _call(fns[f"{config.name}_delta"], (math.ceil(lq / DELTA_ROWS_PER_BLOCK), hq, b), 32 * DELTA_ROWS_PER_BLOCK, 0,
+          q.device, (_ptr(out), _ptr(dout), _ptr(delta), *_strides(out), *_strides(dout), np.int32(lq)))
+
+    dq_accum = torch.zeros((b, hq, lq, d), dtype=torch.float32, device=q.device)
+    if group == 1:
+        dk_x, dv_x = torch.empty_like(k), torch.empty_like(v)
+    else:  # per query head, summed below
+        dk_x = torch.empty((b, hq, lk, d), dtype=q.dtype, device=q.device)
+        dv_x = torch.empty_like(dk_x)
+    n_blocks, split = math.ceil(lk / config.block_n), config.head_split
+    common = (_ptr(q), _ptr(k), _ptr(v), _ptr(dout), _ptr(lse), _ptr(delta), _ptr(dq_accum), _ptr(dk_x), _ptr(dv_x),
+              *_strides(q), *_strides(k), *_strides(v), *_strides(dout), *_strides(dk_x), *_strides(dv_x),
+              np.int32(lq), np.int32(lk), np.int32(group), np.float32(scale), np.float32(scale * LOG2E))
+    for n_block0, blocks in ([(j, 1) for j in range(n_blocks)] if deterministic else [(0, n_blocks)]):
+        _call(fns[config.name], (blocks * split, hq, b), config.threads, config.smem_bytes, q.device,
+              (*common, np.int32(n_block0)))
+
+    dq = torch.empty_like(q).copy_(dq_accum)
+    if group == 1:
+        return dq, dk_x, dv_x
+    dk = torch.empty_like(k).copy_(dk_x.view(b, hkv, group, lk, d).sum(2, dtype=torch.float32))
+    dv = torch.empty_like(v).copy_(dv_x.view(b, hkv, group, lk, d).sum(2, dtype=torch.float32))
+    return dq, dk, dv

@@ -2,6 +2,7 @@
 sm_80 and sm_90 (no GPU needed), the built-in defaults compile without register spills, and the
 shared-memory model agrees with ptxas."""
 import collections
+import itertools
 import os
 import re
 from concurrent.futures import ProcessPoolExecutor
@@ -10,7 +11,7 @@ import pytest
 
 from autoflash.compiler import Resources, compile_config, disassemble, static_smem_probe
 from autoflash.config import KernelConfig
-from autoflash.defaults import default_config
+from autoflash.defaults import default_backward_config, default_config
 from autoflash.gpus import get_profile
 
 HEAD_DIMS = (32, 40, 64, 96, 128, 160, 192, 256)
@@ -19,6 +20,9 @@ ARCH_PROFILES = {"sm_80": get_profile("a100"), "sm_90": get_profile("h100")}
 # (block_m, block_n, num_warps, num_stages): several tile shapes per path, non-powers of two among them
 TC_TILES = ((64, 64, 4, 1), (128, 64, 8, 2), (64, 80, 2, 3), (128, 32, 4, 2))
 SIMT_TILES = ((32, 32, 4, 2), (16, 16, 4, 1), (64, 48, 4, 2))
+# backward (block_m, block_n, num_warps, num_stages, head_split)
+BWD_TILES = ((32, 64, 4, 2, 1), (16, 128, 8, 1, 2))
+BWD_SIMT_TILES = ((32, 32, 4, 2, 1), (16, 64, 4, 1, 1))
 STATIC_SMEM_LIMIT = 48 * 1024  # the most a kernel may declare statically
 
 
@@ -31,19 +35,28 @@ def _valid(**kw):
 
 def grid():
     """The representative grid: a comprehension plus a filter (valid, fits the arch's smem)."""
-    cfgs = (
+    fwd = (
         _valid(head_dim=d, dtype=dt, block_m=m, block_n=n, num_warps=w, num_stages=s, causal=c)
         for d in HEAD_DIMS for dt in DTYPES for c in (False, True)
         for (m, n, w, s) in (SIMT_TILES if dt == "fp32" else TC_TILES)
     )
+    bwd = (
+        _valid(head_dim=d, dtype=dt, block_m=m, block_n=n, num_warps=w, num_stages=s, causal=c,
+               direction="bwd", head_split=h)
+        for d in HEAD_DIMS for dt in DTYPES for c in (False, True)
+        for (m, n, w, s, h) in (BWD_SIMT_TILES if dt == "fp32" else BWD_TILES)
+    )
+    cfgs = itertools.chain(fwd, bwd)
     return [(cfg, arch) for cfg in cfgs if cfg is not None
             for arch, prof in ARCH_PROFILES.items() if cfg.smem_bytes <= prof.smem_per_block_optin]
 
 
 def defaults():
-    return sorted({(default_config(d, dt, c, prof), arch)
-                   for d in HEAD_DIMS for dt in DTYPES for c in (False, True)
-                   for arch, prof in ARCH_PROFILES.items()}, key=lambda x: (x[0].name, x[1]))
+    fwd = {(default_config(d, dt, c, prof), arch)
+           for d in HEAD_DIMS for dt in DTYPES for c in (False, True) for arch, prof in ARCH_PROFILES.items()}
+    bwd = {(default_backward_config(d, dt, c, prof), arch)
+           for d in HEAD_DIMS for dt in DTYPES for c in (False, True) for arch, prof in ARCH_PROFILES.items()}
+    return sorted(fwd | bwd, key=lambda x: (x[0].name, x[1]))
 
 
 def _compile(job):
@@ -66,6 +79,8 @@ def test_grid_is_representative():
     assert {c.head_dim for c, _ in g} == set(HEAD_DIMS)
     assert {c.dtype for c, _ in g} == set(DTYPES)
     assert {c.causal for c, _ in g} == {False, True}
+    assert {c.direction for c, _ in g} == {"fwd", "bwd"}
+    assert {c.head_dim for c, _ in g if c.direction == "bwd"} == set(HEAD_DIMS)
     assert {a for _, a in g} == set(ARCH_PROFILES)
     assert len({(c.block_m, c.block_n, c.num_warps, c.num_stages) for c, _ in g}) >= 6
     assert len(g) > 150
@@ -106,7 +121,7 @@ def _smem_jobs():
     picks = {}
     for cfg, arch in grid():
         if cfg.smem_bytes <= STATIC_SMEM_LIMIT and arch == "sm_80":
-            picks.setdefault((cfg.dtype, cfg.head_dim), cfg)
+            picks.setdefault((cfg.direction, cfg.dtype, cfg.head_dim), cfg)
     return sorted(picks.values(), key=lambda c: c.name)
 
 

@@ -45,7 +45,8 @@ def test_frozen():
         (dict(num_stages=0), ValueError, "num_stages: got 0"),
         (dict(causal=1), TypeError, "causal: got 1, expected a bool"),
         (dict(direction="dq"), ValueError, "direction: got 'dq'"),
-        (dict(direction="bwd", dtype="fp32"), ValueError, "backward kernels support 'fp16' and 'bf16'"),
+        (dict(direction="bwd", dtype="fp32", block_n=256), ValueError, "fp32 SIMT backward"),
+        (dict(direction="bwd", dtype="fp32", block_n=16, head_split=2), ValueError, "the fp32 backward takes 1"),
         (dict(direction="bwd", block_n=64, num_warps=8), ValueError, "block_n divisible by 16 \\* num_warps = 128"),
         (dict(direction="bwd", block_m=48, block_n=128, num_warps=2), ValueError, "3 query tiles"),
         # Br not divisible by the warps' rows: 8 warps x 16 rows = 128

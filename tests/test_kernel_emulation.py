@@ -16,7 +16,7 @@ import torch
 
 from autoflash.codegen import render
 from autoflash.config import KernelConfig
-from autoflash.defaults import default_config
+from autoflash.defaults import default_backward_config, default_config
 from autoflash.gpus import get_profile
 from autoflash.reference import LOG2E, attention_ref, within_tolerance
 from autoflash.resources import templates_dir
@@ -67,7 +67,16 @@ BWD_CASES = [
     (KernelConfig(64, "fp16", 64, 64, num_warps=4, num_stages=1, direction="bwd"), 1, 2, 2, 45, 77, "bshd"),
     (KernelConfig(40, "bf16", 16, 32, num_warps=2, num_stages=3, causal=True, direction="bwd"), 2, 3, 1, 50, 33, "bshd"),
     (KernelConfig(96, "fp16", 32, 64, num_warps=2, num_stages=2, causal=True, direction="bwd"), 1, 1, 1, 29, 140, "bhsd"),
+    (KernelConfig(96, "bf16", 16, 32, num_warps=2, num_stages=2, causal=True, direction="bwd", head_split=2),
+     1, 2, 1, 40, 70, "bshd"),
+    (KernelConfig(128, "fp16", 32, 64, num_warps=4, num_stages=1, direction="bwd", head_split=4), 1, 2, 2, 33, 50, "bhsd"),
+    (KernelConfig(40, "fp16", 48, 32, num_warps=1, num_stages=2, direction="bwd"), 1, 2, 1, 61, 95, "bshd"),
+    (KernelConfig(72, "fp32", 32, 32, num_warps=2, num_stages=2, causal=True, direction="bwd"), 1, 2, 1, 50, 83, "bshd"),
+    (KernelConfig(256, "fp32", 16, 16, num_warps=4, num_stages=1, direction="bwd"), 1, 1, 1, 21, 40, "bhsd"),
 ]
+# The backward defaults of the H100 for every head dim of the GPU grid (bf16), at odd lengths.
+BWD_CASES += [(default_backward_config(d, dt, c, get_profile("h100")), 1, 2, 1, 75, 139, "bshd")
+              for d in (32, 40, 64, 96, 128, 160, 192, 256) for dt in ("bf16", "fp32") for c in (False, True)]
 
 
 @pytest.fixture(scope="module")
@@ -139,10 +148,12 @@ def test_emulated_backward_matches_reference(binaries, case, tmp_path):
     dout = torch.randn(b, hq, lq, d, generator=g).to(dt)
     scale = 0.9 / d ** 0.5
 
+    up = torch.float64 if dt == torch.float32 else torch.float32  # fp32 is judged against fp64
+
     def grads(upcast):
-        x = [t.float().requires_grad_() if upcast else t.clone().requires_grad_() for t in (q, k, v)]
+        x = [t.to(up).requires_grad_() if upcast else t.clone().requires_grad_() for t in (q, k, v)]
         o, _ = attention_ref(*x, causal=cfg.causal, scale=scale, upcast=upcast)
-        return torch.autograd.grad(o, x, dout.float() if upcast else dout)
+        return torch.autograd.grad(o, x, dout.to(up) if upcast else dout)
 
     ref, pt = grads(True), grads(False)
     out, lse = attention_ref(q, k, v, causal=cfg.causal, scale=scale)
@@ -154,10 +165,12 @@ def test_emulated_backward_matches_reference(binaries, case, tmp_path):
                        capture_output=True, text=True, timeout=600)
     assert r.returncode == 0, r.stderr
     data = np.frombuffer((tmp_path / "out.bin").read_bytes(), dtype=np.uint8)
-    sizes = [q.numel() * 4, b * hq * lk * d * 2, b * hq * lk * d * 2, b * hq * lq * 4]
+    es = q.element_size()
+    sizes = [q.numel() * 4, b * hq * lk * d * es, b * hq * lk * d * es, b * hq * lq * 4]
     parts = np.split(data, np.cumsum(sizes)[:-1])
     dq = torch.from_numpy(parts[0].copy().view(np.float32)).view(b, hq, lq, d).to(dt)
-    dk_x, dv_x = (torch.from_numpy(p.copy().view(np.int16)).view(dt).view(b, hq, lk, d) for p in parts[1:3])
+    raw = np.int16 if es == 2 else np.int32
+    dk_x, dv_x = (torch.from_numpy(p.copy().view(raw)).view(dt).view(b, hq, lk, d) for p in parts[1:3])
     delta = torch.from_numpy(parts[3].copy().view(np.float32)).view(b, hq, lq)
     torch.testing.assert_close(delta, (dout.float() * out.to(dt).float()).sum(-1), rtol=1e-4, atol=1e-4)
     group = hq // hkv  # GQA: sum the per-query-head dK, dV of the heads sharing a K/V head

@@ -5,7 +5,8 @@ import torch
 
 from autoflash.config import KernelConfig
 from autoflash.gpus import get_profile
-from autoflash.launch import check_config, check_qkv, check_scale, flash_forward
+from autoflash.checks import check_config, check_qkv, check_scale
+from autoflash.launch import flash_backward, flash_forward
 
 
 def qkv(b=2, hq=4, hkv=2, lq=33, lk=47, d=64, dtype=torch.float16, device="cpu"):
@@ -106,3 +107,58 @@ def test_config_must_match_the_call_and_fit_the_gpu():
         check_config(big, 256, "bf16", False, a100)
     with pytest.raises(TypeError, match="expected a KernelConfig"):
         check_config("fwd_hd128_bf16_m128n64w8s2", 128, "bf16", False, h100)
+
+
+# ---- backward and the differentiable entry point ----
+
+def bwd_args(dtype=torch.bfloat16):
+    q, k, v = qkv(dtype=dtype)
+    out, dout = torch.randn_like(q), torch.randn_like(q)
+    lse = torch.randn(q.shape[:3], dtype=torch.float32)
+    return dout, q, k, v, out, lse
+
+
+def test_backward_refuses_cpu_tensors():
+    with pytest.raises(ValueError, match="flash_backward runs on CUDA tensors; got tensors on cpu"):
+        flash_backward(*bwd_args())
+
+
+@pytest.mark.parametrize("which, bad, match", [
+    ("dout", lambda t: t[:, :, :-1], "dout: got \\(2, 4, 32, 64\\)"),
+    ("out", lambda t: t.half(), "out: got .*float16.*expected q's"),
+    ("dout", lambda t: "grad", "dout: got str, expected a torch.Tensor"),
+])
+def test_backward_out_and_dout_must_match_q(which, bad, match, monkeypatch):
+    args = dict(zip(("dout", "q", "k", "v", "out", "lse"), bwd_args()))
+    args[which] = bad(args[which])
+    import autoflash.launch as launch
+    # get past the device check to the shape checks (no GPU here)
+    monkeypatch.setattr(launch, "_prepare", lambda q, k, v, c, s, w: ("bf16", 0.125, 0, get_profile("h100")))
+    with pytest.raises((ValueError, TypeError), match=match):
+        flash_backward(args["dout"], args["q"], args["k"], args["v"], args["out"], args["lse"])
+
+
+def test_backward_checks_lse_and_dtype(monkeypatch):
+    import autoflash.launch as launch
+    monkeypatch.setattr(launch, "_prepare", lambda q, k, v, c, s, w: ("bf16", 0.125, 0, get_profile("h100")))
+    dout, q, k, v, out, lse = bwd_args()
+    with pytest.raises(ValueError, match=r"lse: got \(2, 4\) .*expected \(2, 4, 33\) float32"):
+        flash_backward(dout, q, k, v, out, lse[..., 0])
+    with pytest.raises(ValueError, match="lse: got .*float64"):
+        flash_backward(dout, q, k, v, out, lse.double())
+
+
+def test_flash_attn_checks_before_the_device():
+    from autoflash import flash_attn
+    q, k, v = (t.requires_grad_() for t in qkv(dtype=torch.float32))
+    with pytest.raises(TypeError, match="deterministic: got 1"):
+        flash_attn(q, k, v, deterministic=1)
+    with pytest.raises(ValueError, match="CUDA tensors"):
+        flash_attn(q, k, v)
+
+
+def test_backward_config_must_be_a_backward_config():
+    h100 = get_profile("h100")
+    fwd = KernelConfig(64, "bf16", 128, 64)
+    with pytest.raises(ValueError, match="direction\\) = \\(64, 'bf16', False, 'fwd'\\); the call needs \\(64, 'bf16', False, 'bwd'\\)"):
+        check_config(fwd, 64, "bf16", False, h100, "bwd")

@@ -18,13 +18,13 @@ __device__ __forceinline__ void load_tile(uint4* tile, const T* __restrict__ bas
   });
 }
 
-// Stores rows [row0, min(row0 + ROWS, rows)) of a staged tile; padding chunks are not written.
-template <int ROWS, int CHUNKS, int VALID_CHUNKS, int THREADS, typename T>
+// Stores rows [row0, min(row0 + ROWS, rows)) and chunks [c_lo, c_hi) of a staged tile.
+template <int ROWS, int CHUNKS, int THREADS, typename T>
 __device__ __forceinline__ void store_tile(const uint4* tile, T* __restrict__ base, long long row_stride,
-                                           int row0, int rows, int tid) {
+                                           int row0, int rows, int tid, int c_lo, int c_hi) {
   constexpr int CHUNK_ELEMS = 16 / sizeof(T);
   for_each_chunk<ROWS, CHUNKS, THREADS>(tid, [&](int r, int c, int off) {
-    if (row0 + r < rows && c < VALID_CHUNKS)
+    if (row0 + r < rows && c >= c_lo && c < c_hi)
       *reinterpret_cast<uint4*>(base + (row0 + r) * row_stride + c * CHUNK_ELEMS) = tile[off];
   });
 }

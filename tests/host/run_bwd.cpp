@@ -41,10 +41,10 @@ int main(int argc, char** argv) {
   run_grid({unsigned((lq + 3) / 4), unsigned(hq), unsigned(b)}, 128, [&] {
     KERNEL_NAME_DELTA(o.data(), dout.data(), delta.data(), sq[0], sq[1], sq[2], sq[0], sq[1], sq[2], lq);
   });
-  run_grid({unsigned((lk + BLOCK_N - 1) / BLOCK_N), unsigned(hq), unsigned(b)}, THREADS, [&] {
+  run_grid({unsigned((lk + BLOCK_N - 1) / BLOCK_N * HEAD_SPLIT), unsigned(hq), unsigned(b)}, THREADS, [&] {
     KERNEL_NAME(q.data(), k.data(), v.data(), dout.data(), lse.data(), delta.data(), dq.data(), dk.data(), dv.data(),
                 sq[0], sq[1], sq[2], sk[0], sk[1], sk[2], sk[0], sk[1], sk[2], sq[0], sq[1], sq[2],
-                sx[0], sx[1], sx[2], sx[0], sx[1], sx[2], lq, lk, hq / hkv, scale, scale * 1.4426950408889634f);
+                sx[0], sx[1], sx[2], sx[0], sx[1], sx[2], lq, lk, hq / hkv, scale, scale * 1.4426950408889634f, 0);
   });
   std::ofstream out(argv[2], std::ios::binary);
   out.write(reinterpret_cast<const char*>(dq.data()), dq.size() * 4);

@@ -69,6 +69,7 @@ inline void mma_16816(float (&d)[4], const uint32_t (&a)[4], uint32_t b0, uint32
 inline void mma_16816_f16(float (&d)[4], const uint32_t (&a)[4], uint32_t b0, uint32_t b1) { mma_16816<f16_to_float>(d, a, b0, b1); }
 inline void mma_16816_bf16(float (&d)[4], const uint32_t (&a)[4], uint32_t b0, uint32_t b1) { mma_16816<bf16_to_float>(d, a, b0, b1); }
 
+inline float to_float(float x) { return x; }
 inline float to_float(__half x) { return f16_to_float(x.bits); }
 inline float to_float(__nv_bfloat16 x) { return bf16_to_float(x.bits); }
 template <typename T> inline T from_float(float x);
