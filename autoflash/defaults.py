@@ -50,17 +50,28 @@ def default_config(head_dim: int, dtype: str, causal: bool, profile: GpuProfile)
     """The built-in config for one problem on one GPU: the first preferred tile shape that fits the
     profile's shared memory, with two K/V pipeline stages when they fit, else one."""
     big = profile.smem_per_block_optin >= _BIG_SMEM
+    return _first_fitting(
+        (dict(head_dim=head_dim, dtype=dtype, block_m=m, block_n=n, num_warps=w, causal=causal)
+         for m, n, w in _candidates(head_dim, dtype, causal, big)),
+        profile, f"head_dim={head_dim} {dtype}")
+
+
+def _first_fitting(candidates, profile: GpuProfile, what: str) -> KernelConfig:
+    """The first candidate (KernelConfig fields) that is valid and fits the profile's shared memory,
+    with two pipeline stages when they fit, else one."""
     tried = []
-    for block_m, block_n, warps in _candidates(head_dim, dtype, causal, big):
+    for fields in candidates:
         for stages in (2, 1):
-            cfg = KernelConfig(head_dim=head_dim, dtype=dtype, block_m=block_m, block_n=block_n,
-                               num_warps=warps, num_stages=stages, causal=causal)
+            try:
+                cfg = KernelConfig(**fields, num_stages=stages)
+            except ValueError:  # e.g. a head_split that does not divide this head dim
+                continue
             if cfg.smem_bytes <= profile.smem_per_block_optin:
                 return cfg
             tried.append(cfg.name)
     raise ValueError(
-        f"no built-in config for head_dim={head_dim} {dtype} fits {profile.name}'s "
-        f"{profile.smem_per_block_optin} bytes of shared memory per block; tried {tried}"
+        f"no built-in config for {what} fits {profile.name}'s {profile.smem_per_block_optin} bytes of "
+        f"shared memory per block; tried {tried}"
     )
 
 
@@ -95,18 +106,7 @@ def _backward_candidates(head_dim: int, dtype: str):
 def default_backward_config(head_dim: int, dtype: str, causal: bool, profile: GpuProfile) -> KernelConfig:
     """The built-in backward config: the first preferred tile that fits the profile's shared memory,
     two Q/dO stages when they fit, else one."""
-    tried = []
-    for block_m, block_n, warps, split in _backward_candidates(head_dim, dtype):
-        for stages in (2, 1):
-            try:
-                cfg = KernelConfig(head_dim=head_dim, dtype=dtype, block_m=block_m, block_n=block_n, num_warps=warps,
-                                   num_stages=stages, causal=causal, direction="bwd", head_split=split)
-            except ValueError:  # e.g. a head_split that does not divide this head dim
-                continue
-            if cfg.smem_bytes <= profile.smem_per_block_optin:
-                return cfg
-            tried.append(cfg.name)
-    raise ValueError(
-        f"no built-in backward config for head_dim={head_dim} {dtype} fits {profile.name}'s "
-        f"{profile.smem_per_block_optin} bytes of shared memory per block; tried {tried}"
-    )
+    return _first_fitting(
+        (dict(head_dim=head_dim, dtype=dtype, block_m=m, block_n=n, num_warps=w, causal=causal, direction="bwd",
+              head_split=h) for m, n, w, h in _backward_candidates(head_dim, dtype)),
+        profile, f"the backward at head_dim={head_dim} {dtype}")

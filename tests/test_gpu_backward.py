@@ -2,6 +2,7 @@
     max|dX - dX_ref32| <= 3 * max|dX_torch_same_dtype - dX_ref32| + 1e-5   for dq, dk, dv,
 over FlashAttention's grid; bit-identical gradients with deterministic=True; no L x L memory at 16k.
 Every test here needs CUDA and skips cleanly without it."""
+import gpu_inputs
 import pytest
 import torch
 
@@ -17,15 +18,8 @@ HEADS = {"mha": (6, 6), "gqa": (6, 2)}
 TORCH_DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16}
 
 
-def make_qkv(b, hq, hkv, lq, lk, d, dtype, layout="bhsd", seed=0):
-    g = torch.Generator(device="cuda").manual_seed(seed)
-    def one(h, l):
-        if layout == "bshd":
-            t = torch.randn(b, l, h, d, device="cuda", dtype=dtype, generator=g).transpose(1, 2)
-        else:
-            t = torch.randn(b, h, l, d, device="cuda", dtype=dtype, generator=g)
-        return t.requires_grad_()
-    return one(hq, lq), one(hkv, lk), one(hkv, lk)
+def make_qkv(*args, **kwargs):
+    return gpu_inputs.make_qkv(*args, requires_grad=True, **kwargs)
 
 
 def assert_gradients_accurate(q, k, v, causal, scale=None, **kw):

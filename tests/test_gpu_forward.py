@@ -7,6 +7,7 @@ import torch
 
 from autoflash import KernelConfig, flash_forward
 from autoflash.reference import attention_ref, within_tolerance
+from gpu_inputs import make_qkv
 
 pytestmark = pytest.mark.gpu
 
@@ -14,15 +15,6 @@ HEAD_DIMS = (32, 40, 64, 96, 128, 160, 192, 256)
 SEQLENS = ((113, 203), (128, 217), (108, 256), (256, 512), (512, 256), (1023, 1024), (1024, 1023), (2048, 2048))
 HEADS = {"mha": (6, 6), "gqa": (6, 2)}
 TORCH_DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16, "fp32": torch.float32}
-
-
-def make_qkv(b, hq, hkv, lq, lk, d, dtype, layout="bhsd", seed=0):
-    g = torch.Generator(device="cuda").manual_seed(seed)
-    def one(h, l):
-        if layout == "bshd":  # (B, S, H, D) storage viewed as (B, H, S, D): no copy
-            return torch.randn(b, l, h, d, device="cuda", dtype=dtype, generator=g).transpose(1, 2)
-        return torch.randn(b, h, l, d, device="cuda", dtype=dtype, generator=g)
-    return one(hq, lq), one(hkv, lk), one(hkv, lk)
 
 
 def assert_accurate(q, k, v, causal, config=None, scale=None):
