@@ -12,6 +12,7 @@ EPILOG = """examples:
   python -m autoflash.render fwd_hd128_bf16_causal_m128n64w4s2 --gpu h100
   python -m autoflash.render --head-dim 96 --dtype fp16 --block-m 128 --block-n 64 --warps 8 -o k.cu
   python -m autoflash.render --default --head-dim 128 --dtype bf16 --gpu a100
+  python -m autoflash.render --default --backward --head-dim 128 --dtype bf16 --causal --gpu h100
 
 The source goes to stdout (or -o FILE); the resource report goes to stderr when the source is on
 stdout. GPU names: a100, a10g, l4, l40s, rtx3090, rtx4090, h100, h200 (or an arch like sm_90)."""
@@ -33,6 +34,10 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--warps", type=int, default=4, help="warps per block (default 4)")
     p.add_argument("--stages", type=int, default=2, help="K/V pipeline stages (default 2)")
     p.add_argument("--causal", action="store_true", help="causal masking (top-left aligned)")
+    p.add_argument("--backward", action="store_true",
+                   help="the backward kernels (dK, dV, dQ) instead of the forward")
+    p.add_argument("--head-split", type=int, default=1,
+                   help="backward only: blocks sharing a key block, each with a slice of the head dim")
     p.add_argument("--default", action="store_true",
                    help="use the built-in default config for --head-dim/--dtype/--causal on --gpu")
     p.add_argument("--gpu", help="compile for this GPU profile or arch and print the resource report")
@@ -48,16 +53,18 @@ def _config(args, parser) -> KernelConfig:
     if args.head_dim is None or args.dtype is None:
         parser.error("give a kernel name, or at least --head-dim and --dtype")
     if args.default:
-        from autoflash.defaults import default_config
+        from autoflash.defaults import default_backward_config, default_config
         from autoflash.gpus import get_profile
 
         if not args.gpu:
             parser.error("--default needs --gpu (defaults depend on the GPU's shared memory)")
-        return default_config(args.head_dim, args.dtype, args.causal, get_profile(args.gpu))
+        pick = default_backward_config if args.backward else default_config
+        return pick(args.head_dim, args.dtype, args.causal, get_profile(args.gpu))
     if args.block_m is None or args.block_n is None:
         parser.error("give --block-m and --block-n (or --default with --gpu)")
     return KernelConfig(head_dim=args.head_dim, dtype=args.dtype, block_m=args.block_m, block_n=args.block_n,
-                        num_warps=args.warps, num_stages=args.stages, causal=args.causal)
+                        num_warps=args.warps, num_stages=args.stages, causal=args.causal,
+                        direction="bwd" if args.backward else "fwd", head_split=args.head_split)
 
 
 def report(config: KernelConfig, gpu: str) -> str:
