@@ -1,0 +1,41 @@
+#!/usr/bin/env bash
+# The GPU checks of a lent GPU session (../shared/docs/gpu-workflow.md), in one script so a device
+# call does them together. Written on a machine without a GPU: the first session that runs it
+# should fix whatever it trips on.
+#
+# Usage, from the repository root on the device machine:
+#   bash bench/gpu_session.sh [tests|sanitize|bench|all]      (default: all)
+# Logs and results go to $OUT (the device tool's output folder; /tmp/autoflash-out elsewhere).
+set -uo pipefail
+OUT=${OUT:-/tmp/autoflash-out}
+mkdir -p "$OUT"
+export PYTHONUNBUFFERED=1 PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
+step=${1:-all}
+status=0
+nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv | tee "$OUT/device.txt"
+python3 -c "import torch, cupy; print('torch', torch.__version__, 'cupy', cupy.__version__)" | tee -a "$OUT/device.txt"
+
+if [[ $step == tests || $step == all ]]; then
+  # Accuracy tier: correctness only, so several processes may share the GPU (pytest-xdist).
+  python3 -m pytest -m gpu -q -n 8 -p no:cacheprovider 2>&1 | tee "$OUT/gpu-tests.log" | tail -25
+  status=$(( status | ${PIPESTATUS[0]} ))
+fi
+
+if [[ $step == sanitize || $step == all ]]; then
+  # Both kernels at an odd shape (lengths not multiples of any tile, GQA, causal), forward and backward.
+  for tool in memcheck racecheck; do
+    compute-sanitizer --tool "$tool" --error-exitcode 9 \
+      python3 -m autoflash.selfcheck --shape 1,4,2,77,133,96 --dtype bf16 --causal --backward \
+      > "$OUT/sanitizer-$tool.log" 2>&1
+    rc=$?
+    echo "compute-sanitizer $tool: exit $rc"; tail -5 "$OUT/sanitizer-$tool.log"
+    status=$(( status | rc ))
+  done
+fi
+
+if [[ $step == bench || $step == all ]]; then
+  # FlashAttention's sweep, bf16, d 64 and 128, all directions; JSON + PNGs for bench/results/<device>/.
+  python3 -m autoflash.bench --dtype bf16 --head-dims 64,128 --out "$OUT" 2>&1 | tee "$OUT/bench.log" | tail -60
+  status=$(( status | ${PIPESTATUS[0]} ))
+fi
+exit $status
