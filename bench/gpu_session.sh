@@ -5,7 +5,8 @@
 #
 # Usage, from the repository root on the device machine:
 #   bash bench/gpu_session.sh [tests|sanitize|bench|all]      (default: all)
-# Logs and results go to $OUT (the device tool's output folder; /tmp/autoflash-out elsewhere).
+# Logs and results go to $OUT (the device tool's output folder; /tmp/autoflash-out elsewhere): 8 files
+# at most (device.txt, gpu-tests.log, sanitizer.log, bench.log, the bench JSON and its 3 PNGs).
 set -uo pipefail
 OUT=${OUT:-/tmp/autoflash-out}
 mkdir -p "$OUT"
@@ -23,14 +24,17 @@ fi
 
 if [[ $step == sanitize || $step == all ]]; then
   # Both kernels at an odd shape (lengths not multiples of any tile, GQA, causal), forward and backward.
+  # One log for both tools: the device tool brings back at most 8 files.
   for tool in memcheck racecheck; do
+    echo "=== compute-sanitizer --tool $tool" >> "$OUT/sanitizer.log"
     compute-sanitizer --tool "$tool" --error-exitcode 9 \
       python3 -m autoflash.selfcheck --shape 1,4,2,77,133,96 --dtype bf16 --causal --backward \
-      > "$OUT/sanitizer-$tool.log" 2>&1
+      >> "$OUT/sanitizer.log" 2>&1
     rc=$?
-    echo "compute-sanitizer $tool: exit $rc"; tail -5 "$OUT/sanitizer-$tool.log"
+    echo "compute-sanitizer $tool: exit $rc"
     status=$(( status | rc ))
   done
+  tail -12 "$OUT/sanitizer.log"
 fi
 
 if [[ $step == bench || $step == all ]]; then
