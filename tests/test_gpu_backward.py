@@ -2,20 +2,16 @@
     max|dX - dX_ref32| <= 3 * max|dX_torch_same_dtype - dX_ref32| + 1e-5   for dq, dk, dv,
 over FlashAttention's grid; bit-identical gradients with deterministic=True; no L x L memory at 16k.
 Every test here needs CUDA and skips cleanly without it."""
-import gpu_inputs
 import pytest
 import torch
 
+import gpu_inputs
 from autoflash import KernelConfig, flash_attn
 from autoflash.reference import within_tolerance
 from autoflash.reference_bwd import attention_backward_ref
+from gpu_inputs import HEAD_DIMS, HEADS, SEQLENS, TORCH_DTYPES
 
 pytestmark = pytest.mark.gpu
-
-HEAD_DIMS = (32, 40, 64, 96, 128, 160, 192, 256)
-SEQLENS = ((113, 203), (128, 217), (108, 256), (256, 512), (512, 256), (1023, 1024), (1024, 1023), (2048, 2048))
-HEADS = {"mha": (6, 6), "gqa": (6, 2)}
-TORCH_DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16}
 
 
 def make_qkv(*args, **kwargs):

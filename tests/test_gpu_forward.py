@@ -7,14 +7,9 @@ import torch
 
 from autoflash import KernelConfig, flash_forward
 from autoflash.reference import attention_ref, within_tolerance
-from gpu_inputs import make_qkv
+from gpu_inputs import HEAD_DIMS, HEADS, SEQLENS, TORCH_DTYPES, make_qkv
 
 pytestmark = pytest.mark.gpu
-
-HEAD_DIMS = (32, 40, 64, 96, 128, 160, 192, 256)
-SEQLENS = ((113, 203), (128, 217), (108, 256), (256, 512), (512, 256), (1023, 1024), (1024, 1023), (2048, 2048))
-HEADS = {"mha": (6, 6), "gqa": (6, 2)}
-TORCH_DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16, "fp32": torch.float32}
 
 
 def assert_accurate(q, k, v, causal, config=None, scale=None):
