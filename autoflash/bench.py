@@ -278,7 +278,9 @@ def _bench_one(torch, m: dict, backend: str, direction: str, sh: Shape, tensors,
 
 
 def _bench_shape(torch, sh: Shape, args, profile, flush) -> list[dict]:
-    dt = {"fp16": torch.float16, "bf16": torch.bfloat16, "fp32": torch.float32}[args.dtype]
+    from autoflash.checks import TORCH_DTYPES
+
+    dt = TORCH_DTYPES[args.dtype]
     directions = DIRECTION_MODES[args.direction]
     tensors = tuple(torch.randn(sh.batch, sh.heads, sh.seqlen, sh.head_dim, device=DEVICE, dtype=dt)
                     for _ in range(4))  # q, k, v and dout

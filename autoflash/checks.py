@@ -10,6 +10,7 @@ from autoflash.config import HEAD_DIM_MAX, HEAD_DIM_MIN, HEAD_DIM_STEP, KernelCo
 from autoflash.gpus import GpuProfile
 
 DTYPE_NAMES = {torch.float16: "fp16", torch.bfloat16: "bf16", torch.float32: "fp32"}
+TORCH_DTYPES = {name: dtype for dtype, name in DTYPE_NAMES.items()}
 _GRID_YZ_MAX = 65535  # CUDA's limit on gridDim.y / gridDim.z (heads, batch)
 _INT32_MAX = 2**31 - 1
 
@@ -59,8 +60,16 @@ def check_qkv(q, k, v) -> str:
     return DTYPE_NAMES[q.dtype]
 
 
-def check_chunked_layout(name: str, t: torch.Tensor) -> None:
+def is_chunked_layout(t: torch.Tensor) -> bool:
     """The kernels move 16-byte chunks: a contiguous last dim, 16-byte aligned rows and start."""
+    align = 16 // t.element_size()
+    return t.stride(-1) == 1 and not any(s % align for s in t.stride()[:3]) and t.data_ptr() % 16 == 0
+
+
+def check_chunked_layout(name: str, t: torch.Tensor) -> None:
+    """Raises with the offending strides when `t` is not is_chunked_layout."""
+    if is_chunked_layout(t):
+        return
     align = 16 // t.element_size()
     if t.stride(-1) != 1:
         raise ValueError(f"{name}: got stride {t.stride(-1)} on the last dim, expected 1 (contiguous head_dim)")

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import torch
 
+from autoflash.checks import is_chunked_layout
 from autoflash.config import KernelConfig
 from autoflash.launch import flash_backward, flash_forward
 
@@ -26,8 +27,7 @@ class FlashAttentionFunction(torch.autograd.Function):
         q, k, v, out, lse = ctx.saved_tensors
         # Autograd may hand over a gradient with any layout (even stride-0 broadcasts); the kernels
         # need 16-byte chunks along a contiguous head dim.
-        if dout.stride(-1) != 1 or any(s % (16 // dout.element_size()) for s in dout.stride()[:3]) \
-                or dout.data_ptr() % 16:
+        if not is_chunked_layout(dout):
             dout = dout.contiguous()
         dq, dk, dv = flash_backward(dout, q, k, v, out, lse, causal=ctx.causal, scale=ctx.scale,
                                     config=ctx.backward_config, deterministic=ctx.deterministic)

@@ -12,8 +12,8 @@ from autoflash.compiler import compile_config
 from autoflash.config import KernelConfig
 from autoflash.defaults import default_backward_config, default_config
 from autoflash.gpus import GpuProfile, detect
+from autoflash.reference import LOG2E  # the kernels run the softmax in base 2
 
-LOG2E = 1.4426950408889634  # log2(e): the kernels run the softmax in base 2
 DELTA_ROWS_PER_BLOCK = 4  # the backward's delta kernel: one warp per query row, 128 threads
 
 __all__ = ["DTYPE_NAMES", "flash_backward", "flash_forward", "load_functions"]

@@ -45,12 +45,13 @@ def main(argv: list[str] | None = None) -> int:
         print("autoflash.selfcheck needs a CUDA GPU; none is visible (torch.cuda.is_available() is False)",
               file=sys.stderr)
         return 2
+    from autoflash.checks import TORCH_DTYPES
     from autoflash.function import flash_attn
     from autoflash.reference import attention_ref, within_tolerance
     from autoflash.reference_bwd import attention_backward_ref
 
     b, hq, hkv, lq, lk, d = args.shape
-    dt = {"fp16": torch.float16, "bf16": torch.bfloat16, "fp32": torch.float32}[args.dtype]
+    dt = TORCH_DTYPES[args.dtype]
     g = torch.Generator(device="cuda").manual_seed(args.seed)
     q, k, v = (torch.randn(b, h, n, d, device="cuda", dtype=dt, generator=g).requires_grad_(args.backward)
                for h, n in ((hq, lq), (hkv, lk), (hkv, lk)))

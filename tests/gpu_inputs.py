@@ -2,10 +2,11 @@
 CUDA inputs in (B, H, S, D) or as a (B, S, H, D) storage viewed as (B, H, S, D) (no copy)."""
 import torch
 
+from autoflash.checks import TORCH_DTYPES  # noqa: F401  (re-exported for the GPU tests)
+
 HEAD_DIMS = (32, 40, 64, 96, 128, 160, 192, 256)
 SEQLENS = ((113, 203), (128, 217), (108, 256), (256, 512), (512, 256), (1023, 1024), (1024, 1023), (2048, 2048))
 HEADS = {"mha": (6, 6), "gqa": (6, 2)}
-TORCH_DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16, "fp32": torch.float32}
 
 
 def make_qkv(b, hq, hkv, lq, lk, d, dtype, layout="bhsd", seed=0, requires_grad=False):

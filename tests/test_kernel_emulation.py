@@ -14,6 +14,7 @@ import numpy as np
 import pytest
 import torch
 
+from autoflash.checks import TORCH_DTYPES
 from autoflash.codegen import render
 from autoflash.config import KernelConfig
 from autoflash.defaults import default_backward_config, default_config
@@ -22,7 +23,6 @@ from autoflash.reference import LOG2E, attention_ref, within_tolerance
 from autoflash.resources import templates_dir
 
 HERE = Path(__file__).resolve().parent / "host"
-TORCH_DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16, "fp32": torch.float32}
 
 # (config, batch, heads_q, heads_kv, seqlen_q, seqlen_k, layout)
 CASES = [
