@@ -1,12 +1,34 @@
 """autoflash: FlashAttention kernels rendered from Jinja2 CUDA templates, compiled with NVRTC at
-runtime and launched on torch tensors."""
+runtime and launched on torch tensors.
+
+The public names load on first use, so that tools which need no torch (the tuner's workers on the
+simulated backend, `--help`) start quickly."""
+from __future__ import annotations
+
+import importlib
+
 __version__ = "0.1.0"
 
-from autoflash.config import KernelConfig  # noqa: E402
-from autoflash.defaults import default_backward_config, default_config  # noqa: E402
-from autoflash.function import flash_attn  # noqa: E402
-from autoflash.gpus import detect, get_profile  # noqa: E402
-from autoflash.launch import flash_backward, flash_forward  # noqa: E402
+_EXPORTS = {
+    "KernelConfig": "autoflash.config",
+    "default_backward_config": "autoflash.defaults",
+    "default_config": "autoflash.defaults",
+    "detect": "autoflash.gpus",
+    "flash_attn": "autoflash.function",
+    "flash_backward": "autoflash.launch",
+    "flash_forward": "autoflash.launch",
+    "get_profile": "autoflash.gpus",
+}
+__all__ = sorted(_EXPORTS) + ["__version__"]
 
-__all__ = ["KernelConfig", "default_backward_config", "default_config", "detect", "flash_attn",
-           "flash_backward", "flash_forward", "get_profile", "__version__"]
+
+def __getattr__(name: str):
+    if name in _EXPORTS:
+        value = getattr(importlib.import_module(_EXPORTS[name]), name)
+        globals()[name] = value
+        return value
+    raise AttributeError(f"module 'autoflash' has no attribute {name!r}")
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(_EXPORTS))

@@ -35,6 +35,7 @@ from autoflash.bench_report import (  # noqa: F401  (re-exported: the report hel
     DIRECTION_FLOPS_FORMULA, DIRECTIONS, FLOPS_FACTORS, FLOPS_FORMULA, build_record, flops, format_table,
     plot_results, summarize, tflops)
 from autoflash.config import HEAD_DIM_MAX, HEAD_DIM_MIN, HEAD_DIM_STEP
+from autoflash.timing import flush_buffer, time_cuda
 
 BACKENDS = ("autoflash", "flash", "efficient", "cudnn", "math")
 DEFAULT_BACKENDS = ("autoflash", "flash", "efficient", "cudnn")
@@ -49,7 +50,6 @@ NO_GPU_MESSAGE = (
     "python -m autoflash.render --default --head-dim 128 --dtype bf16 --gpu h100"
 )
 CHECK_SCORE_ELEMS = 1 << 26  # largest b * h * Lq * Lk the plain reference is run on
-FLUSH_BYTES = 256 << 20  # written before every timed call: larger than any L2 (x4 L2 if that is more)
 DEVICE = "cuda"
 
 
@@ -135,20 +135,6 @@ def make_parser() -> argparse.ArgumentParser:
 
 
 # ---------------------------------------------------------------- GPU part (imports torch lazily)
-
-def _time_cuda(torch, fn, *, reps: int, warmup: int, flush) -> dict:
-    for _ in range(warmup):
-        fn()
-    torch.cuda.synchronize()
-    events = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in range(reps)]
-    for start, end in events:
-        flush.zero_()  # evict q, k, v and the output from L2
-        start.record()
-        fn()
-        end.record()
-    torch.cuda.synchronize()
-    return summarize([s.elapsed_time(e) for s, e in events])
-
 
 def _peak_mib(torch, fn) -> float:
     """MiB one call allocates at its peak beyond what was allocated before it (its outputs included)."""
@@ -272,7 +258,7 @@ def _bench_one(torch, m: dict, backend: str, direction: str, sh: Shape, tensors,
         if not ok:  # a wrong result is not timed
             return dict(m, status="failed")
         m["peak_mib"] = _peak_mib(torch, call)
-        t = _time_cuda(torch, call, reps=args.reps, warmup=args.warmup, flush=flush)
+        t = time_cuda(torch, call, reps=args.reps, warmup=args.warmup, flush=flush)
     return dict(m, status="ok", **t, tflops=tflops(m["flops"], t["ms_median"]),
                 tflops_best=tflops(m["flops"], t["ms_min"]))
 
@@ -372,8 +358,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     device, software = _environment(torch, profile)
     out_dir = args.out or Path("bench/results") / profile.name  # profile names are slugs: "h100"
-    l2 = getattr(torch.cuda.get_device_properties(0), "L2_cache_size", 0)
-    flush = torch.empty(max(FLUSH_BYTES, 4 * l2), dtype=torch.int8, device=DEVICE)
+    flush = flush_buffer(torch, DEVICE)
     print(f"{device['name']} (sm {device['compute_capability']}), {args.dtype}, {args.direction}; {FLOPS_FORMULA}; "
           f"{DIRECTION_FLOPS_FORMULA}", flush=True)
     torch.manual_seed(0)
