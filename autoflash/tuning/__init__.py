@@ -1,0 +1,1 @@
+"""The Optuna tuner: search space, trial workers, studies and tuned tables."""
