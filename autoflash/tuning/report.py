@@ -1,0 +1,88 @@
+"""What the tuner prints and draws: the dry-run listing of a pruned space, the final table (key,
+winner, time, TFLOPs, x SDPA-flash, x default) and the --plot PNG of the search."""
+from __future__ import annotations
+
+import collections
+from pathlib import Path
+
+from autoflash.bench_report import flops, tflops
+from autoflash.problem import ProblemKey
+from autoflash.tuning.space import Candidate
+
+
+def key_flops(key: ProblemKey) -> float:
+    """FLOPs of one pass over the key's shapes (FlashAttention's count; x2.5 for the backward)."""
+    return sum(flops(s.batch, s.heads, s.seqlen, s.seqlen, s.head_dim, key.causal, key.direction)
+               for s in key.shapes())
+
+
+def key_tflops(key: ProblemKey, ms: float) -> float:
+    return tflops(key_flops(key), ms)
+
+
+def format_space(title: str, candidates: list[Candidate], *, show_rejected: bool = False) -> str:
+    """A pruned space: the survivors with registers and shared memory, then counts of the rejected."""
+    ok = [c for c in candidates if c.ok]
+    lines = [f"{title}: {len(ok)} of {len(candidates)} candidates survive"]
+    if ok:
+        lines.append(f"  {'config':<40} {'regs':>5} {'smem KiB':>9}")
+        for c in sorted(ok, key=lambda c: c.config.name):
+            lines.append(f"  {c.config.name:<40} {c.registers:>5} {c.smem_bytes / 1024:>9.1f}")
+    rejected = collections.Counter(c.status for c in candidates if not c.ok)
+    if rejected:
+        lines.append("  rejected: " + ", ".join(f"{n} {why}" for why, n in sorted(rejected.items())))
+    if show_rejected:
+        for c in candidates:
+            if not c.ok:
+                lines.append(f"  x {c.config.name:<38} {c.status}: {c.reason}")
+    return "\n".join(lines)
+
+
+def _ratio(num: float | None, den: float | None) -> str:
+    return f"{num / den:.2f}x" if num and den else "-"
+
+
+def format_results(rows: list[dict]) -> str:
+    """rows: {"key", "winner", "ms", "tflops", "sdpa_flash_ms", "default_ms", "evaluated", "failed"};
+    x SDPA-flash and x default are speed-ups (their time over the winner's)."""
+    header = (f"{'key':<28} {'winner':<38} {'ms':>9} {'TFLOPs':>7} {'x SDPA-flash':>12} {'x default':>9} "
+              f"{'evals':>5} {'failed':>6}")
+    lines = [header, "-" * len(header)]
+    for r in rows:
+        if r.get("winner") is None:
+            lines.append(f"{r['key']:<28} {'(no config measured successfully)':<38}")
+            continue
+        lines.append(f"{r['key']:<28} {r['winner']:<38} {r['ms']:>9.4f} {r['tflops']:>7.1f} "
+                     f"{_ratio(r.get('sdpa_flash_ms'), r['ms']):>12} {_ratio(r.get('default_ms'), r['ms']):>9} "
+                     f"{r['evaluated']:>5} {r['failed']:>6}")
+    return "\n".join(lines)
+
+
+def plot_search(histories: dict[str, list[tuple[int, float]]], defaults: dict[str, float | None],
+                path: Path, title: str) -> None:
+    """One line per key: best time so far over the default's time, against measurements made."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(9, 5))
+    for key, points in histories.items():
+        base = defaults.get(key) or (points[0][1] if points else None)
+        if not points or not base:
+            continue
+        xs, best, ys = [], float("inf"), []
+        for n, ms in points:
+            best = min(best, ms)
+            xs.append(n)
+            ys.append(best / base)
+        ax.step(xs, ys, where="post", label=key)
+    ax.axhline(1.0, color="grey", lw=0.8, ls="--")
+    ax.set_xlabel("measurements")
+    ax.set_ylabel("best time so far / default's time")
+    ax.set_title(title)
+    ax.legend(fontsize=7, loc="upper right")
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=120)
+    plt.close(fig)

@@ -1,0 +1,149 @@
+"""The tuning run: problem keys -> pruned spaces (compiled, no GPU) -> one study per key measured by
+the worker pool -> an Entry per key merged into the tuned table as soon as its study ends, so an
+interrupted run keeps every key it finished (and the study storage keeps every trial)."""
+from __future__ import annotations
+
+import datetime
+import itertools
+import sys
+from pathlib import Path
+
+from autoflash.config import KernelConfig
+from autoflash.gpus import GpuProfile
+from autoflash.problem import ProblemKey
+from autoflash.tuning.report import key_tflops
+from autoflash.tuning.space import Candidate, constrain, default_for, enumerate_space
+from autoflash.tuning.study import KeyStudy, Outcome, Settings
+from autoflash.tuning.table import Entry, Result, Table, merge_into, table_path
+
+
+def build_keys(gpu: str, *, directions, dtypes, head_dims, causal, buckets) -> list[ProblemKey]:
+    return [ProblemKey(gpu, dr, dt, d, c, b)
+            for dr, dt, d, c, b in itertools.product(directions, dtypes, head_dims, causal, buckets)]
+
+
+def _group(key: ProblemKey) -> tuple:
+    """Keys that share a search space (the bucket changes the shapes timed, not the kernels)."""
+    return key.direction, key.dtype, key.head_dim, key.causal
+
+
+def prepare_spaces(keys: list[ProblemKey], profile: GpuProfile, *, restrict: dict[str, tuple[int, ...]] | None = None,
+                   jobs: int | None = None, progress: bool = True) -> dict[tuple, tuple[KernelConfig, list[Candidate]]]:
+    """(default, candidates) per space group: the enumerated space, narrowed by `restrict` (knob ->
+    allowed values; the default always stays), through the shared-memory and spill constraints."""
+    from tqdm.auto import tqdm
+
+    groups: dict[tuple, tuple[KernelConfig, list[KernelConfig]]] = {}
+    for key in keys:
+        if _group(key) in groups:
+            continue
+        default = default_for(key, profile)
+        configs = [c for c in enumerate_space(key, default)
+                   if c == default or all(getattr(c, k) in v for k, v in (restrict or {}).items())]
+        groups[_group(key)] = default, configs
+    total = sum(len(c) for _, c in groups.values())
+    bar = tqdm(total=total, desc=f"constraints for {profile.name} ({profile.arch})", unit="cfg",
+               disable=not progress, file=sys.stderr)
+    out, offset = {}, 0
+
+    def step(done: int, _total: int) -> None:
+        bar.n = offset + done
+        bar.refresh()
+
+    for group, (default, configs) in groups.items():
+        out[group] = default, constrain(configs, profile, jobs=jobs, progress=step)
+        offset += len(configs)
+    bar.close()
+    return out
+
+
+def spaces_for(spaces: dict, key: ProblemKey) -> tuple[KernelConfig, list[Candidate]]:
+    return spaces[_group(key)]
+
+
+def _result(key: ProblemKey, trial) -> Result:
+    cfg = KernelConfig.from_name(trial.user_attrs["config"])
+    return Result.of(cfg, float(trial.value), key_tflops(key, float(trial.value)), trial.user_attrs.get("registers"))
+
+
+def entry_from(outcome: Outcome, runner_ups: int) -> Entry | None:
+    """The table entry of a finished study, or None when no config was measured successfully."""
+    if not outcome.ranked:
+        return None
+    key = outcome.key
+    return Entry(key=key, winner=_result(key, outcome.ranked[0]),
+                 default=_result(key, outcome.default) if outcome.default is not None else None,
+                 sdpa_flash_ms=outcome.sdpa_flash_ms,
+                 runner_ups=tuple(_result(key, t) for t in outcome.ranked[1:1 + runner_ups]),
+                 shapes=tuple((s.batch, s.heads, s.seqlen, s.head_dim) for s in key.shapes()),
+                 evaluated=outcome.evaluated, failed=len(outcome.failed), trials=outcome.trials,
+                 date=datetime.datetime.now().astimezone().isoformat(timespec="seconds"))
+
+
+def provenance(device: dict, backend: str, command: str) -> dict:
+    import autoflash
+    from autoflash.compiler import nvrtc_version
+
+    return {"device_name": device.get("device_name"), "compute_capability": device.get("compute_capability"),
+            "driver": device.get("driver"), "cuda": device.get("cuda"), "nvrtc": nvrtc_version(),
+            "torch": device.get("torch"), "cupy": device.get("cupy"), "autoflash": autoflash.__version__,
+            "date": datetime.datetime.now().astimezone().isoformat(timespec="seconds"), "backend": backend,
+            "command": command}
+
+
+def summary_row(outcome: Outcome) -> dict:
+    key, best = outcome.key, (outcome.ranked[0] if outcome.ranked else None)
+    row = {"key": key.slug, "winner": None, "evaluated": outcome.evaluated, "failed": len(outcome.failed),
+           "sdpa_flash_ms": outcome.sdpa_flash_ms,
+           "default_ms": float(outcome.default.value) if outcome.default is not None else None}
+    if best is not None:
+        row.update(winner=best.user_attrs["config"], ms=float(best.value), tflops=key_tflops(key, float(best.value)))
+    return row
+
+
+def history(outcome_trials) -> list[tuple[int, float]]:
+    """(measurement number, ms) of the measured trials, in the order they finished."""
+    from autoflash.tuning.study import is_measured
+
+    done = sorted((t for t in outcome_trials if is_measured(t)), key=lambda t: (t.datetime_complete, t.number))
+    return [(i + 1, float(t.value)) for i, t in enumerate(done) if t.value is not None]
+
+
+def run_keys(keys: list[ProblemKey], spaces: dict, *, pool, storage, study_prefix: str, settings: Settings,
+             out_dir: Path, template_hash: str, prov: dict, progress: bool = True, log=print):
+    """Tunes every key; returns (summary rows, {slug: history}, {slug: default ms})."""
+    from tqdm.auto import tqdm
+
+    path = table_path(out_dir, keys[0].gpu)
+    rows, histories, defaults = [], {}, {}
+    for i, key in enumerate(keys):
+        default, candidates = spaces_for(spaces, key)
+        bar = tqdm(total=settings.budget, desc=f"[{i + 1}/{len(keys)}] {key.slug}", unit="eval",
+                   disable=not progress, file=sys.stderr, leave=True)
+
+        def on_trial(frozen, ks: KeyStudy, bar=bar) -> None:
+            bar.n = min(ks.evaluated(), bar.total)
+            best = ks.outcome().ranked[:1]
+            if best:
+                bar.set_postfix_str(f"best {best[0].value:.4f} ms {best[0].user_attrs['config']}")
+            bar.refresh()
+            if frozen.user_attrs.get("failure"):
+                bar.write(f"  trial {frozen.number} {frozen.user_attrs.get('config')} failed "
+                          f"({frozen.user_attrs['failure']}): {frozen.user_attrs.get('reason', '')[:300]}")
+
+        ks = KeyStudy(key, candidates, default, storage=storage, name=f"{study_prefix}/{key}", settings=settings,
+                      pool=pool, on_trial=on_trial)
+        outcome = ks.run()
+        bar.n = min(outcome.evaluated, bar.total)
+        bar.close()
+        entry = entry_from(outcome, settings.runner_ups)
+        if entry is not None:
+            report = merge_into(path, Table(key.gpu, template_hash, prov, {}).with_entries(entry))
+            if report.replaced_stale:
+                log(f"note: {path} held tables for other templates; kept as {report.replaced_stale}")
+        else:
+            log(f"{key}: no config was measured successfully; nothing written for this key")
+        rows.append(summary_row(outcome))
+        histories[key.slug] = history(ks.trials())
+        defaults[key.slug] = rows[-1]["default_ms"]
+    return rows, histories, defaults

@@ -1,0 +1,146 @@
+"""The tuner's study loop on the simulated backend, in process: real worker subprocesses, real crashes
+and timeouts, hand-made candidate lists (the constraints are tested in test_tune_space.py)."""
+import json
+
+import optuna
+import pytest
+from optuna.trial import TrialState
+
+from autoflash.config import KernelConfig
+from autoflash.problem import ProblemKey
+from autoflash.tuning.space import Candidate, param_values
+from autoflash.tuning.study import KeyStudy, Settings, is_measured
+from autoflash.tuning.worker import WorkerPool
+
+KEY = ProblemKey("h100", "fwd", "bf16", 128, True, "le4k")
+DEFAULT = KernelConfig(head_dim=128, dtype="bf16", block_m=128, block_n=64, num_warps=8, num_stages=2, causal=True)
+
+
+def _cfg(m, n, w, s=2):
+    return KernelConfig(head_dim=128, dtype="bf16", block_m=m, block_n=n, num_warps=w, num_stages=s, causal=True)
+
+
+FEASIBLE = [DEFAULT, _cfg(128, 32, 8), _cfg(128, 48, 8), _cfg(128, 96, 8), _cfg(64, 32, 4), _cfg(64, 48, 4),
+            _cfg(64, 64, 4), _cfg(64, 96, 4)]
+OVER_SMEM = _cfg(128, 128, 8, 3)  # 256 KiB > H100's 227
+SPILLING = _cfg(128, 64, 4)
+
+
+def _candidates():
+    return ([Candidate(c, "ok", registers=200, spill_bytes=0) for c in FEASIBLE]
+            + [Candidate(OVER_SMEM, "smem", "over shared memory"),
+               Candidate(SPILLING, "spills", "ptxas spilled", registers=255, spill_bytes=64)])
+
+
+def _events(log):
+    return [json.loads(line) for line in log.read_text().splitlines()] if log.exists() else []
+
+
+@pytest.fixture(autouse=True)
+def _quiet_optuna():
+    optuna.logging.set_verbosity(optuna.logging.ERROR)
+
+
+def _study(tmp_path, faults=None, *, budget=len(FEASIBLE), sampler="bruteforce", workers=1, timeout=3.0,
+           storage=None, seen=None):
+    log = tmp_path / "measurements.jsonl"
+    pool = WorkerPool({"backend": "simulated", "options": {"gpu": "h100", "faults": faults or {}, "log": str(log)}},
+                      workers)
+    pool.start()
+    ks = KeyStudy(KEY, _candidates(), DEFAULT, storage=storage or f"sqlite:///{tmp_path / 's.db'}",
+                  name=f"test/{KEY}", settings=Settings(budget=budget, sampler=sampler, timeout=timeout), pool=pool,
+                  on_trial=(lambda t, ks: seen.append(t.number)) if seen is not None else None)
+    return ks, pool, log
+
+
+def test_default_first_and_constraints_respected(tmp_path):
+    seen = []
+    ks, pool, log = _study(tmp_path, sampler="tpe", budget=6, seen=seen)
+    with pool:
+        outcome = ks.run()
+    starts = [e for e in _events(log) if e["event"] == "start"]
+    assert starts[0]["config"] == DEFAULT.name  # the enqueued default is measured before anything else
+    assert ks.trials()[0].user_attrs["config"] == DEFAULT.name
+    feasible = {c.name for c in FEASIBLE}
+    assert {e["config"] for e in starts} <= feasible  # nothing over budget or spilling is ever measured
+    assert len(starts) == len({e["config"] for e in starts}) == outcome.evaluated == 6
+    assert outcome.default is not None and outcome.ranked[0].value <= outcome.default.value
+    pruned = [t for t in ks.trials() if t.state == TrialState.PRUNED]
+    assert all(t.user_attrs.get("pruned") for t in pruned)  # every pruned trial says why
+    assert seen  # the progress callback ran
+
+
+def test_faults_are_recorded_and_the_study_finishes(tmp_path):
+    faults = {"crash": [_cfg(64, 32, 4).name], "hang": [_cfg(64, 48, 4).name], "wrong": [_cfg(64, 64, 4).name],
+              "error": [_cfg(64, 96, 4).name]}
+    ks, pool, log = _study(tmp_path, faults, timeout=2.0)
+    with pool:
+        outcome = ks.run()
+        assert pool.workers[0].restarts >= 2  # a fresh worker after the crash and after the hang
+    by_config = {t.user_attrs["config"]: t for t in ks.trials() if "config" in t.user_attrs}
+    expect = {_cfg(64, 32, 4).name: ("crash", "SIGABRT"), _cfg(64, 48, 4).name: ("timeout", "no answer within 2 s"),
+              _cfg(64, 64, 4).name: ("wrong", "max error 0.5 > bound"),
+              _cfg(64, 96, 4).name: ("error", "simulated launch failure")}
+    for name, (kind, text) in expect.items():
+        t = by_config[name]
+        assert t.state == TrialState.FAIL and t.user_attrs["failure"] == kind and text in t.user_attrs["reason"], name
+    assert by_config[_cfg(64, 64, 4).name].user_attrs["err"] == 0.5
+    # every feasible config was tried exactly once, the four faulty ones failed, the rest ranked
+    assert outcome.evaluated == len(FEASIBLE) and len(outcome.failed) == 4
+    assert {t.user_attrs["config"] for t in outcome.ranked} == {c.name for c in FEASIBLE} - set(expect)
+    assert outcome.sdpa_flash_ms is not None and outcome.sdpa_flash_ms > 0
+
+
+def test_two_workers_measure_each_config_once(tmp_path):
+    ks, pool, log = _study(tmp_path, workers=2, sampler="random", budget=7)
+    with pool:
+        outcome = ks.run()
+    starts = [e for e in _events(log) if e["event"] == "start"]
+    assert len({e["pid"] for e in starts}) == 2  # both workers measured
+    assert len(starts) == len({e["config"] for e in starts})  # and no config twice
+    assert 7 <= outcome.evaluated <= 8  # the budget, plus at most one trial in flight on the other worker
+
+
+def test_rerun_of_a_finished_study_measures_nothing(tmp_path):
+    ks, pool, log = _study(tmp_path, budget=4)
+    with pool:
+        first = ks.run()
+    n = len(_events(log))
+    ks2, pool2, _ = _study(tmp_path, budget=4)
+    with pool2:
+        second = ks2.run()
+    assert len(_events(log)) == n  # nothing measured again, the SDPA baseline kept in the study
+    assert [t.number for t in second.ranked] == [t.number for t in first.ranked]
+
+
+def test_interrupted_trial_is_failed_and_requeued(tmp_path):
+    storage = f"sqlite:///{tmp_path / 's.db'}"
+    study = optuna.create_study(study_name=f"test/{KEY}", storage=storage, direction="minimize")
+    # a trial some other process on this host started on FEASIBLE[3], then died (SIGKILL)
+    study.enqueue_trial({k: getattr(FEASIBLE[3], k) for k in ("block_m", "block_n", "num_warps", "num_stages")})
+    dead = study.ask({k: optuna.distributions.CategoricalDistribution(v)
+                      for k, v in param_values(_candidates(), KEY).items()})
+    dead.set_user_attr("host", __import__("socket").gethostname())
+    dead.set_user_attr("pid", 2**22 + 12345)  # no such process
+    dead.set_user_attr("config", FEASIBLE[3].name)
+    ks, pool, log = _study(tmp_path, budget=3, storage=storage, sampler="tpe")
+    with pool:
+        ks.run()
+    t0 = ks.trials()[0]
+    assert t0.state == TrialState.FAIL and t0.user_attrs["failure"] == "interrupted" and not is_measured(t0)
+    measured = [e["config"] for e in _events(log) if e["event"] == "end"]
+    assert FEASIBLE[3].name in measured  # re-enqueued: not lost
+    assert measured.count(FEASIBLE[3].name) == 1
+
+
+def test_settings_reject_bad_values():
+    with pytest.raises(ValueError, match="sampler: got 'annealing'"):
+        Settings(sampler="annealing")
+    with pytest.raises(ValueError, match="budget: got 0"):
+        Settings(budget=0)
+
+
+def test_default_that_fails_the_constraints_is_an_error(tmp_path):
+    cands = [Candidate(DEFAULT, "spills", "ptxas spilled"), *[Candidate(c, "ok") for c in FEASIBLE[1:]]]
+    with pytest.raises(ValueError, match="built-in default .* failed the constraints"):
+        KeyStudy(KEY, cands, DEFAULT, storage=None, name="x", settings=Settings(), pool=None)
