@@ -196,17 +196,48 @@ def main(argv: list[str] | None = None) -> int:
     profile = get_profile(args.gpu)
     keys = build_keys(profile.name, directions=DIRECTION_MODES[args.directions], dtypes=args.dtypes,
                       head_dims=args.head_dims, causal=CAUSAL_MODES[args.causal], buckets=args.seqlen_buckets)
+    pool = None
+    if not args.dry_run:  # the device check comes first: no compiling for a GPU that is not there
+        pool = _start_pool(args, profile)
+        if pool is None:
+            return EXIT_NO_DEVICE
     try:
         spaces = prepare_spaces(keys, profile, restrict=dict(args.space), jobs=args.jobs,
                                 progress=not args.no_progress)
     except ValueError as e:  # e.g. no built-in config fits this GPU for a key
+        if pool is not None:
+            pool.close()
         parser.error(str(e))
     if args.dry_run:
         return _dry_run(args, keys, spaces)
-    return _tune(args, argv, profile, keys, spaces, template_hash())
+    with pool:
+        return _tune(args, argv, profile, keys, spaces, template_hash(), pool)
 
 
-def _tune(args, argv, profile, keys, spaces, thash: str) -> int:
+def _start_pool(args, profile):
+    """The measuring workers, started (the backend checks the device); None after saying why not."""
+    from autoflash.tuning.worker import WorkerPool
+
+    if args.backend == "simulated":
+        options = {"gpu": profile.name, "timings": args.simulate_timings, "faults": args.simulate_faults,
+                   "delay": args.simulate_delay, "log": args.simulate_log}
+    else:
+        options = {"gpu": profile.name}
+    try:
+        pool = WorkerPool({"backend": args.backend, "options": options}, args.workers)
+    except ValueError as e:
+        print(f"autoflash.tune: {e}", file=sys.stderr)
+        return None
+    try:
+        pool.start()
+    except RuntimeError as e:
+        pool.close()
+        print(f"autoflash.tune: {e}", file=sys.stderr)
+        return None
+    return pool
+
+
+def _tune(args, argv, profile, keys, spaces, thash: str, pool) -> int:
     import optuna
 
     from autoflash.resources import default_tune_output
@@ -214,36 +245,24 @@ def _tune(args, argv, profile, keys, spaces, thash: str) -> int:
     from autoflash.tuning.runner import provenance, run_keys
     from autoflash.tuning.study import make_storage
     from autoflash.tuning.table import TableError
-    from autoflash.tuning.worker import WorkerPool
 
     optuna.logging.set_verbosity(optuna.logging.ERROR)  # failures are reported by the progress line
     out = args.out or default_tune_output()
     out.mkdir(parents=True, exist_ok=True)
     url = args.storage or f"sqlite:///{(out / f'{profile.name}.optuna.db').resolve()}"
     prefix = args.study_name or f"autoflash-{thash[:12]}"
-    if args.backend == "simulated":
-        options = {"gpu": profile.name, "timings": args.simulate_timings, "faults": args.simulate_faults,
-                   "delay": args.simulate_delay, "log": args.simulate_log}
-    else:
-        options = {"gpu": profile.name}
     settings = Settings(budget=args.budget, sampler=args.sampler, seed=args.seed, reps=args.reps,
                         warmup=args.warmup, timeout=args.timeout)
     command = shlex.join(["python", "-m", "autoflash.tune", *argv])
-    try:
-        pool = WorkerPool({"backend": args.backend, "options": options}, args.workers)
-        device = pool.start()
-    except (RuntimeError, ValueError) as e:
-        print(f"autoflash.tune: {e}", file=sys.stderr)
-        return EXIT_NO_DEVICE
+    device = pool.workers[0].device
     print(f"tuning {len(keys)} key(s) for {profile.name} on {device.get('device_name')} with {args.workers} "
           f"worker(s); study storage {url}; table {out / (profile.name + '.json')}", file=sys.stderr)
     storage = make_storage(url)
     try:
-        with pool:
-            rows, histories, defaults = run_keys(
-                keys, spaces, pool=pool, storage=storage, study_prefix=prefix, settings=settings, out_dir=out,
-                template_hash=thash, prov=provenance(device, args.backend, command),
-                progress=not args.no_progress, log=lambda m: print(m, file=sys.stderr))
+        rows, histories, defaults = run_keys(
+            keys, spaces, pool=pool, storage=storage, study_prefix=prefix, settings=settings, out_dir=out,
+            template_hash=thash, prov=provenance(device, args.backend, command),
+            progress=not args.no_progress, log=lambda m: print(m, file=sys.stderr))
     except TableError as e:
         print(f"autoflash.tune: {e}\nEvery trial is kept in the study storage {url}: fix the table and rerun "
               f"the same command to write it.", file=sys.stderr)

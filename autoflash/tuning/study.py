@@ -272,9 +272,12 @@ class KeyStudy:
                 frozen = self.study.tell(trial, state=TrialState.PRUNED)
             except TrialFailed:
                 frozen = self.study.tell(trial, state=TrialState.FAIL)
-            except BaseException:  # a bug or Ctrl-C: the trial is failed, nothing else is lost
+            except BaseException:  # Ctrl-C or a bug: this trial is failed and its config queued again
                 self._stop.set()
+                trial.set_user_attr("failure", "interrupted")
                 self.study.tell(trial, state=TrialState.FAIL)
+                if trial.params:
+                    self.study.enqueue_trial(trial.params, user_attrs={"retry_of": trial.number})
                 raise
             if self.on_trial is not None:
                 with self._lock:
