@@ -4,9 +4,12 @@
 # should fix whatever it trips on.
 #
 # Usage, from the repository root on the device machine:
-#   bash bench/gpu_session.sh [tests|sanitize|bench|all]      (default: all)
+#   bash bench/gpu_session.sh [tests|sanitize|bench|tune|all]      (default: all but tune)
 # Logs and results go to $OUT (the device tool's output folder; /tmp/autoflash-out elsewhere): 8 files
 # at most (device.txt, gpu-tests.log, sanitizer.log, bench.log, the bench JSON and its 3 PNGs).
+# `tune` is its own call (it needs Optuna: carry .whl from ../shared/scripts/device-wheels.sh and
+# install it first, as that script prints): tuned table, its search plot, the recorded timings
+# (the simulated backend's fixture) and the log: 4 files.
 set -uo pipefail
 OUT=${OUT:-/tmp/autoflash-out}
 mkdir -p "$OUT"
@@ -40,6 +43,14 @@ fi
 if [[ $step == bench || $step == all ]]; then
   # FlashAttention's sweep, bf16, d 64 and 128, all directions; JSON + PNGs for bench/results/<device>/.
   python3 -m autoflash.bench --dtype bf16 --head-dims 64,128 --out "$OUT" 2>&1 | tee "$OUT/bench.log" | tail -60
+  status=$(( status | ${PIPESTATUS[0]} ))
+fi
+if [[ $step == tune ]]; then
+  # Issue 6's tune: d 64,128 x fp16,bf16 x causal on/off x fwd,bwd, the 2k-4k bucket first (the
+  # cheapest that says something); widen --seqlen-buckets when time allows. Resumable: rerun to go on.
+  gpu=$(python3 -c "from autoflash.gpus import detect; print(detect().name)")
+  python3 -m autoflash.tune --gpu "$gpu" --seqlen-buckets le4k --budget 30 --out "$OUT" --plot \
+    --record-timings "$OUT/$gpu-timings.json" --no-progress 2>&1 | tee "$OUT/tune.log" | tail -30
   status=$(( status | ${PIPESTATUS[0]} ))
 fi
 exit $status

@@ -144,3 +144,29 @@ def test_default_that_fails_the_constraints_is_an_error(tmp_path):
     cands = [Candidate(DEFAULT, "spills", "ptxas spilled"), *[Candidate(c, "ok") for c in FEASIBLE[1:]]]
     with pytest.raises(ValueError, match="built-in default .* failed the constraints"):
         KeyStudy(KEY, cands, DEFAULT, storage=None, name="x", settings=Settings(), pool=None)
+
+
+def test_cuda_backend_refuses_another_gpu(monkeypatch):
+    import torch
+
+    import autoflash.gpus
+    from autoflash.gpus import get_profile
+    from autoflash.tuning.cuda_backend import CudaBackend
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda *a: "NVIDIA A100-SXM4-80GB")
+    monkeypatch.setattr(autoflash.gpus, "detect", lambda *a: get_profile("a100"))
+    with pytest.raises(RuntimeError, match=r"--gpu h100 but the visible device is NVIDIA A100-SXM4-80GB "
+                                           r"\(profile 'a100'\)"):
+        CudaBackend("h100")
+    assert CudaBackend("a100").profile.name == "a100"
+
+
+def test_cuda_backend_without_a_gpu_says_so(monkeypatch):
+    import torch
+
+    from autoflash.tuning.cuda_backend import CudaBackend
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    with pytest.raises(RuntimeError, match="no CUDA device visible.*--dry-run works without one"):
+        CudaBackend("h100")
