@@ -1,0 +1,104 @@
+"""Config selection from tuned tables: lookup order, the heuristic fallback, bad tables skipped
+with one warning."""
+import json
+import re
+import warnings
+
+import pytest
+
+from autoflash import resources, selection
+from autoflash.codegen import template_hash
+from autoflash.config import KernelConfig
+from autoflash.gpus import get_profile
+from autoflash.problem import ProblemKey
+from autoflash.selection import HEURISTIC, select_config
+from autoflash.tuning.table import Entry, Result, Table, merge_into, table_path
+
+H100 = get_profile("h100")
+KEY = ProblemKey("h100", "fwd", "bf16", 128, True, "le4k")
+
+
+def _cfg(m, n, w):
+    return KernelConfig(head_dim=128, dtype="bf16", block_m=m, block_n=n, num_warps=w, num_stages=2, causal=True)
+
+
+def _write(folder, winner, *, gpu="h100", thash=None):
+    entry = Entry(key=ProblemKey(gpu, *list(KEY.to_dict().values())[1:]), winner=Result.of(winner, 1.0, 100.0),
+                  default=None, sdpa_flash_ms=None, runner_ups=(), shapes=((4, 16, 4096, 128),), evaluated=1, failed=0,
+                  trials=1, date="2026-11-22T00:00:00+00:00")
+    table = Table(gpu, thash or template_hash(), {"backend": "cuda"}, {}).with_entries(entry)
+    merge_into(table_path(folder, gpu), table)
+    return table_path(folder, gpu)
+
+
+@pytest.fixture(autouse=True)
+def _folders(tmp_path, monkeypatch):
+    user, shipped = tmp_path / "user", tmp_path / "shipped"
+    user.mkdir()
+    shipped.mkdir()
+    monkeypatch.setenv("AUTOFLASH_TUNED_DIR", str(user))
+    monkeypatch.setattr(resources, "tuned_dir", lambda: shipped)
+    selection.clear_cache()
+    yield user, shipped
+    selection.clear_cache()
+
+
+def test_heuristic_without_tables():
+    from autoflash.defaults import default_config
+
+    sel = select_config(H100, "fwd", "bf16", 128, True, 3000)
+    assert sel.origin == HEURISTIC and sel.config == default_config(128, "bf16", True, H100)
+    assert sel.key == KEY
+
+
+def test_tuned_winner_is_picked_for_its_bucket(_folders):
+    user, _ = _folders
+    path = _write(user, _cfg(64, 96, 4))
+    sel = select_config(H100, "fwd", "bf16", 128, True, 4096)
+    assert sel.config == _cfg(64, 96, 4) and sel.origin == f"tuned table {path}"
+    assert select_config(H100, "fwd", "bf16", 128, True, 8192).origin == HEURISTIC  # other bucket: not tuned
+    assert select_config(H100, "fwd", "bf16", 128, False, 4096).origin == HEURISTIC  # other key
+
+
+def test_user_table_comes_before_the_shipped_one(_folders):
+    user, shipped = _folders
+    _write(shipped, _cfg(128, 32, 8))
+    assert select_config(H100, "fwd", "bf16", 128, True, 2048).config == _cfg(128, 32, 8)
+    _write(user, _cfg(64, 96, 4))
+    selection.clear_cache()
+    assert select_config(H100, "fwd", "bf16", 128, True, 2048).config == _cfg(64, 96, 4)
+
+
+@pytest.mark.parametrize("damage", ["corrupt", "other_gpu", "other_templates"])
+def test_bad_tables_are_skipped_with_one_warning(_folders, damage):
+    user, shipped = _folders
+    _write(shipped, _cfg(128, 32, 8))
+    path = table_path(user, "h100")
+    if damage == "corrupt":
+        path.write_text("{broken")
+        expect = "invalid JSON"
+    elif damage == "other_gpu":
+        data = json.loads(_write(user, _cfg(64, 96, 4)).read_text())
+        data["gpu"] = "a100"
+        for e in data["entries"].values():
+            e["key"]["gpu"] = "a100"
+        path.write_text(json.dumps(data))
+        expect = "a100"
+    else:
+        _write(user, _cfg(64, 96, 4), thash="0123456789abcdef")
+        expect = "0123456789abcdef"
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        sel = select_config(H100, "fwd", "bf16", 128, True, 2048)
+        select_config(H100, "fwd", "bf16", 128, True, 1024)
+        select_config(H100, "bwd", "bf16", 128, True, 2048)
+    msgs = [str(w.message) for w in caught]
+    assert len(msgs) == 1 and str(path) in msgs[0]
+    assert re.search(expect, msgs[0]), msgs[0]
+    assert sel.config == _cfg(128, 32, 8)  # the next table in the lookup order still serves
+
+
+def test_selection_is_cached():
+    a = select_config(H100, "fwd", "bf16", 128, True, 3000)
+    b = select_config(H100, "fwd", "bf16", 128, True, 2100)  # same bucket
+    assert a is b
