@@ -33,9 +33,13 @@ class Selection:
 
 def table_folders() -> tuple[tuple[str, Path], ...]:
     """(label, folder) in lookup order: the user's folder, then the shipped one."""
+    return _folders(os.environ.get("AUTOFLASH_TUNED_DIR"))
+
+
+@functools.lru_cache(maxsize=8)
+def _folders(user: str | None) -> tuple[tuple[str, Path], ...]:
     from autoflash.resources import tuned_dir, user_tuned_dir
 
-    user = os.environ.get("AUTOFLASH_TUNED_DIR")
     folders = [("$AUTOFLASH_TUNED_DIR", Path(user)) if user else ("per-user", user_tuned_dir())]
     try:
         folders.append(("shipped", tuned_dir()))
@@ -86,5 +90,6 @@ def select_config(profile: GpuProfile, direction: str, dtype: str, head_dim: int
 
 def clear_cache() -> None:
     """Forget loaded tables and selections (after a tune wrote a new table in this process)."""
+    _folders.cache_clear()
     _tables.cache_clear()
     _select.cache_clear()
