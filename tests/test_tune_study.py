@@ -8,7 +8,7 @@ from optuna.trial import TrialState
 
 from autoflash.config import KernelConfig
 from autoflash.problem import ProblemKey
-from autoflash.tuning.space import Candidate, param_values
+from autoflash.tuning.space import Candidate
 from autoflash.tuning.study import KeyStudy, Settings, is_measured
 from autoflash.tuning.worker import WorkerPool
 
@@ -117,9 +117,11 @@ def test_interrupted_trial_is_failed_and_requeued(tmp_path):
     storage = f"sqlite:///{tmp_path / 's.db'}"
     study = optuna.create_study(study_name=f"test/{KEY}", storage=storage, direction="minimize")
     # a trial some other process on this host started on FEASIBLE[3], then died (SIGKILL)
-    study.enqueue_trial({k: getattr(FEASIBLE[3], k) for k in ("block_m", "block_n", "num_warps", "num_stages")})
-    dead = study.ask({k: optuna.distributions.CategoricalDistribution(v)
-                      for k, v in param_values(_candidates(), KEY).items()})
+    (tmp_path / "probe").mkdir()
+    probe, probe_pool, _ = _study(tmp_path / "probe", budget=1)
+    probe_pool.close()
+    study.enqueue_trial(probe.params_of(FEASIBLE[3]))
+    dead = study.ask(probe.distributions())
     dead.set_user_attr("host", __import__("socket").gethostname())
     dead.set_user_attr("pid", 2**22 + 12345)  # no such process
     dead.set_user_attr("config", FEASIBLE[3].name)
@@ -170,3 +172,11 @@ def test_cuda_backend_without_a_gpu_says_so(monkeypatch):
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     with pytest.raises(RuntimeError, match="no CUDA device visible.*--dry-run works without one"):
         CudaBackend("h100")
+
+
+def test_resuming_with_another_space_is_refused(tmp_path):
+    storage = f"sqlite:///{tmp_path / 's.db'}"
+    KeyStudy(KEY, _candidates(), DEFAULT, storage=storage, name="same", settings=Settings(), pool=None)
+    narrower = [c for c in _candidates() if c.config.block_m == 128]
+    with pytest.raises(ValueError, match="was created for knob values .* rerun with the same --space"):
+        KeyStudy(KEY, narrower, DEFAULT, storage=storage, name="same", settings=Settings(), pool=None)

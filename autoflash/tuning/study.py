@@ -80,6 +80,14 @@ def make_storage(url: str):
             time.sleep(0.5 * (attempt + 1))
 
 
+def rank_name(knob: str) -> str:
+    """The Optuna parameter of a knob: its rank among the knob's sorted feasible values. Tile sizes
+    are ordinal (96 lies between 64 and 128), and TPE models an int range as ordered where it
+    treats categories as unrelated; on the cost model this cut the evaluations needed to come
+    within 3% of the best (python -m autoflash.tuning.efficiency)."""
+    return f"{knob}_rank"
+
+
 def make_sampler(name: str, values: dict[str, tuple[int, ...]], seed: int | None):
     with warnings.catch_warnings():  # multivariate TPE and brute force are marked experimental
         warnings.simplefilter("ignore", optuna.exceptions.ExperimentalWarning)
@@ -89,7 +97,8 @@ def make_sampler(name: str, values: dict[str, tuple[int, ...]], seed: int | None
         if name == "random":
             return optuna.samplers.RandomSampler(seed=seed)
         if name == "grid":
-            return optuna.samplers.GridSampler({k: list(v) for k, v in values.items()}, seed=seed)
+            return optuna.samplers.GridSampler({rank_name(k): list(range(len(v))) for k, v in values.items()},
+                                               seed=seed)
         return optuna.samplers.BruteForceSampler(seed=seed)
 
 
@@ -137,6 +146,13 @@ class KeyStudy:
         self.study = optuna.create_study(study_name=name, storage=storage, direction="minimize", load_if_exists=True,
                                          sampler=make_sampler(settings.sampler, self.values, settings.seed))
         self.study.set_user_attr("key", key.to_dict())
+        stored = self.study.user_attrs.get("knob_values")
+        current = {k: list(v) for k, v in self.values.items()}
+        if stored is None:
+            self.study.set_user_attr("knob_values", current)
+        elif stored != current:  # ranks would mean other values: the trials could not be read
+            raise ValueError(f"study {name!r} was created for knob values {stored}; this run's space gives "
+                             f"{current}; rerun with the same --space, or give another --study-name")
         self._lock = threading.Lock()
 
     # ------------------------------------------------------------ bookkeeping
@@ -170,9 +186,15 @@ class KeyStudy:
             recovered.append(t.number)
         return recovered
 
+    def params_of(self, config: KernelConfig) -> dict[str, int]:
+        """The Optuna params that propose `config` (one rank per knob)."""
+        return {rank_name(k): self.values[k].index(getattr(config, k)) for k in self.names}
+
+    def distributions(self) -> dict:
+        return {rank_name(k): optuna.distributions.IntDistribution(0, len(v) - 1) for k, v in self.values.items()}
+
     def enqueue_default(self) -> None:
-        params = {k: getattr(self.default, k) for k in self.names}
-        self.study.enqueue_trial(params, user_attrs={"default": True}, skip_if_exists=True)
+        self.study.enqueue_trial(self.params_of(self.default), user_attrs={"default": True}, skip_if_exists=True)
 
     # ------------------------------------------------------------ the objective
     def _prune(self, trial, status: str, reason: str):
@@ -188,7 +210,7 @@ class KeyStudy:
         return msg
 
     def objective(self, trial) -> float:
-        params = {k: trial.suggest_categorical(k, self.values[k]) for k in self.names}
+        params = {k: self.values[k][trial.suggest_int(rank_name(k), 0, len(self.values[k]) - 1)] for k in self.names}
         trial.set_user_attr("host", HOST)
         trial.set_user_attr("pid", os.getpid())
         try:
