@@ -116,6 +116,17 @@ def test_tune_writes_a_valid_table_and_plot(tmp_path):
     assert load_table(again / "h100.json").get(entry.key).winner.name == entry.winner.name
 
 
+def _measured_in_storage(out):
+    """Configs whose trials the storage beside the table holds as COMPLETE."""
+    storage = f"sqlite:///{out / 'h100.optuna.db'}"
+    done = set()
+    for summary in optuna.get_all_study_summaries(storage):
+        study = optuna.load_study(study_name=summary.study_name, storage=storage)
+        done |= {t.user_attrs["config"] for t in study.get_trials(states=(optuna.trial.TrialState.COMPLETE,))
+                 if "config" in t.user_attrs}
+    return done
+
+
 def test_sigkill_then_the_same_command_resumes(tmp_path):
     log = tmp_path / "log.jsonl"
     cmd = [*SMALL, "--causal", "on", "--backend", "simulated", "--out", str(tmp_path), "--budget", "8",
@@ -123,20 +134,27 @@ def test_sigkill_then_the_same_command_resumes(tmp_path):
     proc = subprocess.Popen([sys.executable, "-m", "autoflash.tune", *cmd], stdout=subprocess.DEVNULL,
                             stderr=subprocess.PIPE)
     deadline = time.monotonic() + 300
-    while sum(e["event"] == "end" for e in _events(log)) < 3:
+
+    def mid_measurement(events):  # three measured, and a fourth started but not ended
+        kinds = [e["event"] for e in events]
+        return kinds.count("end") >= 3 and kinds.count("start") > kinds.count("end")
+
+    while not mid_measurement(_events(log)):
         assert proc.poll() is None and time.monotonic() < deadline, proc.stderr.read().decode()[-2000:]
-        time.sleep(0.05)
-    time.sleep(0.2)  # into the next measurement
+        time.sleep(0.02)
     proc.send_signal(signal.SIGKILL)
     proc.wait()
     first = _events(log)
+    recorded = _measured_in_storage(tmp_path)
+    assert len(recorded) >= 3  # one worker: a measurement starts only after the last was told
     _tune(*cmd)
     events = _events(log)
     ends = [e["config"] for e in events if e["event"] == "end"]
-    assert len(ends) == len(set(ends)) == 8  # nothing repeated, the budget met
-    interrupted = {e["config"] for e in first if e["event"] == "start"} - {e["config"] for e in first
-                                                                            if e["event"] == "end"}
-    assert interrupted <= set(ends)  # the config killed mid-measurement was measured on resume: not lost
+    assert len(set(ends)) == 8  # the budget met with distinct configs
+    repeated = {c for c in ends if ends.count(c) > 1}
+    assert not repeated & recorded  # nothing the storage held as measured was measured again
+    started = {e["config"] for e in first if e["event"] == "start"}
+    assert started <= set(ends)  # what the kill cut off was measured on resume: nothing lost
     entry = load_table(tmp_path / "h100.json").get(ProblemKey("h100", "fwd", "fp16", 64, True, "le1k"))
     assert entry.evaluated == 8
 

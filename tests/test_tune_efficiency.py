@@ -1,6 +1,6 @@
 """The search-efficiency benchmark (autoflash.tuning.efficiency) on a small real space: one key whose
-space is narrowed to num_stages=2, compiled with NVRTC once (cached on disk), measured in process by
-the simulated backend's cost model."""
+space is narrowed to num_stages=2 and num_warps=4, compiled with NVRTC once (cached on disk) and
+measured in process by the simulated backend's cost model."""
 import json
 import math
 
@@ -16,7 +16,9 @@ from autoflash.tuning.simulated import TIMINGS_FORMAT, TIMINGS_VERSION, Simulate
 
 KEY = ProblemKey("h100", "fwd", "fp16", 64, False, "le4k")
 CLI = ["--gpu", "h100", "--directions", "fwd", "--dtypes", "fp16", "--head-dims", "64", "--causal", "off",
-       "--seqlen-buckets", "le4k", "--space", "num_stages=2", "--jobs", "1", "--no-progress"]
+       "--seqlen-buckets", "le4k", "--space", "num_stages=2", "--space", "num_warps=4", "--jobs", "1",
+       "--no-progress"]
+RESTRICT = {"num_stages": (2,), "num_warps": (4,)}  # ~20 NVRTC compiles on a cold cache (~1.3 s each)
 
 
 @pytest.fixture(autouse=True)
@@ -27,7 +29,7 @@ def _quiet_optuna():
 @pytest.fixture(scope="module")
 def space():
     profile = get_profile("h100")
-    spaces = prepare_spaces([KEY], profile, restrict={"num_stages": (2,)}, jobs=1, progress=False)
+    spaces = prepare_spaces([KEY], profile, restrict=RESTRICT, jobs=1, progress=False)
     default, candidates = spaces_for(spaces, KEY)
     feasible = feasible_for(KEY, candidates, None)
     assert len(feasible) >= 5 and default.name in {c.config.name for c in feasible}

@@ -8,9 +8,10 @@ by --space, configs over shared memory or spilling registers dropped after an NV
 GPU's arch, cached on disk). Every feasible config is then evaluated (N of them): the exhaustive best.
 Then, for each sampler and seed, a tuner study (in memory, measuring in process, budget N, the built-in
 default first as in a real tune) runs, and n is the first measurement count at which the best so far
-is within --within (3%) of the exhaustive best. Reported per key and sampler: N, the median and worst
-n over the seeds, and median n / N. Random search is the baseline. Exit status 0 when every key's
-TPE median n / N is <= --fraction (0.30), else 1.
+is within --within (3%) of the exhaustive best (the study stops there: the rest cannot change n).
+Reported per key and sampler: N, K (configs within 3%), the median and worst n over the seeds ("never":
+not reached within the study's budget or trial ceiling) and median n / N. Random search is the
+baseline. Exit status 0 when every key's TPE median n / N is <= --fraction (0.30), else 1.
 
 Times come from the simulated backend: its cost model by default, which is a plausibility model with
 the features of a GPU's landscape (smooth regions, occupancy cliffs), NOT a GPU measurement; or, with
@@ -82,7 +83,7 @@ def exhaustive(key, feasible, backend) -> list[tuple[str, float]]:
 
 
 class _Reached(Exception):
-    """Raised from the trial callback to end a study once the target is met: what follows cannot change n."""
+    """Ends a study once the target is met (from its trial callback): what follows cannot change n."""
 
 
 def search(key, default, feasible, backend, sampler: str, seed: int, *, stop_at: float | None = None,
@@ -180,21 +181,24 @@ def run(args) -> dict:
     gate = "tpe" if "tpe" in args.samplers else args.samplers[0]
     return {"backend": f"recorded timings {args.timings}" if args.timings else "simulated cost model",
             "gpu": profile.name, "settings": {k: v for k, v in vars(args).items() if k not in ("out", "no_progress")},
-            "gate": {"sampler": gate, "within": args.within, "fraction": args.fraction,
+            "gate": {"sampler": gate, "within": args.within, "fraction": args.fraction, "seeds": args.seeds,
                      "pass": all(r["samplers"][gate]["pass"] for r in rows)}, "keys": rows}
 
 
 def format_table(report: dict) -> str:
     g = report["gate"]
-    lines = [f"{report['gpu']}, {report['backend']} (not a GPU measurement unless recorded timings): "
-             f"n = measurements to reach <= {1 + g['within']:g} x the exhaustive best",
-             f"{'key':<28} {'N':>4} {'<=tol':>5} {'sampler':<10} {'median n':>8} {'worst n':>7} {'n/N':>6}  ok"]
+    lines = [f"{report['gpu']}, {report['backend']}: n = measurements until the best so far is <= "
+             f"{1 + g['within']:g} x the exhaustive best of N feasible configs ({g['seeds']} seeds; K = configs "
+             f"that close; default = default / best)",
+             f"{'key':<28} {'N':>4} {'K':>3} {'default':>7} {'sampler':<10} {'median n':>8} {'worst n':>7} "
+             f"{'n/N':>5}  ok"]
     fmt = lambda x, f: "never" if x is None else format(x, f)  # noqa: E731
     for r in report["keys"]:
         for name, s in r["samplers"].items():
-            lines.append(f"{r['key']:<28} {r['feasible']:>4} {r['within_tolerance']:>5} {name:<10} "
-                         f"{fmt(s['median_n'], 'g'):>8} {fmt(s['worst_n'], 'g'):>7} {fmt(s['median_fraction'], '.2f'):>6}"
-                         f"  {'yes' if s['pass'] else 'NO'}")
+            lines.append(f"{r['key']:<28} {r['feasible']:>4} {r['within_tolerance']:>3} "
+                         f"{r['default_ms'] / r['best_ms']:>6.2f}x {name:<10} {fmt(s['median_n'], 'g'):>8} "
+                         f"{fmt(s['worst_n'], 'g'):>7} {fmt(s['median_fraction'], '.2f'):>5}  "
+                         f"{'yes' if s['pass'] else 'NO'}")
     lines.append(f"gate ({g['sampler']} median n/N <= {g['fraction']:g} on every key): "
                  f"{'PASS' if g['pass'] else 'FAIL'}")
     return "\n".join(lines)
@@ -203,9 +207,10 @@ def format_table(report: dict) -> str:
 def main(argv: list[str] | None = None) -> int:
     parser = make_parser()
     args = parser.parse_args(argv)
-    if args.seeds < 1 or not 0 <= args.within < 1 or not 0 < args.fraction <= 1:
-        parser.error(f"--seeds/--within/--fraction: got {args.seeds}/{args.within}/{args.fraction}, "
-                     "expected >= 1, in [0, 1) and in (0, 1]")
+    jobs = 1 if args.jobs is None else args.jobs
+    if args.seeds < 1 or not 0 <= args.within < 1 or not 0 < args.fraction <= 1 or jobs < 1:
+        parser.error(f"--seeds/--within/--fraction/--jobs: got {args.seeds}/{args.within}/{args.fraction}/"
+                     f"{args.jobs}, expected >= 1, in [0, 1), in (0, 1] and >= 1")
     try:
         report = run(args)
     except ValueError as e:
