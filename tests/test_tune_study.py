@@ -180,3 +180,23 @@ def test_resuming_with_another_space_is_refused(tmp_path):
     narrower = [c for c in _candidates() if c.config.block_m == 128]
     with pytest.raises(ValueError, match="was created for knob values .* rerun with the same --space"):
         KeyStudy(KEY, narrower, DEFAULT, storage=storage, name="same", settings=Settings(), pool=None)
+
+
+@pytest.mark.parametrize("sampler", ["bruteforce", "grid"])
+def test_exhaustive_samplers_measure_the_whole_space_once(tmp_path, sampler):
+    # Every point feasible: the tell of the last one is where grid and brute force stop the study,
+    # and the enqueued default must not cost the grid one of its points.
+    space = [_cfg(128, n, 8, s) for n in (32, 64) for s in (2, 3)]
+    log = tmp_path / "measurements.jsonl"
+    pool = WorkerPool({"backend": "simulated", "options": {"gpu": "h100", "log": str(log)}}, 1)
+    pool.start()
+    ks = KeyStudy(KEY, [Candidate(c, "ok", registers=200, spill_bytes=0) for c in space], DEFAULT,
+                  storage=f"sqlite:///{tmp_path / 's.db'}", name=f"test/{KEY}",
+                  settings=Settings(budget=100, sampler=sampler, timeout=3.0), pool=pool)
+    with pool:
+        outcome = ks.run()
+    measured = [e["config"] for e in _events(log) if e["event"] == "end"]
+    assert sorted(measured) == sorted(c.name for c in space)  # each config once, none left out
+    assert outcome.evaluated == 4 and outcome.default is not None
+    assert all(t.state != TrialState.RUNNING for t in ks.trials())
+    assert ks.max_trials == 4 + 1  # the grid's points and the enqueued default on top

@@ -93,6 +93,8 @@ def make_sampler(name: str, values: dict[str, tuple[int, ...]], seed: int | None
         warnings.simplefilter("ignore", optuna.exceptions.ExperimentalWarning)
         if name == "tpe":
             # multivariate: the knobs interact (a tile fits only with so many warps and stages).
+            # n_startup_trials counts pruned trials (infeasible points) and the enqueued default too,
+            # so the random start costs fewer than 8 measurements before TPE models the landscape.
             return optuna.samplers.TPESampler(seed=seed, n_startup_trials=8, multivariate=True, constant_liar=True)
         if name == "random":
             return optuna.samplers.RandomSampler(seed=seed)
@@ -254,10 +256,13 @@ class KeyStudy:
     def max_trials(self) -> int:
         """A ceiling on all trials (pruned ones included), in case a sampler keeps proposing
         infeasible or duplicate points; grid and brute force stop on their own when exhausted."""
+        if self.settings.sampler not in ("grid", "bruteforce"):
+            return max(20 * self.settings.budget, 200)
         grid = 1
         for v in self.values.values():
             grid *= len(v)
-        return grid if self.settings.sampler in ("grid", "bruteforce") else max(20 * self.settings.budget, 200)
+        # enqueued trials (the default, retries) come on top: the grid still visits their points
+        return grid + sum("fixed_params" in t.system_attrs for t in self.trials())
 
     # ------------------------------------------------------------ running
     def baseline(self) -> float | None:
@@ -286,24 +291,37 @@ class KeyStudy:
                     self._stop.set()
                     return
                 trial = self.study.ask()
+            told = {}
             try:
                 with get_heartbeat_thread(trial._trial_id, self.study._storage):
-                    value = self.objective(trial)
-                frozen = self.study.tell(trial, value)
+                    told["values"] = self.objective(trial)
             except optuna.TrialPruned:
-                frozen = self.study.tell(trial, state=TrialState.PRUNED)
+                told["state"] = TrialState.PRUNED
             except TrialFailed:
-                frozen = self.study.tell(trial, state=TrialState.FAIL)
+                told["state"] = TrialState.FAIL
             except BaseException:  # Ctrl-C or a bug: this trial is failed and its config queued again
                 self._stop.set()
                 trial.set_user_attr("failure", "interrupted")
-                self.study.tell(trial, state=TrialState.FAIL)
+                self._tell(trial, state=TrialState.FAIL)
                 if trial.params:
                     self.study.enqueue_trial(trial.params, user_attrs={"retry_of": trial.number})
                 raise
+            frozen = self._tell(trial, **told)
             if self.on_trial is not None:
                 with self._lock:
                     self.on_trial(frozen, self)
+
+    def _tell(self, trial, values=None, state=None):
+        """study.tell, where a sampler's "space used up" ends this study's loop. Grid and brute force
+        call study.stop() from tell once every point is done, which Optuna allows only inside
+        study.optimize() (a RuntimeError here, raised after the trial's state is stored)."""
+        try:
+            return self.study.tell(trial, values, state=state)
+        except RuntimeError as e:
+            if "Study.stop" not in str(e):
+                raise
+            self._stop.set()
+            return self.study.get_trials(deepcopy=False)[trial.number]
 
     def run(self) -> Outcome:
         self.recover_interrupted()
