@@ -10,6 +10,12 @@ import importlib
 __version__ = "0.1.0"
 
 _EXPORTS = {
+    "Explanation": "autoflash.explain",
+    "FallbackWarning": "autoflash.dispatch",
+    "UnsupportedCallError": "autoflash.dispatch",
+    "attention": "autoflash.dispatch",
+    "explain": "autoflash.explain",
+    "patch_sdpa": "autoflash.dispatch",
     "KernelConfig": "autoflash.config",
     "default_backward_config": "autoflash.defaults",
     "default_config": "autoflash.defaults",

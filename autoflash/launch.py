@@ -16,11 +16,12 @@ from autoflash.reference import LOG2E  # the kernels run the softmax in base 2
 
 DELTA_ROWS_PER_BLOCK = 4  # the backward's delta kernel: one warp per query row, 128 threads
 
-__all__ = ["DTYPE_NAMES", "flash_backward", "flash_forward", "load_functions"]
+__all__ = ["DTYPE_NAMES", "device_profile", "flash_backward", "flash_forward", "load_functions"]
 
 
 @functools.lru_cache(maxsize=None)
-def _device_profile(index: int) -> GpuProfile:
+def device_profile(index: int) -> GpuProfile:
+    """The GpuProfile of CUDA device `index`, probed once per process."""
     return detect(index)
 
 
@@ -49,7 +50,7 @@ def _prepare(q, k, v, causal, scale, what: str):
         raise ValueError(f"{what} runs on CUDA tensors; got tensors on {q.device}")
     scale = check_scale(scale, q.shape[-1])
     index = q.device.index if q.device.index is not None else torch.cuda.current_device()
-    return dtype, scale, index, _device_profile(index)
+    return dtype, scale, index, device_profile(index)
 
 
 def _call(fn, grid, threads: int, smem: int, device: torch.device, args) -> None:

@@ -1,0 +1,250 @@
+"""The model-facing entry point: `autoflash.attention`, a drop-in for
+torch.nn.functional.scaled_dot_product_attention.
+
+Every call is first validated as SDPA validates it (so bad input fails here, with what was received
+and what is accepted, whichever path runs), then planned: either the autoflash kernels (the custom
+ops of autoflash/ops.py, config picked by autoflash/selection.py) or, for what the kernels do not
+support yet, torch's own SDPA with one warning per reason (`strict=True` or AUTOFLASH_STRICT=1
+raises instead). The planning reads tensor metadata only: no synchronisation, no allocation. It
+is plain Python that torch.compile traces, so a compiled model keeps the path (and the warning,
+given once at trace time) with no graph break.
+"""
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import math
+import os
+import warnings
+
+import torch
+
+from autoflash.config import HEAD_DIM_MAX, HEAD_DIM_MIN, HEAD_DIM_STEP
+
+# torch's SDPA itself (torch.nn.functional re-exports it), kept here so patch_sdpa() cannot
+# route the fallback back into autoflash.
+_torch_sdpa = torch._C._nn.scaled_dot_product_attention
+
+KERNEL_DTYPES = (torch.float16, torch.bfloat16)
+_GRID_YZ_MAX = 65535  # CUDA's gridDim.y / gridDim.z: heads and batch
+STRICT_ENV = "AUTOFLASH_STRICT"
+
+
+class UnsupportedCallError(ValueError):
+    """Raised in strict mode for a call the kernels cannot run (instead of falling back to SDPA)."""
+
+
+class FallbackWarning(RuntimeWarning):
+    """A call ran torch SDPA instead of the autoflash kernels; given once per reason per process."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Plan:
+    """How one call runs: `reason` is None for the kernels, else why it goes to torch SDPA."""
+
+    reason: str | None
+    scale: float
+    batch_shape: tuple[int, ...] = ()  # the dims before (heads, seqlen, head_dim), flattened for the kernels
+
+
+# ------------------------------------------------------------------ validation (SDPA's error cases)
+def _validate(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa) -> None:
+    for name, t in (("query", query), ("key", key), ("value", value)):
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"{name}: got {type(t).__name__}, expected a torch.Tensor")
+        if t.dim() < 2:
+            raise ValueError(f"{name}: got shape {tuple(t.shape)}, expected (..., seqlen, head_dim)")
+    if not (query.dtype == key.dtype == value.dtype):
+        raise TypeError(f"query, key, value dtypes: got {query.dtype}, {key.dtype}, {value.dtype}; expected one dtype")
+    if not query.is_floating_point():
+        raise TypeError(f"dtype: got {query.dtype}, expected a floating-point dtype")
+    if not (query.device == key.device == value.device):
+        raise ValueError(f"query, key, value devices: got {query.device}, {key.device}, {value.device}; "
+                         "expected one device")
+    if query.shape[-1] != key.shape[-1]:
+        raise ValueError(f"head_dim: got query {tuple(query.shape)} and key {tuple(key.shape)}; expected the same "
+                         "last dim (E)")
+    if key.shape[-2] != value.shape[-2]:
+        raise ValueError(f"key {tuple(key.shape)} and value {tuple(value.shape)}: expected the same sequence "
+                         "length (dim -2)")
+    if not isinstance(is_causal, bool):
+        raise TypeError(f"is_causal: got {is_causal!r}, expected a bool")
+    if not isinstance(enable_gqa, bool):
+        raise TypeError(f"enable_gqa: got {enable_gqa!r}, expected a bool")
+    if isinstance(dropout_p, bool) or not isinstance(dropout_p, (int, float)):
+        raise TypeError(f"dropout_p: got {type(dropout_p).__name__}, expected a float")
+    if not 0.0 <= dropout_p < 1.0:
+        raise ValueError(f"dropout_p: got {dropout_p}, expected a probability in [0, 1)")
+    if scale is not None and (isinstance(scale, bool) or not isinstance(scale, (int, float))
+                              or not math.isfinite(scale)):
+        raise TypeError(f"scale: got {scale!r}, expected a finite float or None (1/sqrt(E))")
+    heads_dim = 3 if enable_gqa else 2  # dims that must broadcast: batch (and heads unless GQA)
+    qb, kb, vb = (t.shape[:-heads_dim] if t.dim() >= heads_dim else () for t in (query, key, value))
+    try:
+        torch.broadcast_shapes(qb, kb, vb)
+    except RuntimeError:
+        what = "batch dims" if enable_gqa else "batch and head dims"
+        raise ValueError(f"{what}: got query {tuple(query.shape)}, key {tuple(key.shape)}, value "
+                         f"{tuple(value.shape)}; expected them broadcastable") from None
+    if enable_gqa and query.dim() >= 3 and key.dim() >= 3:
+        hq, hkv = query.shape[-3], key.shape[-3]
+        if hkv == 0 or hq % hkv or value.shape[-3] != hkv:
+            raise ValueError(f"enable_gqa: got {hq} query heads and key/value heads {hkv}/{value.shape[-3]}; "
+                             "expected key and value heads equal and dividing the query heads")
+    if attn_mask is not None:
+        if not isinstance(attn_mask, torch.Tensor):
+            raise TypeError(f"attn_mask: got {type(attn_mask).__name__}, expected a torch.Tensor or None")
+        if attn_mask.dtype not in (torch.bool, torch.float32, query.dtype):
+            raise TypeError(f"attn_mask: got {attn_mask.dtype}, expected torch.bool, torch.float32 or the query's "
+                            f"{query.dtype}")
+        if is_causal:
+            raise ValueError("attn_mask and is_causal=True: got both, expected one (is_causal is the "
+                             "top-left causal mask)")
+        heads = (query.shape[-3],) if enable_gqa and query.dim() >= 3 else ()  # else inside qb already
+        weights = (*torch.broadcast_shapes(qb, kb), *heads, query.shape[-2], key.shape[-2])
+        try:
+            ok = torch.broadcast_shapes(attn_mask.shape, weights) == torch.Size(weights)
+        except RuntimeError:
+            ok = False
+        if not ok:
+            raise ValueError(f"attn_mask: got shape {tuple(attn_mask.shape)}, expected broadcastable to the "
+                             f"attention weights {tuple(weights)}")
+
+
+# ------------------------------------------------------------------ planning
+@torch.compiler.assume_constant_result
+def _device_reason(device_index: int) -> str:
+    """Why CUDA device `device_index` cannot run the kernels ("" if it can); probed once per device.
+    A constant for torch.compile: the probe runs at trace time, not in the graph."""
+    return _probe_device(device_index)
+
+
+_device_reasons: dict[int, str] = {}
+
+
+def _probe_device(device_index: int) -> str:
+    if device_index not in _device_reasons:
+        try:
+            import cupy  # noqa: F401  (loads and launches the kernels)
+
+            from autoflash.launch import device_profile
+
+            device_profile(device_index)
+            reason = ""
+        except ImportError as e:
+            reason = f"CuPy is not importable ({e}); install autoflash's dependencies"
+        except ValueError as e:  # an older GPU, or limits autoflash does not know
+            reason = str(e)
+        _device_reasons[device_index] = reason
+    return _device_reasons[device_index]
+
+
+def plan(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, enable_gqa=False, *,
+         device_check: bool = True) -> Plan:
+    """Validates a call as SDPA would and decides its path (see Plan). `device_check=False` skips
+    the CUDA-device requirement (explain(..., gpu=NAME) plans for a GPU that is not here)."""
+    _validate(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa)
+    e, ev = query.shape[-1], value.shape[-1]
+    sc = 1.0 / math.sqrt(e) if scale is None else float(scale)
+    if device_check and query.device.type != "cuda":
+        return Plan(f"{query.device.type} tensors: the kernels run on CUDA GPUs", sc)
+    if query.dtype not in KERNEL_DTYPES:
+        return Plan(f"dtype {query.dtype}: the kernels run float16 and bfloat16", sc)
+    if attn_mask is not None:
+        return Plan("attn_mask: the kernels take no explicit mask yet (is_causal=True runs on them)", sc)
+    if dropout_p > 0.0:
+        return Plan("dropout_p > 0: the kernels have no dropout yet", sc)
+    if e != ev or not (HEAD_DIM_MIN <= e <= HEAD_DIM_MAX and e % HEAD_DIM_STEP == 0):
+        return Plan(f"head_dim {e} (value {ev}): the kernels run equal query/value head dims, multiples of "
+                    f"{HEAD_DIM_STEP} in [{HEAD_DIM_MIN}, {HEAD_DIM_MAX}]", sc)
+    if not sc > 0.0:
+        return Plan(f"scale {sc}: the kernels take a positive scale", sc)
+    if query.dim() < 3 or not (query.dim() == key.dim() == value.dim()) \
+            or query.shape[:-3] != key.shape[:-3] or key.shape[:-3] != value.shape[:-3] \
+            or (not enable_gqa and not (query.shape[-3] == key.shape[-3] == value.shape[-3])):
+        return Plan(f"shapes query {tuple(query.shape)}, key {tuple(key.shape)}: the kernels take (..., heads, "
+                    "seqlen, head_dim) inputs with the same leading dims (no broadcasting)", sc)
+    batch_shape = tuple(query.shape[:-3])
+    if math.prod(batch_shape) > _GRID_YZ_MAX or query.shape[-3] > _GRID_YZ_MAX:
+        return Plan(f"batch {math.prod(batch_shape)} x heads {query.shape[-3]}: the kernels launch at most "
+                    f"{_GRID_YZ_MAX} of each", sc)
+    if device_check:
+        index = query.device.index if query.device.index is not None else torch.cuda.current_device()
+        reason = _device_reason(index)
+        if reason:
+            return Plan(f"cuda:{index}: {reason}", sc)
+    return Plan(None, sc, batch_shape)
+
+
+# ------------------------------------------------------------------ fallback policy
+_warned: set[str] = set()
+
+
+@torch.compiler.assume_constant_result
+def _warn_once(reason: str) -> bool:
+    """One FallbackWarning per reason per process (under torch.compile: once, at trace time)."""
+    if reason not in _warned:
+        _warned.add(reason)
+        warnings.warn(f"autoflash: running torch SDPA instead of the autoflash kernels: {reason} "
+                      f"(strict=True or {STRICT_ENV}=1 raises instead; autoflash.explain(...) shows the path)",
+                      FallbackWarning, stacklevel=3)
+    return True
+
+
+def is_strict(strict: bool | None) -> bool:
+    if strict is None:
+        return os.environ.get(STRICT_ENV, "").strip().lower() in ("1", "true", "yes", "on")
+    if not isinstance(strict, bool):
+        raise TypeError(f"strict: got {strict!r}, expected a bool or None ({STRICT_ENV})")
+    return strict
+
+
+# ------------------------------------------------------------------ the entry point
+def attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, attn_mask: torch.Tensor | None = None,
+              dropout_p: float = 0.0, is_causal: bool = False, scale: float | None = None, enable_gqa: bool = False,
+              *, strict: bool | None = None) -> torch.Tensor:
+    """scaled_dot_product_attention on autoflash's kernels: same arguments, shapes and semantics.
+
+    query (..., Hq, L, E), key (..., H, S, E), value (..., H, S, Ev) -> (..., Hq, L, Ev); is_causal
+    is the top-left causal mask; scale defaults to 1/sqrt(E); enable_gqa lets H divide Hq.
+    Differentiable. What the kernels do not run yet (CPU tensors, float32, attn_mask, dropout,
+    other head dims, broadcast batch dims) runs torch SDPA with one FallbackWarning per reason;
+    strict=True (or AUTOFLASH_STRICT=1) raises UnsupportedCallError instead.
+    """
+    p = plan(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa)
+    if p.reason is not None:
+        if is_strict(strict):
+            raise UnsupportedCallError(f"autoflash.attention (strict): {p.reason}; without strict this call "
+                                       "would run torch SDPA")
+        _warn_once(p.reason)
+        return _torch_sdpa(query, key, value, attn_mask=attn_mask, dropout_p=dropout_p, is_causal=is_causal,
+                           scale=scale, enable_gqa=enable_gqa)
+    from autoflash import ops  # noqa: F401  (registers torch.ops.autoflash)
+
+    if query.dim() == 4:
+        out, _ = torch.ops.autoflash.attention_fwd(query, key, value, is_causal, p.scale)
+        return out
+    flat = [t.reshape(-1, *t.shape[-3:]) for t in (query, key, value)]
+    out, _ = torch.ops.autoflash.attention_fwd(*flat, is_causal, p.scale)
+    return out.reshape(*p.batch_shape, *out.shape[1:])
+
+
+@contextlib.contextmanager
+def patch_sdpa(*, strict: bool | None = None):
+    """Within the block, torch.nn.functional.scaled_dot_product_attention is autoflash.attention
+    (code that looks it up through torch.nn.functional at call time, as transformers' "sdpa"
+    attention does). A reference taken before the block (`from torch.nn.functional import
+    scaled_dot_product_attention`) keeps torch's own."""
+    import torch.nn.functional as F
+
+    previous = F.scaled_dot_product_attention
+
+    def patched(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, enable_gqa=False):
+        return attention(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa, strict=strict)
+
+    patched.__doc__ = attention.__doc__
+    F.scaled_dot_product_attention = patched
+    try:
+        yield patched
+    finally:
+        F.scaled_dot_product_attention = previous

@@ -1,0 +1,58 @@
+"""`autoflash.explain(query, key, value, ...)`: which path a call would take and why, and on the
+kernels which forward and backward configs, with the table (or heuristic) each came from."""
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+
+from autoflash.checks import DTYPE_NAMES
+from autoflash.dispatch import plan
+from autoflash.selection import Selection
+
+
+@dataclasses.dataclass(frozen=True)
+class Explanation:
+    path: str  # "autoflash kernels" or "torch SDPA (fallback)"
+    reason: str | None  # why the fallback; None on the kernels
+    gpu: str | None  # the profile the configs were selected for
+    forward: Selection | None
+    backward: Selection | None
+
+    @property
+    def uses_kernels(self) -> bool:
+        return self.reason is None
+
+    def __str__(self) -> str:
+        if not self.uses_kernels:
+            return f"path: {self.path}\nreason: {self.reason}"
+        lines = [f"path: {self.path} on {self.gpu}"]
+        for what, sel in (("forward", self.forward), ("backward", self.backward)):
+            c = sel.config
+            lines.append(f"{what}: {c.name} (block {c.block_m}x{c.block_n}, {c.num_warps} warps, {c.num_stages} "
+                         f"stages, {c.smem_bytes} B shared memory) for {sel.key}\n  from {sel.origin}")
+        return "\n".join(lines)
+
+
+def explain(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, attn_mask: torch.Tensor | None = None,
+            dropout_p: float = 0.0, is_causal: bool = False, scale: float | None = None, enable_gqa: bool = False,
+            *, gpu: str | None = None) -> Explanation:
+    """What autoflash.attention would do with these arguments, without running anything.
+
+    gpu=NAME (a profile: "h100", "a100", ...) explains the call as if the tensors were on that GPU,
+    so configs can be inspected on any machine; by default the tensors' own device decides."""
+    from autoflash.gpus import get_profile
+    from autoflash.launch import device_profile
+    from autoflash.selection import select_config
+
+    p = plan(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa, device_check=gpu is None)
+    if p.reason is not None:
+        return Explanation("torch SDPA (fallback)", p.reason, gpu, None, None)
+    if gpu is not None:
+        profile = get_profile(gpu)
+    else:
+        index = query.device.index if query.device.index is not None else torch.cuda.current_device()
+        profile = device_profile(index)
+    args = (profile, DTYPE_NAMES[query.dtype], query.shape[-1], is_causal, key.shape[-2])
+    fwd, bwd = select_config(args[0], "fwd", *args[1:]), select_config(args[0], "bwd", *args[1:])
+    return Explanation("autoflash kernels", None, profile.name, fwd, bwd)

@@ -1,0 +1,311 @@
+"""autoflash.attention, the SDPA drop-in: validation, the fallback policy, the custom ops under
+autograd and torch.compile, explain, patch_sdpa.
+
+On the CPU every call takes the fallback (torch SDPA). The kernel path's own logic (reshaping,
+the custom ops, their autograd and fake implementations) runs on the CPU too with `kernel_path`:
+the device requirement lifted, the ops' CPU implementations (the PyTorch references) stand in
+for the CUDA kernels."""
+import functools
+import warnings
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import autoflash
+from autoflash import dispatch, ops, resources, selection
+from autoflash.codegen import template_hash
+from autoflash.config import KernelConfig
+from autoflash.dispatch import FallbackWarning, UnsupportedCallError
+from autoflash.problem import ProblemKey
+from autoflash.selection import HEURISTIC
+from autoflash.tuning.table import Entry, Result, Table, merge_into, table_path
+
+
+@pytest.fixture(autouse=True)
+def _fresh_warnings(monkeypatch):
+    monkeypatch.delenv(dispatch.STRICT_ENV, raising=False)
+    dispatch._warned.clear()
+    yield
+    dispatch._warned.clear()
+
+
+@pytest.fixture
+def kernel_path(monkeypatch):
+    """Plans as on a GPU, so CPU tensors reach torch.ops.autoflash (CPU reference implementations)."""
+    monkeypatch.setattr(dispatch, "plan", functools.partial(dispatch.plan, device_check=False))
+
+
+def _qkv(q_shape, kv_shape, dtype=torch.float32, grad=False, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    q = torch.randn(q_shape, generator=g, dtype=torch.float32).to(dtype)
+    k, v = (torch.randn(kv_shape, generator=g, dtype=torch.float32).to(dtype) for _ in range(2))
+    return tuple(t.requires_grad_(grad) for t in (q, k, v))
+
+
+# (query shape, key/value shape, kwargs): extra batch dims, Lq != Lk, GQA, scale, causal
+CASES = {
+    "4d": ((2, 4, 17, 64), (2, 4, 17, 64), {}),
+    "causal_lq_lt_lk": ((2, 4, 9, 64), (2, 4, 23, 64), {"is_causal": True}),
+    "causal_lq_gt_lk": ((1, 2, 23, 32), (1, 2, 9, 32), {"is_causal": True}),
+    "extra_batch_dims": ((2, 3, 4, 11, 64), (2, 3, 4, 13, 64), {"is_causal": True}),
+    "gqa": ((2, 8, 16, 128), (2, 2, 20, 128), {"enable_gqa": True, "is_causal": True}),
+    "scale": ((1, 2, 10, 64), (1, 2, 12, 64), {"scale": 0.3}),
+    "3d": ((4, 15, 64), (4, 15, 64), {"is_causal": True}),
+}
+
+
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_fallback_equals_sdpa_outputs_and_grads(case):
+    q_shape, kv_shape, kw = CASES[case]
+    q, k, v = _qkv(q_shape, kv_shape, grad=True)
+    with pytest.warns(FallbackWarning, match="cpu tensors"):
+        out = autoflash.attention(q, k, v, **kw)
+    ref = F.scaled_dot_product_attention(q, k, v, **kw)
+    assert torch.equal(out, ref)
+    dout = torch.randn_like(out)
+    assert all(torch.equal(a, b) for a, b in zip(torch.autograd.grad(out, (q, k, v), dout),
+                                                 torch.autograd.grad(ref, (q, k, v), dout)))
+
+
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_kernel_path_matches_sdpa(kernel_path, case):
+    q_shape, kv_shape, kw = CASES[case]
+    q, k, v = _qkv(q_shape, kv_shape, torch.bfloat16, grad=True)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", FallbackWarning)  # the kernel path must not fall back
+        out = autoflash.attention(q, k, v, **kw)
+    assert out.shape == q.shape and out.dtype == q.dtype
+    q32, k32, v32 = (t.detach().float().requires_grad_() for t in (q, k, v))
+    ref = F.scaled_dot_product_attention(q32, k32, v32, **kw)
+    torch.testing.assert_close(out.float(), ref, atol=2e-2, rtol=2e-2)
+    dout = torch.randn_like(out)
+    for g, r in zip(torch.autograd.grad(out, (q, k, v), dout), torch.autograd.grad(ref, (q32, k32, v32), dout.float())):
+        assert g.dtype == torch.bfloat16
+        torch.testing.assert_close(g.float(), r, atol=5e-2, rtol=5e-2)
+
+
+def test_kernel_path_calls_the_custom_op(kernel_path, monkeypatch):
+    calls = []
+    real = torch.ops.autoflash.attention_fwd
+
+    def spy(*args):
+        calls.append(tuple(a.shape if isinstance(a, torch.Tensor) else a for a in args))
+        return real(*args)
+
+    monkeypatch.setattr(torch.ops.autoflash, "attention_fwd", spy)
+    q, k, v = _qkv((2, 3, 4, 11, 64), (2, 3, 2, 13, 64), torch.float16)
+    out = autoflash.attention(q, k, v, is_causal=True, enable_gqa=True)
+    assert out.shape == (2, 3, 4, 11, 64)
+    # leading dims flattened into the batch, the default scale resolved to 1/sqrt(E)
+    assert calls == [((6, 4, 11, 64), (6, 2, 13, 64), (6, 2, 13, 64), True, 0.125)]
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_custom_op_registration(causal):
+    q, k, v = _qkv((2, 4, 33, 64), (2, 2, 40, 64), torch.float64, grad=True)
+    torch.library.opcheck(torch.ops.autoflash.attention_fwd.default, (q, k, v, causal, 0.125))
+    dout = torch.randn(2, 4, 33, 64, dtype=torch.float64)
+    out, lse = torch.ops.autoflash.attention_fwd(q, k, v, causal, 0.125)
+    # the backward op has no autograd formula of its own (no double backward): checked on plain tensors
+    torch.library.opcheck(torch.ops.autoflash.attention_bwd.default,
+                          (dout, q.detach(), k.detach(), v.detach(), out.detach(), lse.detach(), causal, 0.125))
+
+
+def test_compile_fullgraph_on_the_fallback():
+    class Block(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.proj = torch.nn.Linear(64, 64)
+
+        def forward(self, q, k, v):
+            return self.proj(autoflash.attention(q, k, v, is_causal=True))
+
+    torch._dynamo.reset()
+    model = Block()
+    q, k, v = _qkv((2, 4, 16, 64), (2, 4, 16, 64))
+    with pytest.warns(FallbackWarning):
+        out = torch.compile(model, fullgraph=True)(q, k, v)
+    torch.testing.assert_close(out, model.proj(F.scaled_dot_product_attention(q, k, v, is_causal=True)))
+
+
+def test_compile_fullgraph_traces_the_op_with_no_graph_break(kernel_path):
+    graphs = []
+
+    def backend(gm, example_inputs):
+        graphs.append(gm)
+        return gm
+
+    torch._dynamo.reset()
+    fn = torch.compile(lambda q, k, v: autoflash.attention(q, k, v, is_causal=True, enable_gqa=True) * 2,
+                       fullgraph=True, backend=backend)
+    q, k, v = _qkv((2, 4, 16, 64), (2, 2, 16, 64), torch.bfloat16, grad=True)
+    out = fn(q, k, v)
+    out.float().sum().backward()
+    assert len(graphs) == 1 and "torch.ops.autoflash.attention_fwd" in graphs[0].code
+    eager = autoflash.attention(q, k, v, is_causal=True, enable_gqa=True) * 2
+    torch.testing.assert_close(out, eager)
+    assert q.grad is not None and torch.isfinite(q.grad.float()).all()
+    torch._dynamo.reset()
+    # aot_autograd: the fake implementations give the shapes, the backward op is traced too
+    out2 = torch.compile(lambda q, k, v: autoflash.attention(q, k, v, is_causal=True, enable_gqa=True),
+                         fullgraph=True, backend="aot_eager")(q, k, v)
+    torch.testing.assert_close(out2 * 2, eager)
+
+
+# ------------------------------------------------------------------ fallback policy
+def test_one_warning_per_reason_pointing_at_the_caller():
+    q, k, v = _qkv((1, 2, 8, 64), (1, 2, 8, 64))
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for _ in range(3):
+            autoflash.attention(q, k, v)
+        autoflash.attention(q, k, v, attn_mask=torch.ones(8, 8, dtype=torch.bool))  # cpu is still the reason
+    fallbacks = [w for w in caught if issubclass(w.category, FallbackWarning)]
+    assert len(fallbacks) == 1 and fallbacks[0].filename == __file__
+    assert "cpu tensors" in str(fallbacks[0].message) and "strict=True" in str(fallbacks[0].message)
+
+
+def test_each_reason_is_named(kernel_path):
+    q, k, v = _qkv((1, 2, 8, 64), (1, 2, 8, 64), torch.bfloat16)
+    reasons = {
+        "attn_mask": dict(attn_mask=torch.ones(8, 8, dtype=torch.bool)),
+        "dropout_p": dict(dropout_p=0.1),
+        "scale": dict(scale=-1.0),
+    }
+    for word, kw in reasons.items():
+        with pytest.warns(FallbackWarning, match=word):
+            autoflash.attention(q, k, v, **kw)
+    with pytest.warns(FallbackWarning, match="dtype torch.float32"):
+        autoflash.attention(q.float(), k.float(), v.float())
+    with pytest.warns(FallbackWarning, match="head_dim 20"):
+        autoflash.attention(*_qkv((1, 2, 8, 20), (1, 2, 8, 20), torch.bfloat16))
+    with pytest.warns(FallbackWarning, match="value 32"):
+        autoflash.attention(q, k, torch.randn(1, 2, 8, 32, dtype=torch.bfloat16))
+    with pytest.warns(FallbackWarning, match="no broadcasting"):
+        autoflash.attention(q.expand(3, 2, 8, 64), k, v)
+
+
+def test_strict_raises_instead_of_falling_back(monkeypatch):
+    q, k, v = _qkv((1, 2, 8, 64), (1, 2, 8, 64))
+    with pytest.raises(UnsupportedCallError, match="cpu tensors.*would run torch SDPA"):
+        autoflash.attention(q, k, v, strict=True)
+    monkeypatch.setenv(dispatch.STRICT_ENV, "1")
+    with pytest.raises(UnsupportedCallError):
+        autoflash.attention(q, k, v)
+    with pytest.warns(FallbackWarning):  # an explicit strict=False wins over the environment
+        autoflash.attention(q, k, v, strict=False)
+    with pytest.raises(TypeError, match="strict: got 'yes'"):
+        autoflash.attention(q, k, v, strict="yes")
+
+
+# ------------------------------------------------------------------ bad input, as SDPA rejects it
+Q = (2, 4, 8, 16)
+BAD = {
+    "batch": (Q, (3, 4, 10, 16), (3, 4, 10, 16), {}, ValueError, "broadcastable"),
+    "head_dim": (Q, (2, 4, 10, 32), (2, 4, 10, 16), {}, ValueError, "head_dim"),
+    "mask_shape": (Q, (2, 4, 10, 16), (2, 4, 10, 16), {"attn_mask": torch.ones(3, 10, dtype=torch.bool)},
+                   ValueError, r"attn_mask: got shape \(3, 10\)"),
+    "mask_dtype": (Q, (2, 4, 10, 16), (2, 4, 10, 16), {"attn_mask": torch.ones(8, 10, dtype=torch.float16)},
+                   TypeError, "attn_mask: got torch.float16"),
+    "dropout_negative": (Q, (2, 4, 10, 16), (2, 4, 10, 16), {"dropout_p": -0.1}, ValueError, r"\[0, 1\)"),
+    "gqa_heads": ((2, 6, 8, 16), (2, 4, 10, 16), (2, 4, 10, 16), {"enable_gqa": True}, ValueError, "dividing"),
+    "heads_without_gqa": (Q, (2, 2, 10, 16), (2, 2, 10, 16), {}, ValueError, "broadcastable"),
+    "one_dim": ((16,), (16,), (16,), {}, ValueError, "expected \\(..., seqlen, head_dim\\)"),
+}
+
+
+@pytest.mark.parametrize("case", sorted(BAD))
+def test_bad_input_is_rejected_as_sdpa_rejects_it(case):
+    q_shape, k_shape, v_shape, kw, error, message = BAD[case]
+    q, k, v = torch.randn(q_shape), torch.randn(k_shape), torch.randn(v_shape)
+    with pytest.raises(RuntimeError):  # SDPA rejects it too: autoflash refuses nothing SDPA accepts here
+        F.scaled_dot_product_attention(q, k, v, **kw)
+    with pytest.raises(error, match=message):
+        autoflash.attention(q, k, v, **kw)
+    with pytest.raises(error, match=message):  # the same check before explain, and before any kernel
+        autoflash.explain(q, k, v, **kw, gpu="h100")
+
+
+def test_bad_input_sdpa_documents_but_does_not_always_check():
+    q, k, v = _qkv((2, 4, 8, 16), (2, 4, 10, 16))
+    with pytest.raises(ValueError, match=r"\[0, 1\)"):
+        autoflash.attention(q, k, v, dropout_p=1.0)
+    with pytest.raises(ValueError, match="attn_mask and is_causal"):  # "an error is thrown if both are set"
+        autoflash.attention(q, k, v, attn_mask=torch.ones(8, 10, dtype=torch.bool), is_causal=True)
+    with pytest.raises(ValueError, match="same sequence length"):
+        autoflash.attention(q, k, torch.randn(2, 4, 11, 16))
+    with pytest.raises(TypeError, match="dtypes"):
+        autoflash.attention(q, k.double(), v)
+    with pytest.raises(TypeError, match="is_causal: got 1"):
+        autoflash.attention(q, k, v, is_causal=1)
+    with pytest.raises(TypeError, match="query: got list"):
+        autoflash.attention([1.0], k, v)
+
+
+def test_planning_reads_metadata_only():
+    # meta tensors have shapes and dtypes but no data: planning and selection must not touch any
+    q, k, v = (torch.empty(s, dtype=torch.bfloat16, device="meta") for s in ((2, 8, 4096, 128),) + ((2, 2, 4096, 128),) * 2)
+    p = dispatch.plan(q, k, v, is_causal=True, enable_gqa=True, device_check=False)
+    assert p.reason is None and p.scale == pytest.approx(128 ** -0.5)
+    assert autoflash.explain(q, k, v, is_causal=True, enable_gqa=True, gpu="h100").uses_kernels
+
+
+# ------------------------------------------------------------------ explain
+@pytest.fixture
+def tuned_folder(tmp_path, monkeypatch):
+    monkeypatch.setenv("AUTOFLASH_TUNED_DIR", str(tmp_path))
+    monkeypatch.setattr(resources, "tuned_dir", lambda: tmp_path / "none")
+    selection.clear_cache()
+    yield tmp_path
+    selection.clear_cache()
+
+
+def test_explain_reports_each_path(tuned_folder):
+    q, k, v = _qkv((2, 8, 3000, 128), (2, 8, 3000, 128), torch.bfloat16)
+    cpu = autoflash.explain(q, k, v, is_causal=True)
+    assert not cpu.uses_kernels and "cpu tensors" in cpu.reason and "torch SDPA" in str(cpu)
+    masked = autoflash.explain(q, k, v, attn_mask=torch.ones(3000, 3000, dtype=torch.bool), gpu="h100")
+    assert not masked.uses_kernels and "attn_mask" in masked.reason
+
+    heuristic = autoflash.explain(q, k, v, is_causal=True, gpu="h100")
+    assert heuristic.uses_kernels and heuristic.forward.origin == heuristic.backward.origin == HEURISTIC
+    assert heuristic.forward.key == ProblemKey("h100", "fwd", "bf16", 128, True, "le4k")
+    assert heuristic.backward.config.direction == "bwd"
+
+    winner = KernelConfig(head_dim=128, dtype="bf16", block_m=64, block_n=96, num_warps=4, num_stages=2, causal=True)
+    entry = Entry(key=heuristic.forward.key, winner=Result.of(winner, 1.0, 100.0), default=None, sdpa_flash_ms=None,
+                  runner_ups=(), shapes=((4, 16, 4096, 128),), evaluated=1, failed=0, trials=1,
+                  date="2026-11-23T00:00:00+00:00")
+    path = table_path(tuned_folder, "h100")
+    merge_into(path, Table("h100", template_hash(), {"backend": "cuda"}, {}).with_entries(entry))
+    selection.clear_cache()
+    tuned = autoflash.explain(q, k, v, is_causal=True, gpu="h100")
+    assert tuned.forward.config == winner and tuned.forward.origin == f"tuned table {path}"
+    assert tuned.backward.origin == HEURISTIC  # only the forward was tuned
+    text = str(tuned)
+    assert winner.name in text and str(path) in text and "64x96" in text
+
+
+def test_explain_names_an_unknown_gpu():
+    q, k, v = _qkv((1, 2, 8, 64), (1, 2, 8, 64), torch.bfloat16)
+    with pytest.raises(ValueError, match="h900"):
+        autoflash.explain(q, k, v, gpu="h900")
+
+
+# ------------------------------------------------------------------ patch_sdpa
+def test_patch_sdpa_routes_and_restores():
+    original = F.scaled_dot_product_attention
+    q, k, v = _qkv((1, 2, 8, 64), (1, 2, 8, 64))
+    with autoflash.patch_sdpa(strict=True):
+        assert F.scaled_dot_product_attention is not original
+        with pytest.raises(UnsupportedCallError):  # it is autoflash now (strict: no silent fallback)
+            F.scaled_dot_product_attention(q, k, v)
+    assert F.scaled_dot_product_attention is original
+    with pytest.raises(KeyError):
+        with autoflash.patch_sdpa():
+            with pytest.warns(FallbackWarning):
+                out = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+            assert torch.equal(out, original(q, k, v, is_causal=True))  # the fallback is torch's own SDPA
+            raise KeyError("restored on the way out of an exception too")
+    assert F.scaled_dot_product_attention is original
