@@ -4,6 +4,8 @@
     python -m autoflash.bench                      # FlashAttention's default sweep, all directions
     python -m autoflash.bench --head-dims 128 --seqlens 1k,4k --causal on --backends autoflash,flash
     python -m autoflash.bench --direction bwd --dtype fp16 --backends autoflash,flash,math
+    python -m autoflash.bench dispatch --help      # per-call overhead of autoflash.attention vs SDPA
+    python -m autoflash.bench train --help         # a 4-layer transformer trained on both (GPU)
 
 Directions: fwd = the forward call; bwd = the backward only (autoflash: flash_backward on a saved
 forward; SDPA: torch.autograd.grad through a saved graph, retain_graph=True, under the backend);
@@ -335,6 +337,14 @@ def _environment(torch, profile) -> tuple[dict, dict]:
 
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
+    if argv[:1] == ["dispatch"]:  # the per-call overhead benchmark (runs without a GPU too)
+        from autoflash.bench_dispatch import main as dispatch_main
+
+        return dispatch_main(argv[1:])
+    if argv[:1] == ["train"]:  # a small transformer trained with autoflash and with SDPA (GPU)
+        from autoflash.bench_train import main as train_main
+
+        return train_main(argv[1:])
     parser = make_parser()
     args = parser.parse_args(argv)
     if args.reps < 1 or args.warmup < 0:

@@ -81,7 +81,8 @@ def _validate(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_
     heads_dim = 3 if enable_gqa else 2  # dims that must broadcast: batch (and heads unless GQA)
     qb, kb, vb = (t.shape[:-heads_dim] if t.dim() >= heads_dim else () for t in (query, key, value))
     try:
-        torch.broadcast_shapes(qb, kb, vb)
+        if not qb == kb == vb:  # the common case needs no broadcasting (and skips its cost)
+            torch.broadcast_shapes(qb, kb, vb)
     except RuntimeError:
         what = "batch dims" if enable_gqa else "batch and head dims"
         raise ValueError(f"{what}: got query {tuple(query.shape)}, key {tuple(key.shape)}, value "
@@ -101,7 +102,7 @@ def _validate(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_
             raise ValueError("attn_mask and is_causal=True: got both, expected one (is_causal is the "
                              "top-left causal mask)")
         heads = (query.shape[-3],) if enable_gqa and query.dim() >= 3 else ()  # else inside qb already
-        weights = (*torch.broadcast_shapes(qb, kb), *heads, query.shape[-2], key.shape[-2])
+        weights = (*(qb if qb == kb else torch.broadcast_shapes(qb, kb)), *heads, query.shape[-2], key.shape[-2])
         try:
             ok = torch.broadcast_shapes(attn_mask.shape, weights) == torch.Size(weights)
         except RuntimeError:
@@ -219,14 +220,28 @@ def attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, attn_
         _warn_once(p.reason)
         return _torch_sdpa(query, key, value, attn_mask=attn_mask, dropout_p=dropout_p, is_causal=is_causal,
                            scale=scale, enable_gqa=enable_gqa)
-    from autoflash import ops  # noqa: F401  (registers torch.ops.autoflash)
+    q, k, v = (t if t.dim() == 4 else t.reshape(-1, *t.shape[-3:]) for t in (query, key, value))
+    if q.is_cuda and not torch.compiler.is_compiling():
+        out = _eager(q, k, v, is_causal, p.scale)
+    else:  # traced by torch.compile: the custom op, one node with fake shapes and an autograd formula
+        from autoflash import ops  # noqa: F401  (registers torch.ops.autoflash)
 
-    if query.dim() == 4:
-        out, _ = torch.ops.autoflash.attention_fwd(query, key, value, is_causal, p.scale)
-        return out
-    flat = [t.reshape(-1, *t.shape[-3:]) for t in (query, key, value)]
-    out, _ = torch.ops.autoflash.attention_fwd(*flat, is_causal, p.scale)
-    return out.reshape(*p.batch_shape, *out.shape[1:])
+        out, _ = torch.ops.autoflash.attention_fwd(q, k, v, is_causal, p.scale)
+    return out if query.dim() == 4 else out.reshape(*p.batch_shape, *out.shape[1:])
+
+
+def _eager(q, k, v, is_causal: bool, scale: float) -> torch.Tensor:
+    """The same kernels and configs as the custom op, through an autograd.Function: eagerly it costs
+    a few microseconds less per call than the op's dispatch (python -m autoflash.bench dispatch)."""
+    from autoflash.function import FlashAttentionFunction
+    from autoflash.ops import chunked, selected_config
+
+    q, k, v = chunked(q), chunked(k), chunked(v)
+    fwd = selected_config(q, "fwd", is_causal, k.shape[2])
+    needs_grad = torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad)
+    bwd = selected_config(q, "bwd", is_causal, k.shape[2]) if needs_grad else None
+    return FlashAttentionFunction.apply(q, k, v, is_causal, scale, fwd, bwd,
+                                        torch.are_deterministic_algorithms_enabled())
 
 
 @contextlib.contextmanager

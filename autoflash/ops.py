@@ -16,12 +16,13 @@ from autoflash.checks import DTYPE_NAMES, is_chunked_layout
 from autoflash.reference import attention_ref
 
 
-def _chunked(t: torch.Tensor) -> torch.Tensor:
+def chunked(t: torch.Tensor) -> torch.Tensor:
     """The kernels move 16-byte chunks; anything else (a broadcast gradient, an odd view) is copied."""
     return t if is_chunked_layout(t) else t.contiguous()
 
 
-def _selected(q: torch.Tensor, direction: str, is_causal: bool, seqlen_k: int):
+def selected_config(q: torch.Tensor, direction: str, is_causal: bool, seqlen_k: int):
+    """The KernelConfig for a call on q's CUDA device (tuned table, else heuristic)."""
     from autoflash.launch import device_profile
     from autoflash.selection import select_config
 
@@ -35,8 +36,8 @@ def attention_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, is_causal: 
     """(out, lse) for q (B, Hq, Lq, D), k/v (B, Hkv, Lk, D); lse (B, Hq, Lq) fp32 carries no gradient."""
     from autoflash.launch import flash_forward
 
-    q, k, v = _chunked(q), _chunked(k), _chunked(v)
-    return flash_forward(q, k, v, causal=is_causal, scale=scale, config=_selected(q, "fwd", is_causal, k.shape[2]))
+    q, k, v = chunked(q), chunked(k), chunked(v)
+    return flash_forward(q, k, v, causal=is_causal, scale=scale, config=selected_config(q, "fwd", is_causal, k.shape[2]))
 
 
 @attention_fwd.register_kernel("cpu")
@@ -56,9 +57,9 @@ def attention_bwd(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch
     """(dq, dk, dv) like (q, k, v). Bit-reproducible under torch.use_deterministic_algorithms(True)."""
     from autoflash.launch import flash_backward
 
-    q, k, v, out, dout = (_chunked(t) for t in (q, k, v, out, dout))
+    q, k, v, out, dout = (chunked(t) for t in (q, k, v, out, dout))
     return flash_backward(dout, q, k, v, out, lse, causal=is_causal, scale=scale,
-                          config=_selected(q, "bwd", is_causal, k.shape[2]),
+                          config=selected_config(q, "bwd", is_causal, k.shape[2]),
                           deterministic=torch.are_deterministic_algorithms_enabled())
 
 
