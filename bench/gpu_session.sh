@@ -4,7 +4,7 @@
 # should fix whatever it trips on.
 #
 # Usage, from the repository root on the device machine:
-#   bash bench/gpu_session.sh [tests|sanitize|bench|tune|all]      (default: all but tune)
+#   bash bench/gpu_session.sh [tests|sanitize|bench|tune|model|all]      (default: all but tune and model)
 # Logs and results go to $OUT (the device tool's output folder; /tmp/autoflash-out elsewhere): 8 files
 # at most (device.txt, gpu-tests.log, sanitizer.log, bench.log, the bench JSON and its 3 PNGs).
 # `tune` is its own call (it needs Optuna: carry .whl from ../shared/scripts/device-wheels.sh and
@@ -51,6 +51,15 @@ if [[ $step == tune ]]; then
   gpu=$(python3 -c "from autoflash.gpus import detect; print(detect().name)")
   python3 -m autoflash.tune --gpu "$gpu" --seqlen-buckets le4k --budget 30 --out "$OUT" --plot \
     --record-timings "$OUT/$gpu-timings.json" --no-progress 2>&1 | tee "$OUT/tune.log" | tail -30
+  status=$(( status | ${PIPESTATUS[0]} ))
+fi
+if [[ $step == model ]]; then
+  # The dispatcher's GPU checks: a 4-layer transformer trained with autoflash and with SDPA (loss
+  # curves, tokens/s, torch.compile fullgraph vs eager), and the per-call overhead beside SDPA's.
+  # 4 files: device.txt, model.log, train.json, dispatch.json.
+  python3 -m autoflash.bench train --json "$OUT/train.json" 2>&1 | tee "$OUT/model.log" | tail -12
+  status=$(( status | ${PIPESTATUS[0]} ))
+  python3 -m autoflash.bench dispatch --json "$OUT/dispatch.json" 2>&1 | tee -a "$OUT/model.log" | tail -8
   status=$(( status | ${PIPESTATUS[0]} ))
 fi
 exit $status
