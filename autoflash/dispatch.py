@@ -134,7 +134,7 @@ def _probe_device(device_index: int) -> str:
             reason = ""
         except ImportError as e:
             reason = f"CuPy is not importable ({e}); install autoflash's dependencies"
-        except ValueError as e:  # an older GPU, or limits autoflash does not know
+        except (ValueError, RuntimeError) as e:  # an older GPU, or limits autoflash cannot read
             reason = str(e)
         _device_reasons[device_index] = reason
     return _device_reasons[device_index]

@@ -309,3 +309,27 @@ def test_patch_sdpa_routes_and_restores():
             assert torch.equal(out, original(q, k, v, is_causal=True))  # the fallback is torch's own SDPA
             raise KeyError("restored on the way out of an exception too")
     assert F.scaled_dot_product_attention is original
+
+
+def test_a_device_the_kernels_cannot_use_is_a_fallback_reason(monkeypatch):
+    from autoflash import launch
+
+    def too_old(index):
+        raise ValueError(f"autoflash needs compute capability 8.0 or newer; got 7.5 for device {index}")
+
+    monkeypatch.setattr(launch, "device_profile", too_old)
+    monkeypatch.setattr(dispatch, "_device_reasons", {})
+    assert "compute capability 8.0" in dispatch._probe_device(3)
+    monkeypatch.setattr(launch, "device_profile", lambda index: None)
+    assert dispatch._probe_device(3).startswith("autoflash needs")  # probed once per device, then cached
+    assert dispatch._probe_device(4) == ""
+
+
+@pytest.mark.parametrize("mask_shape", [(2, 1, 9, 12), (2, 8, 9, 12), (9, 12), (1, 12)])
+def test_masks_that_broadcast_with_gqa_are_accepted(mask_shape):
+    q, k, v = _qkv((2, 8, 9, 64), (2, 2, 12, 64))
+    mask = torch.rand(mask_shape, generator=torch.Generator().manual_seed(0)) > 0.3
+    mask[..., 0] = True  # every row sees a key
+    with pytest.warns(FallbackWarning):
+        out = autoflash.attention(q, k, v, attn_mask=mask, enable_gqa=True)
+    assert torch.equal(out, F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=True))
