@@ -333,3 +333,20 @@ def test_masks_that_broadcast_with_gqa_are_accepted(mask_shape):
     with pytest.warns(FallbackWarning):
         out = autoflash.attention(q, k, v, attn_mask=mask, enable_gqa=True)
     assert torch.equal(out, F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=True))
+
+
+def test_compile_with_dynamic_shapes_needs_no_recompile(kernel_path):
+    graphs = []
+
+    def backend(gm, example_inputs):
+        graphs.append(gm)
+        return gm
+
+    torch._dynamo.reset()
+    fn = torch.compile(lambda q, k, v: autoflash.attention(q, k, v, is_causal=True, enable_gqa=True),
+                       fullgraph=True, dynamic=True, backend=backend)
+    for length in (16, 24, 40):  # sequence lengths change; one graph serves them all
+        q, k, v = _qkv((2, 4, length, 64), (2, 2, length + 3, 64), torch.bfloat16)
+        ref = F.scaled_dot_product_attention(q.float(), k.float(), v.float(), is_causal=True, enable_gqa=True)
+        torch.testing.assert_close(fn(q, k, v).float(), ref, atol=2e-2, rtol=2e-2)
+    assert len(graphs) == 1
