@@ -11,8 +11,13 @@ from autoflash.gpus import GpuProfile
 
 DTYPE_NAMES = {torch.float16: "fp16", torch.bfloat16: "bf16", torch.float32: "fp32"}
 TORCH_DTYPES = {name: dtype for dtype, name in DTYPE_NAMES.items()}
-_GRID_YZ_MAX = 65535  # CUDA's limit on gridDim.y / gridDim.z (heads, batch)
+GRID_YZ_MAX = 65535  # CUDA's limit on gridDim.y / gridDim.z (heads, batch)
 _INT32_MAX = 2**31 - 1
+
+
+def device_index(t: torch.Tensor) -> int:
+    """The CUDA device index of `t` ("cuda" without an index means the current device)."""
+    return t.device.index if t.device.index is not None else torch.cuda.current_device()
 
 
 def check_qkv_shapes(q, k, v, dtypes: tuple[torch.dtype, ...]) -> None:
@@ -50,9 +55,9 @@ def check_qkv(q, k, v) -> str:
         raise ValueError(
             f"head_dim: got {d}, expected a multiple of {HEAD_DIM_STEP} in [{HEAD_DIM_MIN}, {HEAD_DIM_MAX}]"
         )
-    if b > _GRID_YZ_MAX or hq > _GRID_YZ_MAX or max(lq, lk) > _INT32_MAX:
+    if b > GRID_YZ_MAX or hq > GRID_YZ_MAX or max(lq, lk) > _INT32_MAX:
         raise ValueError(
-            f"q {tuple(q.shape)}, k {tuple(k.shape)}: expected batch and heads <= {_GRID_YZ_MAX} and "
+            f"q {tuple(q.shape)}, k {tuple(k.shape)}: expected batch and heads <= {GRID_YZ_MAX} and "
             f"sequence lengths <= {_INT32_MAX}"
         )
     for name, t in (("q", q), ("k", k), ("v", v)):

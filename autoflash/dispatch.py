@@ -19,6 +19,7 @@ import warnings
 
 import torch
 
+from autoflash.checks import GRID_YZ_MAX, device_index
 from autoflash.config import HEAD_DIM_MAX, HEAD_DIM_MIN, HEAD_DIM_STEP
 
 # torch's SDPA itself (torch.nn.functional re-exports it), kept here so patch_sdpa() cannot
@@ -26,7 +27,6 @@ from autoflash.config import HEAD_DIM_MAX, HEAD_DIM_MIN, HEAD_DIM_STEP
 _torch_sdpa = torch._C._nn.scaled_dot_product_attention
 
 KERNEL_DTYPES = (torch.float16, torch.bfloat16)
-_GRID_YZ_MAX = 65535  # CUDA's gridDim.y / gridDim.z: heads and batch
 STRICT_ENV = "AUTOFLASH_STRICT"
 
 
@@ -166,11 +166,11 @@ def plan(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scal
         return Plan(f"shapes query {tuple(query.shape)}, key {tuple(key.shape)}: the kernels take (..., heads, "
                     "seqlen, head_dim) inputs with the same leading dims (no broadcasting)", sc)
     batch_shape = tuple(query.shape[:-3])
-    if math.prod(batch_shape) > _GRID_YZ_MAX or query.shape[-3] > _GRID_YZ_MAX:
+    if math.prod(batch_shape) > GRID_YZ_MAX or query.shape[-3] > GRID_YZ_MAX:
         return Plan(f"batch {math.prod(batch_shape)} x heads {query.shape[-3]}: the kernels launch at most "
-                    f"{_GRID_YZ_MAX} of each", sc)
+                    f"{GRID_YZ_MAX} of each", sc)
     if device_check:
-        index = query.device.index if query.device.index is not None else torch.cuda.current_device()
+        index = device_index(query)
         reason = _device_reason(index)
         if reason:
             return Plan(f"cuda:{index}: {reason}", sc)

@@ -6,7 +6,7 @@ import dataclasses
 
 import torch
 
-from autoflash.checks import DTYPE_NAMES
+from autoflash.checks import DTYPE_NAMES, device_index
 from autoflash.dispatch import plan
 from autoflash.selection import Selection
 
@@ -48,11 +48,7 @@ def explain(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, attn_ma
     p = plan(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa, device_check=gpu is None)
     if p.reason is not None:
         return Explanation("torch SDPA (fallback)", p.reason, gpu, None, None)
-    if gpu is not None:
-        profile = get_profile(gpu)
-    else:
-        index = query.device.index if query.device.index is not None else torch.cuda.current_device()
-        profile = device_profile(index)
-    args = (profile, DTYPE_NAMES[query.dtype], query.shape[-1], is_causal, key.shape[-2])
-    fwd, bwd = select_config(args[0], "fwd", *args[1:]), select_config(args[0], "bwd", *args[1:])
+    profile = get_profile(gpu) if gpu is not None else device_profile(device_index(query))
+    fwd, bwd = (select_config(profile, direction, DTYPE_NAMES[query.dtype], query.shape[-1], is_causal, key.shape[-2])
+                for direction in ("fwd", "bwd"))
     return Explanation("autoflash kernels", None, profile.name, fwd, bwd)

@@ -7,7 +7,7 @@ import math
 
 import torch
 
-from autoflash.checks import DTYPE_NAMES, check_config, check_like, check_qkv, check_scale
+from autoflash.checks import DTYPE_NAMES, check_config, check_like, check_qkv, check_scale, device_index
 from autoflash.compiler import compile_config
 from autoflash.config import KernelConfig
 from autoflash.defaults import default_backward_config, default_config
@@ -49,7 +49,7 @@ def _prepare(q, k, v, causal, scale, what: str):
     if not q.is_cuda:
         raise ValueError(f"{what} runs on CUDA tensors; got tensors on {q.device}")
     scale = check_scale(scale, q.shape[-1])
-    index = q.device.index if q.device.index is not None else torch.cuda.current_device()
+    index = device_index(q)
     return dtype, scale, index, device_profile(index)
 
 

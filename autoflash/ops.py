@@ -12,7 +12,7 @@ types to build each op's schema.
 """
 import torch
 
-from autoflash.checks import DTYPE_NAMES, is_chunked_layout
+from autoflash.checks import DTYPE_NAMES, device_index, is_chunked_layout
 from autoflash.reference import attention_ref
 
 
@@ -26,7 +26,7 @@ def selected_config(q: torch.Tensor, direction: str, is_causal: bool, seqlen_k: 
     from autoflash.launch import device_profile
     from autoflash.selection import select_config
 
-    profile = device_profile(q.device.index if q.device.index is not None else torch.cuda.current_device())
+    profile = device_profile(device_index(q))
     return select_config(profile, direction, DTYPE_NAMES[q.dtype], q.shape[-1], is_causal, seqlen_k).config
 
 

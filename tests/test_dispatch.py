@@ -129,13 +129,19 @@ def test_compile_fullgraph_on_the_fallback():
     torch.testing.assert_close(out, model.proj(F.scaled_dot_product_attention(q, k, v, is_causal=True)))
 
 
-def test_compile_fullgraph_traces_the_op_with_no_graph_break(kernel_path):
+def _graph_recorder():
+    """A torch.compile backend that keeps each graph it is given and runs it as is."""
     graphs = []
 
     def backend(gm, example_inputs):
         graphs.append(gm)
         return gm
 
+    return graphs, backend
+
+
+def test_compile_fullgraph_traces_the_op_with_no_graph_break(kernel_path):
+    graphs, backend = _graph_recorder()
     torch._dynamo.reset()
     fn = torch.compile(lambda q, k, v: autoflash.attention(q, k, v, is_causal=True, enable_gqa=True) * 2,
                        fullgraph=True, backend=backend)
@@ -336,12 +342,7 @@ def test_masks_that_broadcast_with_gqa_are_accepted(mask_shape):
 
 
 def test_compile_with_dynamic_shapes_needs_no_recompile(kernel_path):
-    graphs = []
-
-    def backend(gm, example_inputs):
-        graphs.append(gm)
-        return gm
-
+    graphs, backend = _graph_recorder()
     torch._dynamo.reset()
     fn = torch.compile(lambda q, k, v: autoflash.attention(q, k, v, is_causal=True, enable_gqa=True),
                        fullgraph=True, dynamic=True, backend=backend)

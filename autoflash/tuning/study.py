@@ -250,19 +250,19 @@ class KeyStudy:
     def _done(self) -> bool:
         trials = self.trials()
         return (sum(is_measured(t) for t in trials) >= self.settings.budget or self.exhausted()
-                or len(trials) >= self.max_trials)
+                or len(trials) >= self.max_trials(trials))
 
-    @property
-    def max_trials(self) -> int:
+    def max_trials(self, trials) -> int:
         """A ceiling on all trials (pruned ones included), in case a sampler keeps proposing
-        infeasible or duplicate points; grid and brute force stop on their own when exhausted."""
+        infeasible or duplicate points; grid and brute force stop on their own when exhausted.
+        `trials`: the study's trials, as the caller just read them."""
         if self.settings.sampler not in ("grid", "bruteforce"):
             return max(20 * self.settings.budget, 200)
         grid = 1
         for v in self.values.values():
             grid *= len(v)
         # enqueued trials (the default, retries) come on top: the grid still visits their points
-        return grid + sum("fixed_params" in t.system_attrs for t in self.trials())
+        return grid + sum("fixed_params" in t.system_attrs for t in trials)
 
     # ------------------------------------------------------------ running
     def baseline(self) -> float | None:
