@@ -20,6 +20,8 @@ _EXPORTS = {
     "default_backward_config": "autoflash.defaults",
     "default_config": "autoflash.defaults",
     "detect": "autoflash.gpus",
+    "EmulationError": "autoflash.emulation",
+    "emulate": "autoflash.emulation",
     "flash_attn": "autoflash.function",
     "flash_backward": "autoflash.launch",
     "flash_forward": "autoflash.launch",

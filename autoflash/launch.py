@@ -16,7 +16,8 @@ from autoflash.reference import LOG2E  # the kernels run the softmax in base 2
 
 DELTA_ROWS_PER_BLOCK = 4  # the backward's delta kernel: one warp per query row, 128 threads
 
-__all__ = ["DTYPE_NAMES", "device_profile", "flash_backward", "flash_forward", "load_functions"]
+__all__ = ["DTYPE_NAMES", "device_profile", "flash_backward", "flash_forward", "kernel_functions", "load_functions",
+           "profile_for"]
 
 
 @functools.lru_cache(maxsize=None)
@@ -41,31 +42,54 @@ def load_functions(config: KernelConfig, arch: str, device_index: int) -> dict:
     return fns
 
 
+def profile_for(t: torch.Tensor, what: str) -> GpuProfile:
+    """The GPU whose kernels a call on `t` runs: its CUDA device, or on the CPU the emulated GPU
+    (autoflash.emulate / AUTOFLASH_EMULATE). Anything else is refused with what would work."""
+    if t.is_cuda:
+        return device_profile(device_index(t))
+    from autoflash.emulation import ENV, active
+
+    emulation = active() if t.device.type == "cpu" else None
+    if emulation is None:
+        raise ValueError(f"{what} runs on CUDA tensors; got tensors on {t.device} (on the CPU, run it inside "
+                         f"`with autoflash.emulate(gpu=...)` or with {ENV}=<gpu> to emulate a GPU)")
+    return emulation.profile
+
+
+def kernel_functions(config: KernelConfig, profile: GpuProfile, t: torch.Tensor) -> dict:
+    """{symbol: callable} of a config's kernels for tensors like `t`: cupy functions on a GPU, the
+    emulator's on the CPU (its sanitizing build inside emulate(sanitize=True))."""
+    if t.is_cuda:
+        return load_functions(config, profile.arch, device_index(t))
+    from autoflash.emulation import active
+    from autoflash.emulation.module import load_functions as load_emulated
+
+    return load_emulated(config, active().sanitize)
+
+
 def _prepare(q, k, v, causal, scale, what: str):
-    """Common checks of both directions; returns (dtype name, scale, device index, profile)."""
+    """Common checks of both directions; returns (dtype name, scale, profile)."""
     dtype = check_qkv(q, k, v)
     if not isinstance(causal, bool):
         raise TypeError(f"causal: got {causal!r}, expected a bool")
-    if not q.is_cuda:
-        raise ValueError(f"{what} runs on CUDA tensors; got tensors on {q.device}")
-    scale = check_scale(scale, q.shape[-1])
-    index = device_index(q)
-    return dtype, scale, index, device_profile(index)
+    profile = profile_for(q, what)
+    return dtype, check_scale(scale, q.shape[-1]), profile
 
 
-def _call(fn, grid, threads: int, smem: int, device: torch.device, args) -> None:
-    """One launch on torch's current stream of `device`; no synchronisation."""
+def _call(fn, grid, threads: int, smem: int, device: torch.device, args, names: tuple[str, ...] = ()) -> None:
+    """One launch: on a GPU on torch's current stream of `device`, no synchronisation; on the CPU on
+    the emulator, synchronously. Tensors in `args` are passed as pointers (`names` label them in
+    sanitizer findings)."""
+    if device.type == "cpu":
+        fn(grid, (threads, 1, 1), args, shared_mem=smem, names=names)
+        return
     import cupy
+    import numpy as np
 
+    args = tuple(np.uint64(a.data_ptr()) if isinstance(a, torch.Tensor) else a for a in args)
     stream = cupy.cuda.ExternalStream(torch.cuda.current_stream(device).cuda_stream, device.index)
     with cupy.cuda.Device(device.index):
         fn(grid, (threads, 1, 1), args, shared_mem=smem, stream=stream)
-
-
-def _ptr(t: torch.Tensor):
-    import numpy as np
-
-    return np.uint64(t.data_ptr())
 
 
 def _strides(t: torch.Tensor) -> list:
@@ -85,7 +109,7 @@ def flash_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: 
     """
     import numpy as np
 
-    dtype, scale, index, profile = _prepare(q, k, v, causal, scale, "flash_forward")
+    dtype, scale, profile = _prepare(q, k, v, causal, scale, "flash_forward")
     b, hq, lq, d = q.shape
     hkv, lk = k.shape[1], k.shape[2]
     config = config or default_config(d, dtype, causal, profile)
@@ -93,10 +117,11 @@ def flash_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: 
 
     out = torch.empty_like(q)
     lse = torch.empty((b, hq, lq), dtype=torch.float32, device=q.device)
-    fn = load_functions(config, profile.arch, index)[config.name]
-    args = (_ptr(q), _ptr(k), _ptr(v), _ptr(out), _ptr(lse), *_strides(q), *_strides(k), *_strides(v),
+    fn = kernel_functions(config, profile, q)[config.name]
+    args = (q, k, v, out, lse, *_strides(q), *_strides(k), *_strides(v),
             *_strides(out), np.int32(lq), np.int32(lk), np.int32(hq // hkv), np.float32(scale * LOG2E))
-    _call(fn, (math.ceil(lq / config.block_m), hq, b), config.threads, config.smem_bytes, q.device, args)
+    _call(fn, (math.ceil(lq / config.block_m), hq, b), config.threads, config.smem_bytes, q.device, args,
+          ("q", "k", "v", "out", "lse"))
     return out, lse
 
 
@@ -113,7 +138,7 @@ def flash_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torc
     """
     import numpy as np
 
-    dtype, scale, index, profile = _prepare(q, k, v, causal, scale, "flash_backward")
+    dtype, scale, profile = _prepare(q, k, v, causal, scale, "flash_backward")
     if not isinstance(deterministic, bool):
         raise TypeError(f"deterministic: got {deterministic!r}, expected a bool")
     check_like("out", out, q)
@@ -128,11 +153,11 @@ def flash_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torc
     lse = lse.contiguous()
     config = config or default_backward_config(d, dtype, causal, profile)
     check_config(config, d, dtype, causal, profile, "bwd")
-    fns = load_functions(config, profile.arch, index)
+    fns = kernel_functions(config, profile, q)
 
     delta = torch.empty((b, hq, lq), dtype=torch.float32, device=q.device)
     _call(fns[f"{config.name}_delta"], (math.ceil(lq / DELTA_ROWS_PER_BLOCK), hq, b), 32 * DELTA_ROWS_PER_BLOCK, 0,
-          q.device, (_ptr(out), _ptr(dout), _ptr(delta), *_strides(out), *_strides(dout), np.int32(lq)))
+          q.device, (out, dout, delta, *_strides(out), *_strides(dout), np.int32(lq)), ("out", "dout", "delta"))
 
     dq_accum = torch.zeros((b, hq, lq, d), dtype=torch.float32, device=q.device)
     if group == 1:
@@ -141,12 +166,12 @@ def flash_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torc
         dk_x = torch.empty((b, hq, lk, d), dtype=q.dtype, device=q.device)
         dv_x = torch.empty_like(dk_x)
     n_blocks, split = math.ceil(lk / config.block_n), config.head_split
-    common = (_ptr(q), _ptr(k), _ptr(v), _ptr(dout), _ptr(lse), _ptr(delta), _ptr(dq_accum), _ptr(dk_x), _ptr(dv_x),
+    common = (q, k, v, dout, lse, delta, dq_accum, dk_x, dv_x,
               *_strides(q), *_strides(k), *_strides(v), *_strides(dout), *_strides(dk_x), *_strides(dv_x),
               np.int32(lq), np.int32(lk), np.int32(group), np.float32(scale), np.float32(scale * LOG2E))
     for n_block0, blocks in ([(j, 1) for j in range(n_blocks)] if deterministic else [(0, n_blocks)]):
         _call(fns[config.name], (blocks * split, hq, b), config.threads, config.smem_bytes, q.device,
-              (*common, np.int32(n_block0)))
+              (*common, np.int32(n_block0)), ("q", "k", "v", "dout", "lse", "delta", "dq_accum", "dk", "dv"))
 
     dq = torch.empty_like(q).copy_(dq_accum)
     if group == 1:

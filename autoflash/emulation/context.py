@@ -1,0 +1,60 @@
+"""`autoflash.emulate(gpu=...)` and AUTOFLASH_EMULATE: which GPU, if any, CPU tensors are emulated as.
+
+Inside `with autoflash.emulate("a100"):` every kernel entry point takes CPU tensors and runs the
+kernels that GPU would run (same selection: user table, shipped table, built-in defaults) on the
+host emulator. AUTOFLASH_EMULATE=a100 does the same for a whole program; AUTOFLASH_EMULATE=a100:sanitize
+also turns the sanitizer on."""
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import functools
+import os
+
+from autoflash.gpus import GpuProfile, get_profile
+
+ENV = "AUTOFLASH_EMULATE"
+
+
+@dataclasses.dataclass(frozen=True)
+class Emulation:
+    profile: GpuProfile
+    sanitize: bool = False
+
+    @property
+    def gpu(self) -> str:
+        return self.profile.name
+
+
+_stack: list[Emulation] = []
+
+
+@contextlib.contextmanager
+def emulate(gpu: str = "a100", *, sanitize: bool = False):
+    """Run the kernels of `gpu` (a profile name: "a100", "h100", "l4", ...) on CPU tensors, on the
+    host emulator. With sanitize=True kernels are built with the sanitizer (races, out-of-bounds,
+    misaligned and uninitialized accesses, barrier errors; see autoflash.emulation.findings())."""
+    if not isinstance(sanitize, bool):
+        raise TypeError(f"sanitize: got {sanitize!r}, expected a bool")
+    state = Emulation(get_profile(gpu), sanitize)
+    _stack.append(state)
+    try:
+        yield state
+    finally:
+        _stack.remove(state)
+
+
+@functools.lru_cache(maxsize=8)
+def _from_env(value: str) -> Emulation | None:
+    gpu, _, flag = value.partition(":")
+    if flag not in ("", "sanitize"):
+        raise ValueError(f"{ENV}: got {value!r}, expected a GPU profile name, optionally followed by ':sanitize'")
+    return Emulation(get_profile(gpu), flag == "sanitize")
+
+
+def active() -> Emulation | None:
+    """The innermost emulate() in force, else AUTOFLASH_EMULATE's, else None."""
+    if _stack:
+        return _stack[-1]
+    value = os.environ.get(ENV, "").strip()
+    return _from_env(value) if value and value != "0" else None

@@ -1,0 +1,38 @@
+// Force-included before a rendered autoflash kernel when it is built for the host emulator: the CUDA
+// keywords and built-ins the templates use, mapped onto runtime.h. The kernel source itself is the
+// very text NVRTC compiles for the GPU; only these definitions differ.
+#pragma once
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+
+#include "runtime.h"
+
+#define __global__
+#define __device__
+#define __host__
+#define __forceinline__ inline __attribute__((always_inline))
+#define __launch_bounds__(...)
+#define __align__(n) __attribute__((aligned(n)))
+// Dynamic shared memory (`extern __shared__ unsigned char smem_raw[]`) is the running block's
+// window, one per worker thread (runtime.cpp defines it); every block of a worker starts poisoned.
+#define __shared__ thread_local
+
+#define threadIdx (::emu::thread_idx())
+#define blockIdx (::emu::block_idx())
+#define gridDim (::emu::grid_dim())
+#define blockDim (::emu::block_dim())
+
+using std::max;
+using std::min;
+
+struct alignas(16) uint4 { unsigned x, y, z, w; };
+struct alignas(16) float4 { float x, y, z, w; };
+inline float4 make_float4(float x, float y, float z, float w) { return {x, y, z, w}; }
+
+__forceinline__ void __syncthreads() { emu::syncthreads(); }
+__forceinline__ void __syncwarp(unsigned mask = 0xffffffffu) { emu::syncwarp(mask); }
+__forceinline__ float __shfl_xor_sync(unsigned mask, float x, int offset) { return emu::shfl_xor(x, offset, mask); }
+__forceinline__ uint32_t __cvta_generic_to_shared(const void* p) { return emu::cvta_shared(p); }
+__forceinline__ float atomicAdd(float* address, float value) { return emu::atomic_add(address, value); }

@@ -1,0 +1,801 @@
+// The host emulator's runtime: runs a kernel built from the very source NVRTC compiles over its real
+// grid, on the CPU.
+//
+// - Blocks are spread over worker threads (one block at a time per worker; one worker when
+//   sanitizing, so findings come in a fixed order). A worker's `smem_raw` is its block's shared
+//   memory, poisoned (0xff: NaN in every float type) before each block.
+// - Each CUDA thread of a block is a fiber (ucontext) on its worker. A fiber runs until it reaches a
+//   __syncthreads or a warp-synchronous operation (shuffle, ldmatrix, mma.sync, __syncwarp). The last
+//   lane to reach a warp operation carries it out for the whole warp from every lane's operands; the
+//   last thread to reach a barrier releases the block. A block in which no fiber can run any more
+//   (some wait where others never arrive) is a barrier error.
+// - cp.async copies are queued per thread in commit groups and land only at cp.async.wait_group.
+//
+// Built with EMU_SANITIZE=1 it also checks every access (kinds as compute-sanitizer names them):
+//   race           shared-memory bytes touched by two threads, one of them writing, with no
+//                  __syncthreads between (or, within one warp, no __syncwarp);
+//   out-of-bounds  shared memory past the launch's dynamic size; global memory of a registered tensor
+//                  (emu_add_region) that is not one of its elements (a row past seqlen, a column
+//                  past head_dim), whether or not memory exists there;
+//   misaligned     an access of N bytes at an address that is not a multiple of N (cp.async,
+//                  ldmatrix rows: 16 bytes);
+//   uninitialized  shared memory read before any write in this block, or before its cp.async landed;
+//   barrier        a __syncthreads or warp operation not reached by every thread, or reached at
+//                  different places.
+// Plain loads and stores of the kernel are seen through the compiler's ThreadSanitizer
+// instrumentation (-fsanitize=thread): this file defines the __tsan_* hooks it calls, in place of
+// the TSan runtime. Without EMU_SANITIZE only the checks that keep the emulator itself safe run
+// (shared addresses inside the window, barrier errors); they fail the launch.
+#include "runtime.h"
+
+#include <dlfcn.h>
+#include <execinfo.h>
+#include <sys/mman.h>
+#include <ucontext.h>
+
+#include <algorithm>
+#include <atomic>
+#include <cinttypes>
+#include <cstdarg>
+#include <cstdio>
+#include <cstring>
+#include <mutex>
+#include <set>
+#include <string>
+#include <thread>
+#include <utility>
+#include <vector>
+
+#ifndef EMU_SANITIZE
+#define EMU_SANITIZE 0
+#endif
+#define EMU_EXPORT extern "C" __attribute__((visibility("default")))
+
+constexpr size_t kWindow = 256 * 1024;  // above every GPU's opt-in maximum (227 KB on sm_90)
+alignas(128) thread_local unsigned char smem_raw[kWindow];
+
+namespace emu {
+namespace {
+
+constexpr size_t kStack = 256 * 1024;
+constexpr int kMaxFindings = 200;
+
+enum class St : uint8_t { Run, Bar, Warp, Done };
+enum class Op : uint8_t { None, Shfl, Ldmatrix, LdmatrixT, MmaF16, MmaBF16, Syncwarp };
+const char* op_name(Op op) {
+  switch (op) {
+    case Op::Shfl: return "__shfl_xor_sync";
+    case Op::Ldmatrix: return "ldmatrix";
+    case Op::LdmatrixT: return "ldmatrix.trans";
+    case Op::MmaF16: case Op::MmaBF16: return "mma.sync";
+    case Op::Syncwarp: return "__syncwarp";
+    default: return "?";
+  }
+}
+
+struct Copy { unsigned char* dst; const unsigned char* src; bool valid; };
+
+struct Fiber {
+  ucontext_t ctx;
+  dim3 idx;
+  int tid = 0, warp = 0, lane = 0;
+  St st = St::Run;
+  const void* pc = nullptr;  // where it waits
+  std::vector<Copy> open;
+  std::vector<std::vector<Copy>> groups;
+  uint32_t u[6] = {};  // warp-operation operands and results
+  float f[4] = {};
+  uint32_t ou[4] = {};
+  float of[4] = {};
+};
+
+struct Warp {
+  int arrived = 0, live = 0, first = 0, lanes = 0;
+  Op op = Op::None;
+  const void* pc = nullptr;
+  int32_t epoch = 0;  // __syncwarp generation (race rule within a warp)
+};
+
+struct Finding {
+  std::string kind, kernel, detail;
+  dim3 block;
+  int thread;
+  std::vector<uintptr_t> pcs;  // offsets into this library
+};
+
+struct Region {
+  std::string name;
+  uintptr_t base, end;
+  int elem;
+  int ndim;
+  long long shape[8], stride[8];  // sorted by stride, largest first, in elements
+  bool nested;                    // strides nest, so an offset decomposes into one index per dim
+};
+
+struct Launch {
+  emu_entry_t entry;
+  void** args;
+  const char* kernel;
+  dim3 grid, block;
+  size_t smem;
+  int threads;
+  std::atomic<long> next{0};
+  std::atomic<bool> failed{false};
+};
+
+#if EMU_SANITIZE
+struct Shadow {
+  int32_t wB, wW, rB, rW;
+  int16_t wT, rT, rWarp;
+  uint8_t st;  // 0 never written, 1 cp.async in flight, 2 written
+};
+constexpr int16_t kMany = -2;
+#endif
+
+struct Worker {
+  ucontext_t sched;
+  Launch* launch = nullptr;
+  std::vector<Fiber> fibers;
+  std::vector<Warp> warps;
+  unsigned char* stacks = nullptr;
+  Fiber* cur = nullptr;
+  dim3 block;
+  int live = 0, bar_arrived = 0;
+  int32_t bar_epoch = 0;
+  const void* bar_pc = nullptr;
+  bool abandon = false;
+  unsigned char* window = nullptr;
+#if EMU_SANITIZE
+  std::vector<Shadow> shadow;
+#endif
+};
+
+thread_local Worker* tw = nullptr;
+
+std::mutex g_mu;  // findings and regions
+std::vector<Finding> g_findings;
+std::set<std::pair<std::string, uintptr_t>> g_seen;
+long g_finding_total = 0;
+std::vector<Region> g_regions;
+uintptr_t g_lib_base = 0;
+
+uintptr_t lib_base() {
+  if (!g_lib_base) {
+    Dl_info info;
+    if (dladdr(reinterpret_cast<void*>(&lib_base), &info)) g_lib_base = reinterpret_cast<uintptr_t>(info.dli_fbase);
+  }
+  return g_lib_base;
+}
+
+// Records a finding once per (kind, place); `pc` is the kernel's code address that made it. Without
+// EMU_SANITIZE every finding is an error that fails the launch.
+void report(const char* kind, const void* pc, std::string detail) {
+  Worker* w = tw;
+  void* frames[24];
+  const int n = backtrace(frames, 24);
+  std::lock_guard<std::mutex> lock(g_mu);
+  ++g_finding_total;
+  if (w) w->launch->failed.store(true);
+  if (!g_seen.insert({kind, reinterpret_cast<uintptr_t>(pc)}).second || int(g_findings.size()) >= kMaxFindings) return;
+  Finding f;
+  f.kind = kind;
+  f.kernel = w ? w->launch->kernel : "";
+  f.detail = std::move(detail);
+  f.block = w ? w->block : dim3{};
+  f.thread = w && w->cur ? w->cur->tid : -1;
+  const uintptr_t base = lib_base();
+  f.pcs.push_back(reinterpret_cast<uintptr_t>(pc) - base - 1);  // the call, not the return address
+  for (int i = 0; i < n; ++i) f.pcs.push_back(reinterpret_cast<uintptr_t>(frames[i]) - base - 1);
+  g_findings.push_back(std::move(f));
+}
+
+std::string fmt(const char* f, ...) __attribute__((format(printf, 1, 2)));
+std::string fmt(const char* f, ...) {
+  char buf[512];
+  va_list ap;
+  va_start(ap, f);
+  std::vsnprintf(buf, sizeof buf, f, ap);
+  va_end(ap);
+  return buf;
+}
+
+// Back to the scheduler; a fiber of a block that was given up (w.abandon) is never resumed.
+void yield(Worker& w, Fiber& f) { swapcontext(&f.ctx, &w.sched); }
+
+// ------------------------------------------------------------------ sanitizer checks
+#if EMU_SANITIZE
+bool regions_active = false;
+
+// Where in the tensor (one index per dim, largest stride first) an element offset falls.
+std::string coords(const Region& r, long long elem) {
+  std::string s = "(";
+  for (int d = 0; d < r.ndim; ++d) {
+    const long long i = elem / r.stride[d];
+    elem %= r.stride[d];
+    s += fmt("%s%lld", d ? ", " : "", i);
+  }
+  s += ") of shape (";
+  for (int d = 0; d < r.ndim; ++d) s += fmt("%s%lld", d ? ", " : "", r.shape[d]);
+  return s + ")";
+}
+
+bool is_element(const Region& r, long long elem) {
+  if (!r.nested) return true;
+  for (int d = 0; d < r.ndim; ++d) {
+    if (elem / r.stride[d] >= r.shape[d]) return false;
+    elem %= r.stride[d];
+  }
+  return elem == 0;
+}
+
+void global_access(const void* addr, size_t size, bool write, const void* pc) {
+  const uintptr_t a = reinterpret_cast<uintptr_t>(addr);
+  const Region* hit = nullptr;
+  for (const Region& r : g_regions)
+    if (a < r.end && a + size > r.base) { hit = &r; break; }
+  if (!hit) return;  // not a tensor of this launch (the stack, the emulator's own data)
+  const Region& r = *hit;
+  if (a % size) {
+    report("misaligned", pc, fmt("%zu-byte global %s of %s at byte offset %lld (not a multiple of %zu)", size,
+                                 write ? "write" : "read", r.name.c_str(), (long long)(a - r.base), size));
+    return;
+  }
+  for (uintptr_t p = a; p < a + size; p += r.elem) {
+    const long long off = (long long)p - (long long)r.base;
+    if (p < r.base || p >= r.end || off % r.elem || !is_element(r, off / r.elem)) {
+      report("out-of-bounds", pc, fmt("global %s of %s at element %s: not an element of the tensor",
+                                      write ? "write" : "read", r.name.c_str(),
+                                      coords(r, off / r.elem).c_str()));
+      return;
+    }
+  }
+}
+
+bool ordered_in_warp(const Worker& w, int other_tid, int32_t other_wepoch, const Fiber& f) {
+  return other_tid >= 0 && other_tid / 32 == f.warp && other_wepoch < w.warps[f.warp].epoch;
+}
+
+// A shared-memory access of `size` bytes at window offset `off` by the running thread.
+void shared_access(size_t off, size_t size, bool write, const void* pc, const char* what) {
+  Worker& w = *tw;
+  Fiber& f = *w.cur;
+  if (off + size > w.launch->smem) {
+    report("out-of-bounds", pc, fmt("%s of %zu bytes at shared offset %zu: past the block's %zu bytes of shared memory",
+                                    what, size, off, w.launch->smem));
+    return;
+  }
+  if (off % size) {
+    report("misaligned", pc, fmt("%s of %zu bytes at shared offset %zu (not a multiple of %zu)", what, size, off, size));
+    return;
+  }
+  const int32_t B = w.bar_epoch, W = w.warps[f.warp].epoch;
+  const int16_t T = int16_t(f.tid);
+  for (size_t i = off; i < off + size; ++i) {
+    Shadow& s = w.shadow[i];
+    const bool raced_write = s.wT >= 0 && s.wT != T && s.wB == B && !ordered_in_warp(w, s.wT, s.wW, f);
+    if (!write) {
+      if (s.st != 2) {
+        report("uninitialized", pc, fmt("%s reads shared offset %zu %s", what, i,
+                                        s.st == 0 ? "before any write in this block" : "before its cp.async landed (no cp.async.wait_group yet)"));
+        return;
+      }
+      if (raced_write) {
+        report("race", pc, fmt("%s reads shared offset %zu that thread %d wrote with no __syncthreads between", what, i, s.wT));
+        return;
+      }
+      if (s.rB != B) { s.rB = B; s.rT = T; s.rWarp = int16_t(f.warp); s.rW = W; }
+      else {
+        if (s.rT != T) s.rT = kMany;
+        if (s.rWarp != f.warp) s.rWarp = -1;
+        s.rW = std::max(s.rW, W);
+      }
+    } else {
+      if (raced_write) {
+        report("race", pc, fmt("%s writes shared offset %zu that thread %d wrote with no __syncthreads between", what, i, s.wT));
+        return;
+      }
+      if (s.rB == B && s.rT != T && !(s.rWarp == f.warp && s.rW < W)) {
+        report("race", pc, fmt("%s writes shared offset %zu that %s read with no __syncthreads between", what, i,
+                               s.rT == kMany ? "other threads" : fmt("thread %d", s.rT).c_str()));
+        return;
+      }
+      s.wT = T; s.wB = B; s.wW = W; s.rB = -1;
+      s.st = 2;
+    }
+  }
+}
+
+void mark_pending(size_t off) {  // a cp.async into [off, off + 16) is in flight
+  Worker& w = *tw;
+  for (size_t i = off; i < off + 16; ++i) w.shadow[i].st = 1;
+}
+void mark_landed(size_t off, const Fiber& f) {
+  Worker& w = *tw;
+  for (size_t i = off; i < off + 16; ++i) {
+    Shadow& s = w.shadow[i];
+    s.st = 2; s.wT = int16_t(f.tid); s.wB = w.bar_epoch; s.wW = w.warps[f.warp].epoch; s.rB = -1;
+  }
+}
+
+void any_access(const void* addr, size_t size, bool write, const void* pc) {
+  Worker* w = tw;
+  if (!w || !w->cur) return;
+  const uintptr_t a = reinterpret_cast<uintptr_t>(addr), win = reinterpret_cast<uintptr_t>(w->window);
+  if (a >= win && a < win + kWindow) shared_access(a - win, size, write, pc, write ? "store" : "load");
+  else if (regions_active) global_access(addr, size, write, pc);
+}
+#endif
+
+// Shared window offset of a pointer into this block's shared memory.
+size_t window_offset(const void* p, size_t size, const void* pc, const char* what) {
+  Worker& w = *tw;
+  const uintptr_t a = reinterpret_cast<uintptr_t>(p), win = reinterpret_cast<uintptr_t>(w.window);
+  if (a < win || a + size > win + w.launch->smem) {
+    report("out-of-bounds", pc, fmt("%s of %zu bytes at shared offset %lld: outside the block's %zu bytes of shared memory",
+                                    what, size, (long long)(a - win), w.launch->smem));
+    return SIZE_MAX;
+  }
+  return a - win;
+}
+
+// ------------------------------------------------------------------ warp operations
+void run_warp_op(Worker& w, Warp& wp) {
+  Fiber* lanes = &w.fibers[wp.first];
+  const int n = wp.lanes;
+  switch (wp.op) {
+    case Op::Shfl:
+      for (int l = 0; l < n; ++l) {
+        const int src = l ^ int(lanes[l].u[0]);
+        lanes[l].of[0] = src < n && lanes[src].st != St::Done ? lanes[src].f[0] : lanes[l].f[0];
+      }
+      break;
+    case Op::Ldmatrix:
+    case Op::LdmatrixT: {
+      // Lanes 8i..8i+7 give the row addresses of matrix i; register i of lane l gets row g, columns
+      // 2q, 2q+1 (transposed: rows 2q, 2q+1 of column g), g = l / 4, q = l % 4.
+      const bool trans = wp.op == Op::LdmatrixT;
+      for (int l = 0; l < n; ++l) {
+        if (lanes[l].u[0] % 16) {
+          report("misaligned", wp.pc, fmt("ldmatrix row address of lane %d at shared offset %u (not a multiple of 16)", l, lanes[l].u[0]));
+          w.abandon = true;
+          return;
+        }
+        if (lanes[l].u[0] + 16 > w.launch->smem) {
+          report("out-of-bounds", wp.pc, fmt("ldmatrix row address of lane %d at shared offset %u: past the block's %zu bytes",
+                                             l, lanes[l].u[0], w.launch->smem));
+          w.abandon = true;
+          return;
+        }
+#if EMU_SANITIZE
+        Fiber* saved = w.cur;
+        w.cur = &lanes[l];
+        shared_access(lanes[l].u[0], 16, false, wp.pc, trans ? "ldmatrix.trans" : "ldmatrix");
+        w.cur = saved;
+#endif
+      }
+      auto u16 = [&](uint32_t addr) { uint16_t v; std::memcpy(&v, w.window + addr, 2); return v; };
+      for (int l = 0; l < 32 && l < n; ++l) {
+        const int g = l / 4, q = l % 4;
+        for (int i = 0; i < 4; ++i) {
+          uint16_t lo, hi;
+          if (!trans) {
+            const uint32_t row = lanes[8 * i + g].u[0];
+            lo = u16(row + 4 * q);
+            hi = u16(row + 4 * q + 2);
+          } else {
+            lo = u16(lanes[8 * i + 2 * q].u[0] + 2 * g);
+            hi = u16(lanes[8 * i + 2 * q + 1].u[0] + 2 * g);
+          }
+          lanes[l].ou[i] = lo | uint32_t(hi) << 16;
+        }
+      }
+      break;
+    }
+    case Op::MmaF16:
+    case Op::MmaBF16: {
+      // A (16x16, row): lane l = 4g + q holds a0 (g, 2q..2q+1), a1 (g+8, ..), a2 (g, 2q+8..), a3 (g+8, 2q+8..);
+      // B (16x8, col): b0 (k 2q.., n g), b1 (k 2q+8.., n g); D: d0,d1 (g, 2q..), d2,d3 (g+8, 2q..).
+      auto cvt = [&](uint16_t h) {
+        if (wp.op == Op::MmaBF16) { uint32_t x = uint32_t(h) << 16; float f; std::memcpy(&f, &x, 4); return f; }
+        _Float16 x; std::memcpy(&x, &h, 2); return float(x);
+      };
+      float A[16][16], Bm[16][8];
+      for (int l = 0; l < 32; ++l) {
+        const int g = l / 4, q = l % 4;
+        for (int r = 0; r < 4; ++r) {
+          const uint32_t v = lanes[l].u[r];
+          const int row = g + (r & 1) * 8, k = 2 * q + (r >> 1) * 8;
+          A[row][k] = cvt(uint16_t(v & 0xffff));
+          A[row][k + 1] = cvt(uint16_t(v >> 16));
+        }
+        for (int r = 0; r < 2; ++r) {
+          const uint32_t v = lanes[l].u[4 + r];
+          const int k = 2 * q + r * 8;
+          Bm[k][g] = cvt(uint16_t(v & 0xffff));
+          Bm[k + 1][g] = cvt(uint16_t(v >> 16));
+        }
+      }
+      for (int l = 0; l < 32; ++l) {
+        const int g = l / 4, q = l % 4;
+        for (int i = 0; i < 4; ++i) {
+          const int row = g + (i >= 2 ? 8 : 0), col = 2 * q + (i & 1);
+          float acc = lanes[l].f[i];
+          for (int k = 0; k < 16; ++k) acc += A[row][k] * Bm[k][col];
+          lanes[l].of[i] = acc;
+        }
+      }
+      break;
+    }
+    case Op::Syncwarp:
+      ++wp.epoch;
+      break;
+    case Op::None:
+      break;
+  }
+}
+
+// Every lane of the warp posts its operands; the last to arrive runs the operation for all.
+void warp_op(Op op, const void* pc) {
+  Worker& w = *tw;
+  Fiber& f = *w.cur;
+  Warp& wp = w.warps[f.warp];
+  if (wp.arrived == 0) { wp.op = op; wp.pc = pc; }
+  else if (wp.op != op || (EMU_SANITIZE && wp.pc != pc)) {
+    report("barrier", pc, fmt("warp %d: lane %d reached %s while lanes wait in %s elsewhere (warp-synchronous "
+                              "operations must be reached by every lane at the same place)",
+                              f.warp, f.lane, op_name(op), op_name(wp.op)));
+    if (wp.op != op) { w.abandon = true; yield(w, f); }
+  }
+  if (op != Op::Shfl && op != Op::Syncwarp && wp.live < 32) {
+    report("barrier", pc, fmt("warp %d: %s with %d live lanes (needs all 32)", f.warp, op_name(op), wp.live));
+    w.abandon = true;
+    yield(w, f);
+  }
+  if (++wp.arrived == wp.live) {
+    run_warp_op(w, wp);
+    wp.arrived = 0;
+    for (int l = 0; l < wp.lanes; ++l)
+      if (w.fibers[wp.first + l].st == St::Warp) w.fibers[wp.first + l].st = St::Run;
+    if (w.abandon) yield(w, f);
+    return;
+  }
+  f.st = St::Warp;
+  f.pc = pc;
+  yield(w, f);
+}
+
+// ------------------------------------------------------------------ blocks
+void release_barrier(Worker& w) {
+  for (Fiber& f : w.fibers)
+    if (f.st == St::Bar) f.st = St::Run;
+  w.bar_arrived = 0;
+  ++w.bar_epoch;
+}
+
+void land(Worker& w, Fiber& f, std::vector<Copy>& group) {
+  for (const Copy& c : group) {
+    if (c.valid) std::memcpy(c.dst, c.src, 16);
+    else std::memset(c.dst, 0, 16);
+#if EMU_SANITIZE
+    mark_landed(size_t(c.dst - w.window), f);
+#else
+    (void)w; (void)f;
+#endif
+  }
+}
+
+void fiber_main() {
+  Worker& w = *tw;
+  w.launch->entry(w.launch->args);
+  Fiber& f = *w.cur;
+  f.st = St::Done;
+  --w.live;
+  Warp& wp = w.warps[f.warp];
+  --wp.live;
+  if (!f.groups.empty() || !f.open.empty()) {  // copies still in flight at exit land anyway
+    for (auto& g : f.groups) land(w, f, g);
+    land(w, f, f.open);
+  }
+  if (w.bar_arrived > 0) {  // the hardware lets such a barrier go; the sanitizer reports it
+    if (EMU_SANITIZE) report("barrier", w.bar_pc, fmt("thread %d exited while %d threads wait at this __syncthreads", f.tid, w.bar_arrived));
+    if (w.bar_arrived == w.live) release_barrier(w);
+  }
+  if (wp.arrived > 0) {
+    report("barrier", wp.pc, fmt("warp %d: lane %d exited while %d lanes wait in %s", f.warp, f.lane, wp.arrived, op_name(wp.op)));
+    w.abandon = true;
+  }
+  // returning resumes the scheduler (uc_link)
+}
+
+void run_block(Worker& w, dim3 block) {
+  Launch& L = *w.launch;
+  w.block = block;
+  w.live = L.threads;
+  w.bar_arrived = 0;
+  w.bar_epoch = 0;
+  w.abandon = false;
+  const int nwarps = (L.threads + 31) / 32;
+  w.warps.assign(nwarps, Warp{});
+  for (int i = 0; i < nwarps; ++i) {
+    w.warps[i].first = 32 * i;
+    w.warps[i].lanes = w.warps[i].live = std::min(32, L.threads - 32 * i);
+  }
+  std::memset(w.window, 0xff, L.smem);
+#if EMU_SANITIZE
+  for (size_t i = 0; i < L.smem; ++i) w.shadow[i] = Shadow{-1, 0, -1, 0, -1, -1, -1, 0};
+#endif
+  for (int t = 0; t < L.threads; ++t) {
+    Fiber& f = w.fibers[t];
+    f.idx = {unsigned(t) % L.block.x, unsigned(t) / L.block.x % L.block.y, unsigned(t) / (L.block.x * L.block.y)};
+    f.tid = t;
+    f.warp = t / 32;
+    f.lane = t % 32;
+    f.st = St::Run;
+    f.open.clear();
+    f.groups.clear();
+    getcontext(&f.ctx);
+    f.ctx.uc_stack.ss_sp = w.stacks + size_t(t) * kStack;
+    f.ctx.uc_stack.ss_size = kStack;
+    f.ctx.uc_link = &w.sched;
+    makecontext(&f.ctx, fiber_main, 0);
+  }
+  while (w.live > 0 && !w.abandon) {
+    bool ran = false;
+    for (Fiber& f : w.fibers) {
+      if (f.st != St::Run) continue;
+      ran = true;
+      w.cur = &f;
+      swapcontext(&w.sched, &f.ctx);
+      w.cur = nullptr;
+      if (w.abandon) break;
+    }
+    if (!ran && !w.abandon) {  // every live thread waits for one that will never come
+      std::string where;
+      int at_bar = 0;
+      for (const Fiber& f : w.fibers) at_bar += f.st == St::Bar;
+      for (const Warp& wp : w.warps)
+        if (wp.arrived) where += fmt("; warp %d: %d of %d lanes in %s", int(&wp - w.warps.data()), wp.arrived, wp.live, op_name(wp.op));
+      const void* pc = at_bar ? w.bar_pc : nullptr;
+      for (const Warp& wp : w.warps) if (!pc && wp.arrived) pc = wp.pc;
+      report("barrier", pc, fmt("deadlock: %d threads wait at __syncthreads%s", at_bar, where.c_str()));
+      break;
+    }
+  }
+}
+
+void worker_main(Launch* L) {
+  Worker w;
+  w.launch = L;
+  w.window = smem_raw;
+  w.fibers.resize(L->threads);
+  w.stacks = static_cast<unsigned char*>(mmap(nullptr, size_t(L->threads) * kStack, PROT_READ | PROT_WRITE,
+                                              MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE, -1, 0));
+  if (w.stacks == MAP_FAILED) {
+    report("emulator", nullptr, fmt("could not map %d fiber stacks", L->threads));
+    return;
+  }
+#if EMU_SANITIZE
+  w.shadow.resize(L->smem ? L->smem : 1);
+#endif
+  tw = &w;
+  const long total = long(L->grid.x) * L->grid.y * L->grid.z;
+  for (long i; (i = L->next.fetch_add(1)) < total;) {
+    if (!EMU_SANITIZE && L->failed.load()) break;
+    run_block(w, {unsigned(i % L->grid.x), unsigned(i / L->grid.x % L->grid.y), unsigned(i / (long(L->grid.x) * L->grid.y))});
+  }
+  tw = nullptr;
+  munmap(w.stacks, size_t(L->threads) * kStack);
+}
+
+}  // namespace
+
+// ------------------------------------------------------------------ what the kernel calls
+const dim3& thread_idx() { return tw->cur->idx; }
+const dim3& block_idx() { return tw->block; }
+const dim3& grid_dim() { return tw->launch->grid; }
+const dim3& block_dim() { return tw->launch->block; }
+
+void syncthreads() {
+  Worker& w = *tw;
+  Fiber& f = *w.cur;
+  const void* pc = __builtin_return_address(0);
+  if (w.bar_arrived == 0) w.bar_pc = pc;
+  else if (EMU_SANITIZE && pc != w.bar_pc)
+    report("barrier", pc, fmt("thread %d reached a different __syncthreads than the threads waiting", f.tid));
+  if (++w.bar_arrived == w.live) {
+    release_barrier(w);
+    return;
+  }
+  f.st = St::Bar;
+  f.pc = pc;
+  yield(w, f);
+}
+
+void syncwarp(unsigned) { warp_op(Op::Syncwarp, __builtin_return_address(0)); }
+
+float shfl_xor(float x, int offset, unsigned) {
+  Fiber& f = *tw->cur;
+  f.f[0] = x;
+  f.u[0] = uint32_t(offset);
+  warp_op(Op::Shfl, __builtin_return_address(0));
+  return f.of[0];
+}
+
+void ldmatrix_x4(uint32_t (&r)[4], uint32_t addr, bool trans) {
+  Fiber& f = *tw->cur;
+  f.u[0] = addr;
+  warp_op(trans ? Op::LdmatrixT : Op::Ldmatrix, __builtin_return_address(0));
+  for (int i = 0; i < 4; ++i) r[i] = f.ou[i];
+}
+
+void mma_16816(float (&d)[4], const uint32_t (&a)[4], uint32_t b0, uint32_t b1, bool bf16) {
+  Fiber& f = *tw->cur;
+  for (int i = 0; i < 4; ++i) { f.u[i] = a[i]; f.f[i] = d[i]; }
+  f.u[4] = b0;
+  f.u[5] = b1;
+  warp_op(bf16 ? Op::MmaBF16 : Op::MmaF16, __builtin_return_address(0));
+  for (int i = 0; i < 4; ++i) d[i] = f.of[i];
+}
+
+void cp_async_16(void* dst, const void* src, bool valid) {
+  Worker& w = *tw;
+  const void* pc = __builtin_return_address(0);
+  const size_t off = window_offset(dst, 16, pc, "cp.async destination");
+  if (off == SIZE_MAX) return;
+#if EMU_SANITIZE
+  if (off % 16) report("misaligned", pc, fmt("cp.async destination at shared offset %zu (not a multiple of 16)", off));
+  if (valid) {
+    if (reinterpret_cast<uintptr_t>(src) % 16) report("misaligned", pc, "cp.async source address not a multiple of 16");
+    else if (regions_active) global_access(src, 16, false, pc);
+  }
+  shared_access(off, 16, true, pc, "cp.async");
+  mark_pending(off);
+#endif
+  w.cur->open.push_back({w.window + off, static_cast<const unsigned char*>(src), valid});
+}
+
+void cp_async_commit() {
+  Fiber& f = *tw->cur;
+  f.groups.push_back(std::move(f.open));
+  f.open.clear();
+}
+
+void cp_async_wait(int pending) {
+  Worker& w = *tw;
+  Fiber& f = *w.cur;
+  while (f.groups.size() > size_t(pending)) {
+    land(w, f, f.groups.front());
+    f.groups.erase(f.groups.begin());
+  }
+}
+
+float atomic_add(float* address, float value) {
+#if EMU_SANITIZE
+  const void* pc = __builtin_return_address(0);
+  if (reinterpret_cast<uintptr_t>(address) % 4) { report("misaligned", pc, "atomicAdd on a float address not a multiple of 4"); return 0.f; }
+  if (regions_active) global_access(address, 4, true, pc);
+#endif
+  return std::atomic_ref<float>(*address).fetch_add(value);
+}
+
+uint32_t cvta_shared(const void* p) {
+  const size_t off = window_offset(p, 0, __builtin_return_address(0), "shared address");
+  return off == SIZE_MAX ? 0u : uint32_t(off);
+}
+
+}  // namespace emu
+
+// ------------------------------------------------------------------ ThreadSanitizer's hooks
+#if EMU_SANITIZE
+#define EMU_TSAN_ACCESS(N)                                                                                       \
+  EMU_EXPORT void __tsan_read##N(void* a) { emu::any_access(a, N, false, __builtin_return_address(0)); }       \
+  EMU_EXPORT void __tsan_write##N(void* a) { emu::any_access(a, N, true, __builtin_return_address(0)); }       \
+  EMU_EXPORT void __tsan_unaligned_read##N(void* a) { emu::any_access(a, N, false, __builtin_return_address(0)); } \
+  EMU_EXPORT void __tsan_unaligned_write##N(void* a) { emu::any_access(a, N, true, __builtin_return_address(0)); }
+EMU_TSAN_ACCESS(1)
+EMU_TSAN_ACCESS(2)
+EMU_TSAN_ACCESS(4)
+EMU_TSAN_ACCESS(8)
+EMU_TSAN_ACCESS(16)
+EMU_EXPORT void __tsan_read_range(void*, unsigned long) {}
+EMU_EXPORT void __tsan_write_range(void*, unsigned long) {}
+EMU_EXPORT void __tsan_func_entry(void*) {}
+EMU_EXPORT void __tsan_func_exit() {}
+EMU_EXPORT void __tsan_init() {}
+#endif
+
+// ------------------------------------------------------------------ the library's C interface
+// Runs `entry` over the grid; returns the number of findings (sanitizing) or 0 / 1 (ok / failed).
+EMU_EXPORT int emu_launch(emu_entry_t entry, const char* kernel, unsigned gx, unsigned gy, unsigned gz, unsigned bx,
+                          unsigned by, unsigned bz, unsigned long smem, void** args, int workers) {
+  using namespace emu;
+  if (smem > kWindow) {
+    report("out-of-bounds", nullptr, fmt("%lu bytes of dynamic shared memory requested; the emulator holds %zu", smem, kWindow));
+    return 1;
+  }
+  Launch L;
+  L.entry = entry;
+  L.args = args;
+  L.kernel = kernel;
+  L.grid = {gx, gy, gz};
+  L.block = {bx, by, bz};
+  L.smem = smem;
+  L.threads = int(bx * by * bz);
+  const long blocks = long(gx) * gy * gz;
+  int n = EMU_SANITIZE ? 1 : std::max(1, std::min<int>(workers, int(std::min<long>(blocks, 1 << 20))));
+  if (n == 1) {
+    worker_main(&L);
+  } else {
+    std::vector<std::thread> pool;
+    for (int i = 0; i < n; ++i) pool.emplace_back(worker_main, &L);
+    for (auto& t : pool) t.join();
+  }
+  return L.failed.load() ? 1 : 0;
+}
+
+EMU_EXPORT int emu_sanitizing() { return EMU_SANITIZE; }
+
+// Registers a tensor of this launch for the out-of-bounds check: its elements are exactly
+// base + sum(i_d * stride_d) * elem for 0 <= i_d < shape_d.
+EMU_EXPORT void emu_add_region(const char* name, const void* base, int elem, int ndim, const long long* shape,
+                               const long long* stride) {
+#if EMU_SANITIZE
+  using namespace emu;
+  Region r;
+  r.name = name;
+  r.elem = elem;
+  r.ndim = ndim;
+  std::vector<std::pair<long long, long long>> dims;
+  long long span = 1;
+  for (int d = 0; d < ndim; ++d) {
+    dims.push_back({stride[d], shape[d]});
+    span += (shape[d] - 1) * stride[d];
+  }
+  std::sort(dims.begin(), dims.end(), [](auto a, auto b) { return a.first > b.first; });
+  r.nested = true;
+  for (int d = 0; d < ndim; ++d) {
+    r.stride[d] = dims[d].first;
+    r.shape[d] = dims[d].second;
+    const long long inner = d + 1 < ndim ? dims[d + 1].first * dims[d + 1].second : 1;
+    if (r.stride[d] <= 0 || r.stride[d] < inner) r.nested = false;
+  }
+  r.base = reinterpret_cast<uintptr_t>(base);
+  r.end = r.base + uintptr_t(span) * elem;
+  std::lock_guard<std::mutex> lock(g_mu);
+  g_regions.push_back(r);
+  regions_active = true;
+#else
+  (void)name; (void)base; (void)elem; (void)ndim; (void)shape; (void)stride;
+#endif
+}
+
+EMU_EXPORT void emu_clear_regions() {
+#if EMU_SANITIZE
+  std::lock_guard<std::mutex> lock(emu::g_mu);
+  emu::g_regions.clear();
+  emu::regions_active = false;
+#endif
+}
+
+EMU_EXPORT long emu_finding_total() { return emu::g_finding_total; }
+EMU_EXPORT int emu_finding_count() { return int(emu::g_findings.size()); }
+
+// Finding i as one line: kind \t kernel \t block x,y,z \t thread \t detail \t pc offsets (hex, comma-separated).
+EMU_EXPORT int emu_finding(int i, char* out, int size) {
+  using namespace emu;
+  std::lock_guard<std::mutex> lock(g_mu);
+  if (i < 0 || i >= int(g_findings.size())) return -1;
+  const Finding& f = g_findings[i];
+  std::string s = f.kind + "\t" + f.kernel + "\t" + fmt("%u,%u,%u", f.block.x, f.block.y, f.block.z) + "\t" + std::to_string(f.thread) +
+                  "\t" + f.detail + "\t";
+  for (size_t k = 0; k < f.pcs.size(); ++k) s += fmt("%s%" PRIxPTR, k ? "," : "", f.pcs[k]);
+  std::snprintf(out, size_t(size), "%s", s.c_str());
+  return int(s.size());
+}
+
+EMU_EXPORT void emu_clear_findings() {
+  std::lock_guard<std::mutex> lock(emu::g_mu);
+  emu::g_findings.clear();
+  emu::g_seen.clear();
+  emu::g_finding_total = 0;
+}

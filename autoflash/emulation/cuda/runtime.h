@@ -1,0 +1,32 @@
+// The interface between a kernel compiled for the host emulator and its runtime (runtime.cpp):
+// what CUDA's execution model gives a kernel (thread and block indices, barriers, warp-synchronous
+// operations, cp.async, atomics, the shared-memory window), as plain C++ calls. The kernel side is
+// prelude.h and the common/*.cuh headers beside it; the runtime runs each block's threads as fibers.
+#pragma once
+#include <cstdint>
+
+struct dim3 { unsigned x = 1, y = 1, z = 1; };
+
+namespace emu {
+const dim3& thread_idx();
+const dim3& block_idx();
+const dim3& grid_dim();
+const dim3& block_dim();
+
+void syncthreads();
+void syncwarp(unsigned mask);
+float shfl_xor(float x, int offset, unsigned mask);
+void ldmatrix_x4(uint32_t (&r)[4], uint32_t smem_addr, bool trans);
+void mma_16816(float (&d)[4], const uint32_t (&a)[4], uint32_t b0, uint32_t b1, bool bf16);
+void cp_async_16(void* smem_dst, const void* gmem_src, bool valid);
+void cp_async_commit();
+void cp_async_wait(int pending);
+float atomic_add(float* address, float value);
+uint32_t cvta_shared(const void* p);
+}  // namespace emu
+
+// The launch ABI (one entry per kernel, generated at build time by EMU_KERNEL in register.h):
+// entry(args) calls the kernel with args[i] pointing at the i-th argument's bytes.
+extern "C" {
+typedef void (*emu_entry_t)(void** args);
+}

@@ -1,0 +1,175 @@
+"""A built kernel library loaded with ctypes, used the way the GPU path uses a cupy.RawModule:
+`load_functions(config, sanitize)` gives {symbol: function}, and a function is called as
+fn(grid, block, args, shared_mem=...), args being torch tensors (passed as pointers) and numpy
+scalars of the kernel's parameter types. CPU tensors' memory is used in place: no copies."""
+from __future__ import annotations
+
+import ctypes
+import dataclasses
+import functools
+import os
+import subprocess
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from autoflash.codegen import render
+from autoflash.config import KernelConfig
+from autoflash.emulation.build import EmulationError, build_library
+
+
+@dataclasses.dataclass(frozen=True)
+class Finding:
+    """One problem the sanitizer (or, failing a plain launch, the emulator's own checks) found."""
+
+    kind: str  # race, out-of-bounds, misaligned, uninitialized, barrier
+    kernel: str
+    location: str  # template file:line, e.g. templates/flash_fwd.cu.j2:162
+    block: tuple[int, int, int]
+    thread: int
+    detail: str
+    frames: tuple[str, ...]  # the kernel-side call chain, innermost first (file:line function)
+
+    def __str__(self) -> str:
+        via = f" (via {self.frames[0]})" if self.frames and not self.frames[0].startswith(self.location) else ""
+        return (f"{self.kind}: {self.kernel} at {self.location}{via}, block {self.block}, thread {self.thread}: "
+                f"{self.detail}")
+
+
+def _template_path(path: str) -> str:
+    """A source path as the project names it: templates/..., or the emulator's own header."""
+    for marker in ("templates/", "emulation/cuda/"):
+        if marker in path:
+            return path[path.index(marker):]
+    return os.path.basename(path)
+
+
+def symbolize(library: Path, offsets: list[int]) -> list[list[str]]:
+    """For each code offset in `library`, its inline call chain innermost first ("file:line function")."""
+    if not offsets:
+        return []
+    r = subprocess.run(["addr2line", "-a", "-f", "-i", "-C", "-e", str(library), *(hex(o) for o in offsets)],
+                       capture_output=True, text=True)
+    chains: list[list[str]] = []
+    lines = r.stdout.splitlines()
+    i = 0
+    while i < len(lines):
+        if lines[i].startswith("0x"):
+            chains.append([])
+            i += 1
+            continue
+        if i + 1 < len(lines) and chains:
+            func, where = lines[i], lines[i + 1]
+            file, _, line = where.rpartition(":")
+            line = line.split(" ")[0]
+            chains[-1].append(f"{_template_path(file)}:{line} {func}")
+        i += 2
+    return chains + [[] for _ in range(len(offsets) - len(chains))]
+
+
+class EmulatedFunction:
+    def __init__(self, module: "EmulatedModule", name: str):
+        self.module, self.name = module, name
+        self._entry = ctypes.cast(getattr(module.lib, f"emu_entry_{name}"), ctypes.c_void_p)
+
+    def __call__(self, grid, block, args, shared_mem: int = 0, names: tuple = ()) -> None:
+        lib = self.module.lib
+        keep, ptrs = [], (ctypes.c_void_p * len(args))()
+        for i, a in enumerate(args):
+            if isinstance(a, torch.Tensor):
+                buf = ctypes.c_uint64(a.data_ptr())
+                if self.module.sanitize:
+                    name = names[i] if i < len(names) and names[i] else f"argument {i}"
+                    shape = (ctypes.c_longlong * a.dim())(*a.shape)
+                    stride = (ctypes.c_longlong * a.dim())(*a.stride())
+                    lib.emu_add_region(name.encode(), ctypes.c_void_p(a.data_ptr()), a.element_size(), a.dim(),
+                                       shape, stride)
+            else:
+                buf = ctypes.create_string_buffer(np.asarray(a).tobytes())
+            keep.append(buf)
+            ptrs[i] = ctypes.cast(ctypes.pointer(buf), ctypes.c_void_p)
+        (gx, gy, gz), (bx, by, bz) = (tuple(grid) + (1, 1))[:3], (tuple(block) + (1, 1))[:3]
+        try:
+            failed = lib.emu_launch(self._entry, self.name.encode(), gx, gy, gz, bx, by, bz, shared_mem, ptrs,
+                                    os.cpu_count() or 1)
+        finally:
+            if self.module.sanitize:
+                lib.emu_clear_regions()
+        if failed and not self.module.sanitize:
+            found = self.module.findings()
+            self.module.clear_findings()
+            raise EmulationError(f"emulated launch of {self.name} failed: " + "; ".join(map(str, found[:3])))
+
+
+class EmulatedModule:
+    """One kernel library (a config's kernels, plain or sanitizing)."""
+
+    def __init__(self, path: Path, sanitize: bool):
+        self.path, self.sanitize = path, sanitize
+        self.lib = lib = ctypes.CDLL(str(path))
+        lib.emu_launch.restype = ctypes.c_int
+        lib.emu_launch.argtypes = [ctypes.c_void_p, ctypes.c_char_p, *[ctypes.c_uint] * 6, ctypes.c_ulong,
+                                   ctypes.POINTER(ctypes.c_void_p), ctypes.c_int]
+        lib.emu_add_region.argtypes = [ctypes.c_char_p, ctypes.c_void_p, ctypes.c_int, ctypes.c_int,
+                                       ctypes.POINTER(ctypes.c_longlong), ctypes.POINTER(ctypes.c_longlong)]
+        lib.emu_finding.argtypes = [ctypes.c_int, ctypes.c_char_p, ctypes.c_int]
+        lib.emu_finding_total.restype = ctypes.c_long
+
+    def get_function(self, name: str) -> EmulatedFunction:
+        return EmulatedFunction(self, name)
+
+    def findings(self) -> list[Finding]:
+        raw = []
+        buf = ctypes.create_string_buffer(1 << 14)
+        for i in range(self.lib.emu_finding_count()):
+            self.lib.emu_finding(i, buf, len(buf))
+            kind, kernel, block, thread, detail, pcs = buf.value.decode(errors="replace").split("\t")
+            raw.append((kind, kernel, tuple(int(x) for x in block.split(",")), int(thread), detail,
+                        [int(p, 16) for p in pcs.split(",") if p]))
+        chains = symbolize(self.path, [p for *_, pcs in raw for p in pcs])
+        out, at = [], 0
+        for kind, kernel, block, thread, detail, pcs in raw:
+            frames = [f for chain in chains[at:at + len(pcs)] for f in chain]
+            at += len(pcs)
+            # The kernel's own frames: drop the runtime's (and anything below the kernel's entry).
+            frames = [f for f in frames if not f.startswith(("emulation/cuda/runtime", "?"))
+                      and "emu_entry_" not in f and "fiber_main" not in f]
+            kernel_frames = []
+            for f in frames:
+                if f not in kernel_frames:
+                    kernel_frames.append(f)
+            location = next((f.split(" ")[0] for f in kernel_frames if ".j2:" in f),
+                            kernel_frames[0].split(" ")[0] if kernel_frames else "?")
+            out.append(Finding(kind, kernel, location, block, thread, detail, tuple(kernel_frames)))
+        return out
+
+    def finding_total(self) -> int:
+        return int(self.lib.emu_finding_total())
+
+    def clear_findings(self) -> None:
+        self.lib.emu_clear_findings()
+
+
+_MODULES: dict[tuple[KernelConfig, bool], EmulatedModule] = {}
+
+
+def load_module(config: KernelConfig, sanitize: bool) -> EmulatedModule:
+    """The library of a config's kernels, built (disk-cached) and loaded once per process."""
+    key = (config, sanitize)
+    if key not in _MODULES:
+        entries = (config.name,) + ((f"{config.name}_delta",) if config.direction == "bwd" else ())
+        _MODULES[key] = EmulatedModule(build_library(render(config), config.name, entries, sanitize), sanitize)
+    return _MODULES[key]
+
+
+@functools.lru_cache(maxsize=None)
+def load_functions(config: KernelConfig, sanitize: bool = False) -> dict:
+    """{symbol: EmulatedFunction} of a config's kernels (the emulator's load_functions)."""
+    module = load_module(config, sanitize)
+    return {n: module.get_function(n) for n in (config.name, f"{config.name}_delta") if hasattr(module.lib, f"emu_entry_{n}")}
+
+
+def loaded_modules() -> list[tuple[tuple[KernelConfig, bool], EmulatedModule]]:
+    """Every kernel library loaded in this process, by (config, sanitize)."""
+    return list(_MODULES.items())
