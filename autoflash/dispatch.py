@@ -123,6 +123,15 @@ def _device_reason(device_index: int) -> str:
 _device_reasons: dict[int, str] = {}
 
 
+@torch.compiler.assume_constant_result
+def _emulated_gpu() -> str:
+    """The GPU that CPU tensors are emulated as (autoflash.emulate / AUTOFLASH_EMULATE), or ""."""
+    from autoflash.emulation import active
+
+    emulation = active()
+    return emulation.gpu if emulation is not None else ""
+
+
 def _probe_device(device_index: int) -> str:
     if device_index not in _device_reasons:
         try:
@@ -147,8 +156,10 @@ def plan(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scal
     _validate(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa)
     e, ev = query.shape[-1], value.shape[-1]
     sc = 1.0 / math.sqrt(e) if scale is None else float(scale)
-    if device_check and query.device.type != "cuda":
-        return Plan(f"{query.device.type} tensors: the kernels run on CUDA GPUs", sc)
+    emulated = device_check and query.device.type == "cpu" and bool(_emulated_gpu())
+    if device_check and query.device.type != "cuda" and not emulated:
+        return Plan(f"{query.device.type} tensors: the kernels run on CUDA GPUs (or on the CPU inside "
+                    "autoflash.emulate())", sc)
     if query.dtype not in KERNEL_DTYPES:
         return Plan(f"dtype {query.dtype}: the kernels run float16 and bfloat16", sc)
     if attn_mask is not None:
@@ -169,7 +180,7 @@ def plan(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scal
     if math.prod(batch_shape) > GRID_YZ_MAX or query.shape[-3] > GRID_YZ_MAX:
         return Plan(f"batch {math.prod(batch_shape)} x heads {query.shape[-3]}: the kernels launch at most "
                     f"{GRID_YZ_MAX} of each", sc)
-    if device_check:
+    if device_check and not emulated:
         index = device_index(query)
         reason = _device_reason(index)
         if reason:
@@ -208,7 +219,8 @@ def attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, attn_
 
     query (..., Hq, L, E), key (..., H, S, E), value (..., H, S, Ev) -> (..., Hq, L, Ev); is_causal
     is the top-left causal mask; scale defaults to 1/sqrt(E); enable_gqa lets H divide Hq.
-    Differentiable. What the kernels do not run yet (CPU tensors, float32, attn_mask, dropout,
+    Differentiable. Inside autoflash.emulate() CPU tensors run the kernels on the host emulator.
+    What the kernels do not run yet (CPU tensors, float32, attn_mask, dropout,
     other head dims, broadcast batch dims) runs torch SDPA with one FallbackWarning per reason;
     strict=True (or AUTOFLASH_STRICT=1) raises UnsupportedCallError instead.
     """
@@ -221,7 +233,7 @@ def attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, attn_
         return _torch_sdpa(query, key, value, attn_mask=attn_mask, dropout_p=dropout_p, is_causal=is_causal,
                            scale=scale, enable_gqa=enable_gqa)
     q, k, v = (t if t.dim() == 4 else t.reshape(-1, *t.shape[-3:]) for t in (query, key, value))
-    if q.is_cuda and not torch.compiler.is_compiling():
+    if not torch.compiler.is_compiling():  # a CUDA tensor, or a CPU one inside autoflash.emulate()
         out = _eager(q, k, v, is_causal, p.scale)
     else:  # traced by torch.compile: the custom op, one node with fake shapes and an autograd formula
         from autoflash import ops  # noqa: F401  (registers torch.ops.autoflash)

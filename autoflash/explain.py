@@ -6,14 +6,14 @@ import dataclasses
 
 import torch
 
-from autoflash.checks import DTYPE_NAMES, device_index
+from autoflash.checks import DTYPE_NAMES
 from autoflash.dispatch import plan
 from autoflash.selection import Selection
 
 
 @dataclasses.dataclass(frozen=True)
 class Explanation:
-    path: str  # "autoflash kernels" or "torch SDPA (fallback)"
+    path: str  # "autoflash kernels", "autoflash kernels (emulated on the CPU)" or "torch SDPA (fallback)"
     reason: str | None  # why the fallback; None on the kernels
     gpu: str | None  # the profile the configs were selected for
     forward: Selection | None
@@ -40,15 +40,18 @@ def explain(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, attn_ma
     """What autoflash.attention would do with these arguments, without running anything.
 
     gpu=NAME (a profile: "h100", "a100", ...) explains the call as if the tensors were on that GPU,
-    so configs can be inspected on any machine; by default the tensors' own device decides."""
+    so configs can be inspected on any machine; by default the tensors' own device decides (CPU tensors
+inside autoflash.emulate(): the emulated GPU, path "autoflash kernels (emulated on the CPU)")."""
     from autoflash.gpus import get_profile
-    from autoflash.launch import device_profile
+    from autoflash.launch import profile_for
     from autoflash.selection import select_config
 
     p = plan(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa, device_check=gpu is None)
     if p.reason is not None:
         return Explanation("torch SDPA (fallback)", p.reason, gpu, None, None)
-    profile = get_profile(gpu) if gpu is not None else device_profile(device_index(query))
+    profile = get_profile(gpu) if gpu is not None else profile_for(query, "autoflash.explain")
     fwd, bwd = (select_config(profile, direction, DTYPE_NAMES[query.dtype], query.shape[-1], is_causal, key.shape[-2])
                 for direction in ("fwd", "bwd"))
-    return Explanation("autoflash kernels", None, profile.name, fwd, bwd)
+    emulated = gpu is None and not query.is_cuda
+    return Explanation("autoflash kernels (emulated on the CPU)" if emulated else "autoflash kernels", None,
+                       profile.name, fwd, bwd)

@@ -3,16 +3,17 @@
 As custom ops with fake (meta) implementations and a registered autograd formula, torch.compile
 traces a model through them as single nodes, with no graph break, and autograd reaches the backward
 kernel. On CUDA the op picks its KernelConfig at run time (autoflash.selection: tuned table, else
-heuristic), from the tensors' metadata only. The CPU implementations are the plain PyTorch
-references: they exist so the ops' registration (schema, fake, autograd) is testable anywhere;
-autoflash.attention never routes CPU tensors here (SDPA is the CPU path).
+heuristic), from the tensors' metadata only. On the CPU inside autoflash.emulate() the ops run the
+same kernels on the host emulator; outside it their CPU implementations are the plain PyTorch
+references, so the registration (schema, fake, autograd) stays checkable anywhere
+(autoflash.attention sends CPU tensors here only under emulation).
 
 No `from __future__ import annotations` here: torch.library reads the signature's annotations as
 types to build each op's schema.
 """
 import torch
 
-from autoflash.checks import DTYPE_NAMES, device_index, is_chunked_layout
+from autoflash.checks import DTYPE_NAMES, is_chunked_layout
 from autoflash.reference import attention_ref
 
 
@@ -22,26 +23,47 @@ def chunked(t: torch.Tensor) -> torch.Tensor:
 
 
 def selected_config(q: torch.Tensor, direction: str, is_causal: bool, seqlen_k: int):
-    """The KernelConfig for a call on q's CUDA device (tuned table, else heuristic)."""
-    from autoflash.launch import device_profile
+    """The KernelConfig for a call on q's CUDA device, or the emulated GPU (tuned table, else heuristic)."""
+    from autoflash.launch import profile_for
     from autoflash.selection import select_config
 
-    profile = device_profile(device_index(q))
+    profile = profile_for(q, "autoflash.attention")
     return select_config(profile, direction, DTYPE_NAMES[q.dtype], q.shape[-1], is_causal, seqlen_k).config
 
 
-@torch.library.custom_op("autoflash::attention_fwd", mutates_args=(), device_types="cuda")
-def attention_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, is_causal: bool,
-                  scale: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """(out, lse) for q (B, Hq, Lq, D), k/v (B, Hkv, Lk, D); lse (B, Hq, Lq) fp32 carries no gradient."""
+def _forward_kernels(q, k, v, is_causal, scale):
     from autoflash.launch import flash_forward
 
     q, k, v = chunked(q), chunked(k), chunked(v)
     return flash_forward(q, k, v, causal=is_causal, scale=scale, config=selected_config(q, "fwd", is_causal, k.shape[2]))
 
 
+def _backward_kernels(dout, q, k, v, out, lse, is_causal, scale):
+    from autoflash.launch import flash_backward
+
+    q, k, v, out, dout = (chunked(t) for t in (q, k, v, out, dout))
+    return flash_backward(dout, q, k, v, out, lse, causal=is_causal, scale=scale,
+                          config=selected_config(q, "bwd", is_causal, k.shape[2]),
+                          deterministic=torch.are_deterministic_algorithms_enabled())
+
+
+@torch.library.custom_op("autoflash::attention_fwd", mutates_args=(), device_types="cuda")
+def attention_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, is_causal: bool,
+                  scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """(out, lse) for q (B, Hq, Lq, D), k/v (B, Hkv, Lk, D); lse (B, Hq, Lq) fp32 carries no gradient."""
+    return _forward_kernels(q, k, v, is_causal, scale)
+
+
+def _emulating() -> bool:
+    from autoflash.emulation import active
+
+    return active() is not None
+
+
 @attention_fwd.register_kernel("cpu")
 def _attention_fwd_cpu(q, k, v, is_causal, scale):
+    if _emulating():
+        return _forward_kernels(q, k, v, is_causal, scale)
     out, lse = attention_ref(q, k, v, causal=is_causal, scale=scale)
     return out.to(q.dtype), lse.to(torch.float32)
 
@@ -55,16 +77,13 @@ def _attention_fwd_fake(q, k, v, is_causal, scale):
 def attention_bwd(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
                   lse: torch.Tensor, is_causal: bool, scale: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(dq, dk, dv) like (q, k, v). Bit-reproducible under torch.use_deterministic_algorithms(True)."""
-    from autoflash.launch import flash_backward
-
-    q, k, v, out, dout = (chunked(t) for t in (q, k, v, out, dout))
-    return flash_backward(dout, q, k, v, out, lse, causal=is_causal, scale=scale,
-                          config=selected_config(q, "bwd", is_causal, k.shape[2]),
-                          deterministic=torch.are_deterministic_algorithms_enabled())
+    return _backward_kernels(dout, q, k, v, out, lse, is_causal, scale)
 
 
 @attention_bwd.register_kernel("cpu")
 def _attention_bwd_cpu(dout, q, k, v, out, lse, is_causal, scale):
+    if _emulating():
+        return _backward_kernels(dout, q, k, v, out, lse, is_causal, scale)
     # Closed form (an op runs below autograd, so no autograd inside): P = exp(scale q kᵀ - lse),
     # dV = Pᵀ dO, dS = P (dO Vᵀ - rowsum(dO * O)), dQ = scale dS K, dK = scale dSᵀ Q.
     f = torch.float64 if q.dtype == torch.float64 else torch.float32

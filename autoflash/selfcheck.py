@@ -1,6 +1,7 @@
 """`python -m autoflash.selfcheck`: run the kernels once on one problem and hold the outputs (and,
-with --backward, the gradients) to FlashAttention's accuracy rule. Small enough to run under
-compute-sanitizer; needs a CUDA GPU."""
+with --backward, the gradients) to FlashAttention's accuracy rule. On a CUDA GPU (small enough for
+compute-sanitizer), or on the CPU with --emulate GPU, where --sanitize also checks every memory
+access and barrier of the kernels (races, out-of-bounds, misaligned, uninitialized, barrier)."""
 from __future__ import annotations
 
 import argparse
@@ -10,8 +11,12 @@ EPILOG = """The rule: max|x - ref| <= F * max|x_torch - ref| + 1e-5, ref = atten
 fp32 inputs), x_torch = PyTorch in the input dtype, F = 2 for out and 3 for dq, dk, dv.
 
   python -m autoflash.selfcheck --shape 2,6,2,113,203,96 --dtype bf16 --causal --backward
+  python -m autoflash.selfcheck --emulate a100 --sanitize --backward --shape 1,4,2,77,133,96 --causal
+  python -m autoflash.selfcheck --emulate h100 --sanitize --config bwd_hd128_bf16_m64n128w8s2
   compute-sanitizer --tool memcheck python -m autoflash.selfcheck --backward
-Exit status: 0 all within the rule, 1 a result outside it, 2 no GPU or bad arguments."""
+With --sanitize every finding is printed with its kind, kernel, template file:line, block and thread.
+Exit status: 0 all within the rule (and, sanitizing, no finding), 1 a result outside it or a
+finding, 2 no GPU (without --emulate) or bad arguments."""
 
 
 def _shape(text: str) -> tuple[int, ...]:
@@ -25,55 +30,107 @@ def _shape(text: str) -> tuple[int, ...]:
 
 
 def _parser() -> argparse.ArgumentParser:
+    from autoflash.gpus import PROFILES
+
     p = argparse.ArgumentParser(prog="python -m autoflash.selfcheck", description=__doc__, epilog=EPILOG,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--shape", type=_shape, default=(2, 6, 2, 113, 203, 96),
-                   help="b,hq,hkv,lq,lk,d (default 2,6,2,113,203,96: odd lengths, GQA)")
-    p.add_argument("--dtype", choices=("fp16", "bf16", "fp32"), default="bf16")
+    p.add_argument("--shape", type=_shape, default=None,
+                   help="b,hq,hkv,lq,lk,d (default 2,6,2,113,203,96: odd lengths, GQA; d from --config if given)")
+    p.add_argument("--dtype", choices=("fp16", "bf16", "fp32"), default=None, help="default bf16 (or --config's)")
     p.add_argument("--causal", action="store_true")
     p.add_argument("--backward", action="store_true", help="also check dq, dk, dv")
     p.add_argument("--deterministic", action="store_true", help="the bit-reproducible backward")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--emulate", metavar="GPU", choices=sorted(PROFILES),
+                   help=f"run on the CPU as this GPU would ({', '.join(sorted(PROFILES))}); no GPU needed")
+    p.add_argument("--sanitize", action="store_true", help="with --emulate: check every access and barrier")
+    p.add_argument("--config", metavar="NAME", help="a kernel name, e.g. fwd_hd128_bf16_causal_m128n64w8s2 "
+                   "(a bwd_... name checks the backward); dtype, head dim and causal follow from it")
     return p
 
 
+def _resolve(args, parser):
+    """(shape, dtype, causal, forward config or None, backward config or None, backward?)."""
+    from autoflash.config import KernelConfig
+
+    shape, dtype, causal = args.shape or (2, 6, 2, 113, 203, 96), args.dtype or "bf16", args.causal
+    fwd = bwd = None
+    if args.config:
+        try:
+            cfg = KernelConfig.from_name(args.config)
+        except (ValueError, TypeError) as e:
+            parser.error(f"--config: {e}")
+        if args.shape and args.shape[5] != cfg.head_dim:
+            parser.error(f"--config {cfg.name} has head_dim {cfg.head_dim}; --shape gives d = {args.shape[5]}")
+        if args.dtype and args.dtype != cfg.dtype:
+            parser.error(f"--config {cfg.name} is {cfg.dtype}; --dtype gives {args.dtype}")
+        shape, dtype, causal = (*shape[:5], cfg.head_dim), cfg.dtype, cfg.causal
+        fwd, bwd = (cfg, None) if cfg.direction == "fwd" else (None, cfg)
+    return shape, dtype, causal, fwd, bwd, args.backward or bwd is not None
+
+
 def main(argv: list[str] | None = None) -> int:
-    args = _parser().parse_args(argv)
+    parser = _parser()
+    args = parser.parse_args(argv)
+    if args.sanitize and not args.emulate:
+        parser.error("--sanitize checks kernels on the emulator: add --emulate GPU (e.g. --emulate a100)")
+    shape, dtype_name, causal, fwd_cfg, bwd_cfg, backward = _resolve(args, parser)
+    import contextlib
+
     import torch
 
-    if not torch.cuda.is_available():
-        print("autoflash.selfcheck needs a CUDA GPU; none is visible (torch.cuda.is_available() is False)",
-              file=sys.stderr)
+    if not args.emulate and not torch.cuda.is_available():
+        print("autoflash.selfcheck needs a CUDA GPU; none is visible (torch.cuda.is_available() is False). "
+              "Add --emulate GPU to run the kernels on the CPU.", file=sys.stderr)
         return 2
+    from autoflash import emulation
     from autoflash.checks import TORCH_DTYPES
     from autoflash.function import flash_attn
     from autoflash.reference import attention_ref, within_tolerance
     from autoflash.reference_bwd import attention_backward_ref
 
-    b, hq, hkv, lq, lk, d = args.shape
-    dt = TORCH_DTYPES[args.dtype]
-    g = torch.Generator(device="cuda").manual_seed(args.seed)
-    q, k, v = (torch.randn(b, h, n, d, device="cuda", dtype=dt, generator=g).requires_grad_(args.backward)
-               for h, n in ((hq, lq), (hkv, lk), (hkv, lk)))
+    b, hq, hkv, lq, lk, d = shape
+    dt = TORCH_DTYPES[dtype_name]
+    device = "cpu" if args.emulate else "cuda"
+    g = torch.Generator(device=device).manual_seed(args.seed)
+    if args.sanitize:  # guard bands after every row and sequence: reads past them are findings
+        from autoflash.emulation.guards import guarded_randn
+
+        make = lambda h, n: guarded_randn(b, h, n, d, dt, g)  # noqa: E731
+    else:
+        make = lambda h, n: torch.randn(b, h, n, d, device=device, dtype=dt, generator=g)  # noqa: E731
+    q, k, v = (make(h, n).requires_grad_(backward) for h, n in ((hq, lq), (hkv, lk), (hkv, lk)))
     up = torch.float64 if dt == torch.float32 else torch.float32
-    out = flash_attn(q, k, v, causal=args.causal, deterministic=args.deterministic)
-    results = [("out", out, attention_ref(*(t.detach().to(up) for t in (q, k, v)), causal=args.causal)[0],
-                attention_ref(q.detach(), k.detach(), v.detach(), causal=args.causal, upcast=False)[0], 2.0)]
-    if args.backward:
-        dout = torch.randn(out.shape, device="cuda", dtype=dt, generator=g)
-        grads = torch.autograd.grad(out, (q, k, v), dout)
-        x = [t.detach() for t in (q, k, v)]
-        ref = attention_backward_ref(*(t.to(up) for t in x), dout.to(up), causal=args.causal)
-        yard = attention_backward_ref(*x, dout, causal=args.causal, upcast=False)
-        results += [(n, gr, r, y, 3.0) for n, gr, r, y in zip(("dq", "dk", "dv"), grads, ref, yard)]
-    torch.cuda.synchronize()
+    context = emulation.emulate(args.emulate, sanitize=args.sanitize) if args.emulate else contextlib.nullcontext()
+    with context:
+        emulation.clear_findings()
+        out = flash_attn(q, k, v, causal=causal, deterministic=args.deterministic, config=fwd_cfg,
+                         backward_config=bwd_cfg)
+        results = [("out", out, attention_ref(*(t.detach().to(up) for t in (q, k, v)), causal=causal)[0],
+                    attention_ref(q.detach(), k.detach(), v.detach(), causal=causal, upcast=False)[0], 2.0)]
+        if backward:
+            dout = make(hq, lq)
+            grads = torch.autograd.grad(out, (q, k, v), dout)
+            x = [t.detach() for t in (q, k, v)]
+            ref = attention_backward_ref(*(t.to(up) for t in x), dout.to(up), causal=causal)
+            yard = attention_backward_ref(*x, dout, causal=causal, upcast=False)
+            results += [(n, gr, r, y, 3.0) for n, gr, r, y in zip(("dq", "dk", "dv"), grads, ref, yard)]
+        findings = emulation.findings() if args.sanitize else []
+    if not args.emulate:
+        torch.cuda.synchronize()
+    where = (f"emulated {args.emulate} on the CPU{' (sanitizer on)' if args.sanitize else ''}" if args.emulate
+             else torch.cuda.get_device_name())
     failed = False
-    print(f"{torch.cuda.get_device_name()}  shape b,hq,hkv,lq,lk,d = {args.shape}  {args.dtype}"
-          f"{'  causal' if args.causal else ''}")
+    print(f"{where}  shape b,hq,hkv,lq,lk,d = {shape}  {dtype_name}{'  causal' if causal else ''}")
     for name, got, ref, yard, factor in results:
         ok, err, bound = within_tolerance(got.detach(), ref, yard, factor=factor)
         failed |= not ok
         print(f"  {name:3s}  err {err:.3e}  bound {bound:.3e}  {'ok' if ok else 'OUTSIDE THE RULE'}")
+    if args.sanitize:
+        print(f"sanitizer: {len(findings)} finding{'s' * (len(findings) != 1)}")
+        for f in findings:
+            print(f"  {f}")
+        failed |= bool(findings)
     return 1 if failed else 0
 
 

@@ -1,11 +1,10 @@
 """autoflash.attention, the SDPA drop-in: validation, the fallback policy, the custom ops under
 autograd and torch.compile, explain, patch_sdpa.
 
-On the CPU every call takes the fallback (torch SDPA). The kernel path's own logic (reshaping,
-the custom ops, their autograd and fake implementations) runs on the CPU too with `kernel_path`:
-the device requirement lifted, the ops' CPU implementations (the PyTorch references) stand in
-for the CUDA kernels."""
-import functools
+On the CPU every call takes the fallback (torch SDPA). The kernel path (reshaping, the custom ops,
+their autograd and fake implementations, and the kernels themselves) runs on the CPU too with
+`kernel_path`: inside autoflash.emulate("h100") CPU tensors run the H100's kernels on the host
+emulator."""
 import warnings
 
 import pytest
@@ -31,9 +30,10 @@ def _fresh_warnings(monkeypatch):
 
 
 @pytest.fixture
-def kernel_path(monkeypatch):
-    """Plans as on a GPU, so CPU tensors reach torch.ops.autoflash (CPU reference implementations)."""
-    monkeypatch.setattr(dispatch, "plan", functools.partial(dispatch.plan, device_check=False))
+def kernel_path():
+    """CPU tensors run the kernels, on the host emulator, as on an H100."""
+    with autoflash.emulate("h100"):
+        yield
 
 
 def _qkv(q_shape, kv_shape, dtype=torch.float32, grad=False, seed=0):
@@ -85,15 +85,15 @@ def test_kernel_path_matches_sdpa(kernel_path, case):
         torch.testing.assert_close(g.float(), r, atol=5e-2, rtol=5e-2)
 
 
-def test_kernel_path_calls_the_custom_op(kernel_path, monkeypatch):
+def test_kernel_path_flattens_batch_dims_for_the_kernels(kernel_path, monkeypatch):
     calls = []
-    real = torch.ops.autoflash.attention_fwd
+    real = dispatch._eager
 
     def spy(*args):
         calls.append(tuple(a.shape if isinstance(a, torch.Tensor) else a for a in args))
         return real(*args)
 
-    monkeypatch.setattr(torch.ops.autoflash, "attention_fwd", spy)
+    monkeypatch.setattr(dispatch, "_eager", spy)
     q, k, v = _qkv((2, 3, 4, 11, 64), (2, 3, 2, 13, 64), torch.float16)
     out = autoflash.attention(q, k, v, is_causal=True, enable_gqa=True)
     assert out.shape == (2, 3, 4, 11, 64)

@@ -83,8 +83,9 @@ class EmulatedFunction:
                     name = names[i] if i < len(names) and names[i] else f"argument {i}"
                     shape = (ctypes.c_longlong * a.dim())(*a.shape)
                     stride = (ctypes.c_longlong * a.dim())(*a.stride())
-                    lib.emu_add_region(name.encode(), ctypes.c_void_p(a.data_ptr()), a.element_size(), a.dim(),
-                                       shape, stride)
+                    storage = a.untyped_storage()
+                    lib.emu_add_region(name.encode(), ctypes.c_void_p(a.data_ptr()), ctypes.c_void_p(storage.data_ptr()),
+                                       storage.nbytes(), a.element_size(), a.dim(), shape, stride)
             else:
                 buf = ctypes.create_string_buffer(np.asarray(a).tobytes())
             keep.append(buf)
@@ -111,7 +112,8 @@ class EmulatedModule:
         lib.emu_launch.restype = ctypes.c_int
         lib.emu_launch.argtypes = [ctypes.c_void_p, ctypes.c_char_p, *[ctypes.c_uint] * 6, ctypes.c_ulong,
                                    ctypes.POINTER(ctypes.c_void_p), ctypes.c_int]
-        lib.emu_add_region.argtypes = [ctypes.c_char_p, ctypes.c_void_p, ctypes.c_int, ctypes.c_int,
+        lib.emu_add_region.argtypes = [ctypes.c_char_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_ulong, ctypes.c_int,
+                                       ctypes.c_int,
                                        ctypes.POINTER(ctypes.c_longlong), ctypes.POINTER(ctypes.c_longlong)]
         lib.emu_finding.argtypes = [ctypes.c_int, ctypes.c_char_p, ctypes.c_int]
         lib.emu_finding_total.restype = ctypes.c_long
@@ -133,8 +135,7 @@ class EmulatedModule:
             frames = [f for chain in chains[at:at + len(pcs)] for f in chain]
             at += len(pcs)
             # The kernel's own frames: drop the runtime's (and anything below the kernel's entry).
-            frames = [f for f in frames if not f.startswith(("emulation/cuda/runtime", "?"))
-                      and "emu_entry_" not in f and "fiber_main" not in f]
+            frames = [f for f in frames if f.startswith("templates/")]
             kernel_frames = []
             for f in frames:
                 if f not in kernel_frames:

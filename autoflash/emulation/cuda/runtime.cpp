@@ -105,7 +105,8 @@ struct Finding {
 
 struct Region {
   std::string name;
-  uintptr_t base, end;
+  uintptr_t base, end;      // the tensor's storage: any access inside it is checked
+  uintptr_t origin;         // its first element
   int elem;
   int ndim;
   long long shape[8], stride[8];  // sorted by stride, largest first, in elements
@@ -237,12 +238,12 @@ void global_access(const void* addr, size_t size, bool write, const void* pc) {
   const Region& r = *hit;
   if (a % size) {
     report("misaligned", pc, fmt("%zu-byte global %s of %s at byte offset %lld (not a multiple of %zu)", size,
-                                 write ? "write" : "read", r.name.c_str(), (long long)(a - r.base), size));
+                                 write ? "write" : "read", r.name.c_str(), (long long)(a - r.origin), size));
     return;
   }
   for (uintptr_t p = a; p < a + size; p += r.elem) {
-    const long long off = (long long)p - (long long)r.base;
-    if (p < r.base || p >= r.end || off % r.elem || !is_element(r, off / r.elem)) {
+    const long long off = (long long)p - (long long)r.origin;
+    if (p < r.origin || p >= r.end || off % r.elem || !is_element(r, off / r.elem)) {
       report("out-of-bounds", pc, fmt("global %s of %s at element %s: not an element of the tensor",
                                       write ? "write" : "read", r.name.c_str(),
                                       coords(r, off / r.elem).c_str()));
@@ -736,9 +737,10 @@ EMU_EXPORT int emu_launch(emu_entry_t entry, const char* kernel, unsigned gx, un
 EMU_EXPORT int emu_sanitizing() { return EMU_SANITIZE; }
 
 // Registers a tensor of this launch for the out-of-bounds check: its elements are exactly
-// base + sum(i_d * stride_d) * elem for 0 <= i_d < shape_d.
-EMU_EXPORT void emu_add_region(const char* name, const void* base, int elem, int ndim, const long long* shape,
-                               const long long* stride) {
+// origin + sum(i_d * stride_d) * elem for 0 <= i_d < shape_d; every other byte of its storage
+// [storage, storage + storage_bytes) is not (a guard band, another view's data).
+EMU_EXPORT void emu_add_region(const char* name, const void* origin, const void* storage, unsigned long storage_bytes,
+                               int elem, int ndim, const long long* shape, const long long* stride) {
 #if EMU_SANITIZE
   using namespace emu;
   Region r;
@@ -759,13 +761,14 @@ EMU_EXPORT void emu_add_region(const char* name, const void* base, int elem, int
     const long long inner = d + 1 < ndim ? dims[d + 1].first * dims[d + 1].second : 1;
     if (r.stride[d] <= 0 || r.stride[d] < inner) r.nested = false;
   }
-  r.base = reinterpret_cast<uintptr_t>(base);
-  r.end = r.base + uintptr_t(span) * elem;
+  r.origin = reinterpret_cast<uintptr_t>(origin);
+  r.base = std::min(r.origin, reinterpret_cast<uintptr_t>(storage));
+  r.end = std::max(r.origin + uintptr_t(span) * elem, reinterpret_cast<uintptr_t>(storage) + storage_bytes);
   std::lock_guard<std::mutex> lock(g_mu);
   g_regions.push_back(r);
   regions_active = true;
 #else
-  (void)name; (void)base; (void)elem; (void)ndim; (void)shape; (void)stride;
+  (void)name; (void)origin; (void)storage; (void)storage_bytes; (void)elem; (void)ndim; (void)shape; (void)stride;
 #endif
 }
 
