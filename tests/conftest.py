@@ -1,12 +1,66 @@
-"""Test tiers: everything runs on the CPU except tests marked `gpu`, which skip cleanly without CUDA."""
+"""Test tiers: everything runs on the CPU except tests marked `gpu`, which skip cleanly without CUDA.
+
+The GPU tier also runs on the host emulator: a test that takes the `target` fixture runs once with
+target "gpu" (marked `gpu`) and once with "emulated" (CPU tensors inside autoflash.emulate). Tests
+marked `sweep` are grids: on the emulator each run keeps every (head dim, dtype, causal) key once
+plus a random share of the rest, drawn from a seed printed in the header
+(AUTOFLASH_SWEEP_SEED=N replays a run, AUTOFLASH_SWEEP=full runs the whole grid)."""
+import os
+import random
+import time
+
 import pytest
 import torch
 
+SWEEP_SHARE = 0.08  # of the emulated grid cases beyond one per key
+_SEED = int(os.environ.get("AUTOFLASH_SWEEP_SEED") or time.time_ns() % 2**31)
+_FULL = os.environ.get("AUTOFLASH_SWEEP", "").lower() == "full"
+
+
+def pytest_report_header(config):
+    mode = "full grid" if _FULL else f"one case per key + {SWEEP_SHARE:.0%} of the rest"
+    return f"autoflash emulated sweep: seed {_SEED} ({mode}; AUTOFLASH_SWEEP_SEED={_SEED} replays it)"
+
+
+def pytest_generate_tests(metafunc):
+    if "target" in metafunc.fixturenames:
+        metafunc.parametrize("target", [pytest.param("gpu", marks=pytest.mark.gpu), "emulated"], indirect=True)
+
+
+@pytest.fixture
+def target(request):
+    if request.param == "emulated":
+        import autoflash
+        from gpu_inputs import EMULATED_GPU
+
+        with autoflash.emulate(EMULATED_GPU):
+            yield "emulated"
+    else:
+        yield "gpu"
+
+
+def _sweep_key(item) -> tuple:
+    params = item.callspec.params
+    return (item.originalname, params.get("d"), params.get("dtype"), params.get("causal"))
+
 
 def pytest_collection_modifyitems(config, items):
-    if torch.cuda.is_available():
+    if not torch.cuda.is_available():
+        skip = pytest.mark.skip(reason="needs a CUDA GPU (torch.cuda.is_available() is False)")
+        for item in items:
+            if "gpu" in item.keywords:
+                item.add_marker(skip)
+    if _FULL:
         return
-    skip = pytest.mark.skip(reason="needs a CUDA GPU (torch.cuda.is_available() is False)")
+    rng = random.Random(_SEED)
+    groups: dict[tuple, list] = {}
     for item in items:
-        if "gpu" in item.keywords:
-            item.add_marker(skip)
+        if "sweep" in item.keywords and getattr(item, "callspec", None) and item.callspec.params.get("target") == "emulated":
+            groups.setdefault(_sweep_key(item), []).append(item)
+    skip = pytest.mark.skip(reason=f"not in this run's sample of the emulated sweep (seed {_SEED}; AUTOFLASH_SWEEP=full)")
+    for key in sorted(groups, key=str):
+        members = groups[key]
+        keep = rng.randrange(len(members))
+        for i, item in enumerate(members):
+            if i != keep and rng.random() >= SWEEP_SHARE:
+                item.add_marker(skip)

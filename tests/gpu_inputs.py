@@ -1,22 +1,49 @@
-"""The GPU tier's grid (FlashAttention's tests: head dims, (Lq, Lk) pairs, MHA and GQA) and random
-CUDA inputs in (B, H, S, D) or as a (B, S, H, D) storage viewed as (B, H, S, D) (no copy)."""
+"""The GPU tier's grid (FlashAttention's tests: head dims, (Lq, Lk) pairs, MHA/GQA/MQA) and random
+inputs in (B, H, S, D) or as a (B, S, H, D) storage viewed as (B, H, S, D) (no copy).
+
+Every GPU-tier test runs twice: on a CUDA GPU (`gpu` marker, skipped without one) and on the CPU
+under autoflash.emulate (the `target` fixture of conftest.py), the latter at reduced sizes: lengths
+<= 256, batch 1. The emulated sweep is sampled per run (see conftest.py)."""
 import torch
 
 from autoflash.checks import TORCH_DTYPES  # noqa: F401  (re-exported for the GPU tests)
 
-HEAD_DIMS = (32, 40, 64, 96, 128, 160, 192, 256)
+HEAD_DIMS = (32, 40, 64, 96, 128, 160, 192, 224, 256)
+UNSUPPORTED_HEAD_DIMS = (59, 111)  # in FlashAttention's grid; refused here (multiples of 8 only)
 SEQLENS = ((113, 203), (128, 217), (108, 256), (256, 512), (512, 256), (1023, 1024), (1024, 1023), (2048, 2048))
-HEADS = {"mha": (6, 6), "gqa": (6, 2)}
+# FlashAttention's (Lq, Lk) pairs scaled down to <= 256 for the emulator.
+EMULATED_SEQLENS = ((113, 203), (128, 217), (113, 211), (108, 256), (128, 256), (256, 128), (256, 256), (255, 256),
+                    (256, 255))
+HEADS = {"mha": (6, 6), "gqa": (6, 2), "mqa": (6, 1)}
+EMULATED_HEADS = {"mha": (2, 2), "gqa": (4, 2), "mqa": (3, 1)}
+EMULATED_GPU = "h100"
 
 
-def make_qkv(b, hq, hkv, lq, lk, d, dtype, layout="bhsd", seed=0, requires_grad=False):
-    g = torch.Generator(device="cuda").manual_seed(seed)
+def seqlens(target: str):
+    return EMULATED_SEQLENS if target == "emulated" else SEQLENS
+
+
+def heads(target: str, name: str) -> tuple[int, int]:
+    return (EMULATED_HEADS if target == "emulated" else HEADS)[name]
+
+
+def batch(target: str, b: int) -> int:
+    return 1 if target == "emulated" else b
+
+
+def device(target: str) -> str:
+    return "cpu" if target == "emulated" else "cuda"
+
+
+def make_qkv(b, hq, hkv, lq, lk, d, dtype, layout="bhsd", seed=0, requires_grad=False, target="gpu"):
+    dev = device(target)
+    g = torch.Generator(device=dev).manual_seed(seed)
 
     def one(h, length):
         if layout == "bshd":
-            t = torch.randn(b, length, h, d, device="cuda", dtype=dtype, generator=g).transpose(1, 2)
+            t = torch.randn(b, length, h, d, device=dev, dtype=dtype, generator=g).transpose(1, 2)
         else:
-            t = torch.randn(b, h, length, d, device="cuda", dtype=dtype, generator=g)
+            t = torch.randn(b, h, length, d, device=dev, dtype=dtype, generator=g)
         return t.requires_grad_(requires_grad)
 
     return one(hq, lq), one(hkv, lk), one(hkv, lk)
