@@ -82,12 +82,15 @@ def _backward_candidates(head_dim: int, dtype: str):
     (csrc/flash_attn/src/flash_bwd_launch_template.h). Here each warp owns 16 of the block's keys
     and holds their dK, dV rows for the whole head dim in registers, so ptxas sets the rest: past
     d = 64 the head dim is split over 2 or 4 blocks (head_split) and the query step shrinks to 32
-    or 16 rows; these choices compile without spills on sm_80 and sm_90 (tests/test_compile.py)."""
+    or 16 rows; these choices compile without spills on sm_80 and sm_90 (tests/test_compile.py).
+    Head dims whose 16-column pairs the preferred splits do not divide (136, 144, 176, 208, 224, 240, ...)
+    fall back to a split of 2 or none: correct, but ptxas spills there (a gap for the backward retile)."""
     if dtype == "fp32":  # SIMT: 4 threads share a key row up to d = 128, then 8 (registers)
-        for tpr in ((4, 2, 1) if head_dim <= 128 else (8, 4, 2)):
-            if (head_dim // 4) % tpr == 0:
-                for block_m in (32, 16):
-                    yield block_m, 128 // tpr, 4, 1
+        for warps in (4, 2):  # 2 warps: half the keys per block, for head dims like 152 on 99 KB GPUs
+            for tpr in ((4, 2, 1) if head_dim <= 128 else (8, 4, 2)):
+                if (head_dim // 4) % tpr == 0:
+                    for block_m in (32, 16):
+                        yield block_m, 32 * warps // tpr, warps, 1
         return
     if head_dim <= 64:
         prefs = [(32, 1)]
@@ -97,6 +100,7 @@ def _backward_candidates(head_dim: int, dtype: str):
         prefs = [(16, 2), (16, 4)]
     else:
         prefs = [(16, 4), (16, 8)]
+    prefs += [p for p in ((16, 2), (16, 1)) if p not in prefs]
     for block_n, warps in ((128, 8), (64, 4)):
         for block_m, split in prefs:
             yield block_m, block_n, warps, split

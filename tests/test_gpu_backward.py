@@ -1,7 +1,8 @@
 """GPU tier of the backward kernels: with g = randn_like(out), FlashAttention's gradient rule
     max|dX - dX_ref32| <= 3 * max|dX_torch_same_dtype - dX_ref32| + 1e-5   for dq, dk, dv,
 over FlashAttention's grid; bit-identical gradients with deterministic=True; no L x L memory at 16k.
-Every test here needs CUDA and skips cleanly without it."""
+Each test runs on a CUDA GPU (skipped without one) and, where it is not about the GPU's memory, on
+the CPU emulator (`target`, conftest.py)."""
 import pytest
 import torch
 
@@ -9,9 +10,7 @@ import gpu_inputs
 from autoflash import KernelConfig, flash_attn
 from autoflash.reference import within_tolerance
 from autoflash.reference_bwd import attention_backward_ref
-from gpu_inputs import HEAD_DIMS, HEADS, SEQLENS, TORCH_DTYPES
-
-pytestmark = pytest.mark.gpu
+from gpu_inputs import HEAD_DIMS, HEADS, TORCH_DTYPES, batch, heads, seqlens
 
 
 def make_qkv(*args, **kwargs):
@@ -31,14 +30,20 @@ def assert_gradients_accurate(q, k, v, causal, scale=None, **kw):
         assert ok, f"{name}: max err {err:.3e} > bound {bound:.3e}"
 
 
-@pytest.mark.parametrize("lq, lk", SEQLENS, ids=str)
-@pytest.mark.parametrize("heads", list(HEADS), ids=str)
+@pytest.mark.sweep
+@pytest.mark.parametrize("pair", range(9), ids=lambda i: f"L{i}")
+@pytest.mark.parametrize("head_kind", list(HEADS), ids=str)
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
 @pytest.mark.parametrize("dtype", ["fp16", "bf16"])
 @pytest.mark.parametrize("d", HEAD_DIMS)
-def test_backward_matches_reference(d, dtype, causal, heads, lq, lk):
-    hq, hkv = HEADS[heads]
-    assert_gradients_accurate(*make_qkv(2, hq, hkv, lq, lk, d, TORCH_DTYPES[dtype]), causal)
+def test_backward_matches_reference(target, d, dtype, causal, head_kind, pair):
+    pairs = seqlens(target)
+    if pair >= len(pairs):
+        pytest.skip(f"{target} grid has {len(pairs)} (Lq, Lk) pairs")
+    lq, lk = pairs[pair]
+    hq, hkv = heads(target, head_kind)
+    assert_gradients_accurate(*make_qkv(batch(target, 2), hq, hkv, lq, lk, d, TORCH_DTYPES[dtype], target=target),
+                              causal)
 
 
 @pytest.mark.parametrize("config", [
@@ -47,15 +52,18 @@ def test_backward_matches_reference(d, dtype, causal, heads, lq, lk):
     KernelConfig(128, "bf16", 16, 128, num_warps=8, num_stages=2, causal=True, direction="bwd", head_split=4),
     KernelConfig(40, "fp16", 48, 32, num_warps=1, num_stages=2, direction="bwd"),
 ], ids=lambda c: c.name)
-def test_explicit_backward_configs(config):
-    q, k, v = make_qkv(2, 6, 3, 301, 517, config.head_dim, TORCH_DTYPES[config.dtype], layout="bshd")
+def test_explicit_backward_configs(target, config):
+    lq, lk = (301, 517) if target == "gpu" else (131, 217)
+    q, k, v = make_qkv(batch(target, 2), *heads(target, "gqa"), lq, lk, config.head_dim, TORCH_DTYPES[config.dtype],
+                       layout="bshd", target=target)
     assert_gradients_accurate(q, k, v, config.causal, backward_config=config)
 
 
 @pytest.mark.parametrize("causal", [False, True])
-def test_deterministic_gradients_are_bit_identical(causal):
-    q, k, v = make_qkv(2, 8, 2, 1000, 1500, 128, torch.bfloat16)
-    g = torch.randn(2, 8, 1000, 128, device="cuda", dtype=torch.bfloat16)
+def test_deterministic_gradients_are_bit_identical(target, causal):
+    b, hq, lq, lk = (2, 8, 1000, 1500) if target == "gpu" else (1, 4, 150, 230)
+    q, k, v = make_qkv(b, hq, 2, lq, lk, 128, torch.bfloat16, target=target)
+    g = torch.randn(b, hq, lq, 128, device=q.device, dtype=torch.bfloat16)
     first = None
     for _ in range(20):
         out = flash_attn(q, k, v, causal=causal, deterministic=True)
@@ -67,6 +75,7 @@ def test_deterministic_gradients_are_bit_identical(causal):
     assert_gradients_accurate(q, k, v, causal, deterministic=True)
 
 
+@pytest.mark.gpu
 def test_backward_adds_no_LxL_memory_at_16k():
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
@@ -96,19 +105,22 @@ def test_backward_adds_no_LxL_memory_at_16k():
         print("SDPA math: out of memory at this size")
 
 
-def test_double_backward_is_refused_clearly():
-    q, k, v = make_qkv(1, 2, 2, 64, 64, 64, torch.float16)
+def test_double_backward_is_refused_clearly(target):
+    q, k, v = make_qkv(1, 2, 2, 64, 64, 64, torch.float16, target=target)
     out = flash_attn(q, k, v)
     with pytest.raises(RuntimeError, match="double backward .* not supported"):
         torch.autograd.grad(out.sum(), (q, k, v), create_graph=True)
 
 
-@pytest.mark.parametrize("lq, lk", [(113, 203), (1024, 1023)], ids=str)
+@pytest.mark.sweep
+@pytest.mark.parametrize("lq, lk", [(113, 203), (256, 255)], ids=str)
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
 @pytest.mark.parametrize("d", HEAD_DIMS)
-def test_fp32_simt_backward_matches_fp64(d, causal, lq, lk):
+def test_fp32_simt_backward_matches_fp64(target, d, causal, lq, lk):
     """fp32 gradients against autograd through an fp64 reference, PyTorch fp32 as the yardstick."""
-    q, k, v = make_qkv(2, 6, 2, lq, lk, d, torch.float32)
+    if target == "gpu" and (lq, lk) == (256, 255):
+        lq, lk = 1024, 1023
+    q, k, v = make_qkv(batch(target, 2), *heads(target, "gqa"), lq, lk, d, torch.float32, target=target)
     out = flash_attn(q, k, v, causal=causal)
     g = torch.randn_like(out)
     grads = torch.autograd.grad(out, (q, k, v), g)

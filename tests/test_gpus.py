@@ -278,3 +278,19 @@ def test_arch_for_rejects(value):
 def test_arch_for_rejects_non_str():
     with pytest.raises(TypeError):
         arch_for(90)  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("profile", sorted(PROFILES))
+def test_every_head_dim_has_forward_and_backward_defaults(profile):
+    """Every head dim the kernels take (32..256 in steps of 8, 224 of FlashAttention's grid included)
+    gets a built-in forward and backward config that fits the profile, in every dtype."""
+    from autoflash.config import HEAD_DIM_MAX, HEAD_DIM_MIN, HEAD_DIM_STEP
+    from autoflash.defaults import default_backward_config, default_config
+
+    p = PROFILES[profile]
+    for d in range(HEAD_DIM_MIN, HEAD_DIM_MAX + 1, HEAD_DIM_STEP):
+        for dtype in ("fp16", "bf16", "fp32"):
+            for causal in (False, True):
+                for cfg in (default_config(d, dtype, causal, p), default_backward_config(d, dtype, causal, p)):
+                    assert (cfg.head_dim, cfg.dtype, cfg.causal) == (d, dtype, causal)
+                    assert cfg.smem_bytes <= p.smem_per_block_optin, cfg.name
