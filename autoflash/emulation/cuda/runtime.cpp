@@ -4,7 +4,8 @@
 // - Blocks are spread over worker threads (one block at a time per worker; one worker when
 //   sanitizing, so findings come in a fixed order). A worker's `smem_raw` is its block's shared
 //   memory, poisoned (0xff: NaN in every float type) before each block.
-// - Each CUDA thread of a block is a fiber (ucontext) on its worker. A fiber runs until it reaches a
+// - Each CUDA thread of a block is a fiber on its worker (a hand-written stack switch on x86-64, no
+//   system call; ucontext elsewhere). A fiber runs until it reaches a
 //   __syncthreads or a warp-synchronous operation (shuffle, ldmatrix, mma.sync, __syncwarp). The last
 //   lane to reach a warp operation carries it out for the whole warp from every lane's operands; the
 //   last thread to reach a barrier releases the block. A block in which no fiber can run any more
@@ -75,8 +76,78 @@ const char* op_name(Op op) {
 
 struct Copy { unsigned char* dst; const unsigned char* src; bool valid; };
 
+// ------------------------------------------------------------------ fiber contexts
+#if defined(__x86_64__)
+// Saves the callee-saved registers on the current stack, stores the stack pointer in *save, and
+// continues on stack `to` (System V ABI: rbp, rbx, r12-r15 are all a switch must keep).
+extern "C" void autoflash_emu_switch(void** save, void* to);
+asm(R"(
+  .text
+  .p2align 4
+  .hidden autoflash_emu_switch
+  .type autoflash_emu_switch, @function
+autoflash_emu_switch:
+  pushq %rbp
+  pushq %rbx
+  pushq %r12
+  pushq %r13
+  pushq %r14
+  pushq %r15
+  movq %rsp, (%rdi)
+  movq %rsi, %rsp
+  popq %r15
+  popq %r14
+  popq %r13
+  popq %r12
+  popq %rbx
+  popq %rbp
+  ret
+  .size autoflash_emu_switch, .-autoflash_emu_switch
+)");
+struct Context { void* sp = nullptr; };
+void ctx_init(Context& c, unsigned char* stack, size_t size, void (*entry)()) {
+  void** sp = reinterpret_cast<void**>((reinterpret_cast<uintptr_t>(stack) + size) & ~uintptr_t(15));
+  *--sp = nullptr;                           // entry's return address: none, which ends unwinding
+  *--sp = reinterpret_cast<void*>(entry);    // where the first switch's `ret` goes
+  for (int i = 0; i < 6; ++i) *--sp = nullptr;  // rbp, rbx, r12-r15
+  c.sp = sp;
+}
+void ctx_switch(Context& from, Context& to) { autoflash_emu_switch(&from.sp, to.sp); }
+#else
+struct Context { ucontext_t uc; };
+void ctx_init(Context& c, unsigned char* stack, size_t size, void (*entry)()) {
+  getcontext(&c.uc);
+  c.uc.uc_stack.ss_sp = stack;
+  c.uc.uc_stack.ss_size = size;
+  c.uc.uc_link = nullptr;
+  makecontext(&c.uc, entry, 0);
+}
+void ctx_switch(Context& from, Context& to) { swapcontext(&from.uc, &to.uc); }
+#endif
+
+// Fiber stacks outlive launches (their pages are touched once, not per launch).
+std::mutex g_stack_mu;
+std::vector<std::pair<size_t, unsigned char*>> g_stack_pool;
+unsigned char* take_stacks(size_t bytes) {
+  {
+    std::lock_guard<std::mutex> lock(g_stack_mu);
+    for (auto it = g_stack_pool.begin(); it != g_stack_pool.end(); ++it)
+      if (it->first == bytes) {
+        unsigned char* p = it->second;
+        g_stack_pool.erase(it);
+        return p;
+      }
+  }
+  void* p = mmap(nullptr, bytes, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE, -1, 0);
+  return p == MAP_FAILED ? nullptr : static_cast<unsigned char*>(p);
+}
+void give_stacks(size_t bytes, unsigned char* p) {
+  std::lock_guard<std::mutex> lock(g_stack_mu);
+  g_stack_pool.push_back({bytes, p});
+}
+
 struct Fiber {
-  ucontext_t ctx;
+  Context ctx;
   dim3 idx;
   int tid = 0, warp = 0, lane = 0;
   St st = St::Run;
@@ -134,7 +205,7 @@ constexpr int16_t kMany = -2;
 #endif
 
 struct Worker {
-  ucontext_t sched;
+  Context sched;
   Launch* launch = nullptr;
   std::vector<Fiber> fibers;
   std::vector<Warp> warps;
@@ -201,7 +272,7 @@ std::string fmt(const char* f, ...) {
 }
 
 // Back to the scheduler; a fiber of a block that was given up (w.abandon) is never resumed.
-void yield(Worker& w, Fiber& f) { swapcontext(&f.ctx, &w.sched); }
+void yield(Worker& w, Fiber& f) { ctx_switch(f.ctx, w.sched); }
 
 // ------------------------------------------------------------------ sanitizer checks
 #if EMU_SANITIZE
@@ -505,7 +576,13 @@ void fiber_main() {
     report("barrier", wp.pc, fmt("warp %d: lane %d exited while %d lanes wait in %s", f.warp, f.lane, wp.arrived, op_name(wp.op)));
     w.abandon = true;
   }
-  // returning resumes the scheduler (uc_link)
+}
+
+void fiber_entry() {
+  fiber_main();
+  Worker& w = *tw;
+  ctx_switch(w.cur->ctx, w.sched);  // never resumed
+  __builtin_unreachable();
 }
 
 void run_block(Worker& w, dim3 block) {
@@ -534,11 +611,7 @@ void run_block(Worker& w, dim3 block) {
     f.st = St::Run;
     f.open.clear();
     f.groups.clear();
-    getcontext(&f.ctx);
-    f.ctx.uc_stack.ss_sp = w.stacks + size_t(t) * kStack;
-    f.ctx.uc_stack.ss_size = kStack;
-    f.ctx.uc_link = &w.sched;
-    makecontext(&f.ctx, fiber_main, 0);
+    ctx_init(f.ctx, w.stacks + size_t(t) * kStack, kStack, fiber_entry);
   }
   while (w.live > 0 && !w.abandon) {
     bool ran = false;
@@ -546,7 +619,7 @@ void run_block(Worker& w, dim3 block) {
       if (f.st != St::Run) continue;
       ran = true;
       w.cur = &f;
-      swapcontext(&w.sched, &f.ctx);
+      ctx_switch(w.sched, f.ctx);
       w.cur = nullptr;
       if (w.abandon) break;
     }
@@ -569,9 +642,8 @@ void worker_main(Launch* L) {
   w.launch = L;
   w.window = smem_raw;
   w.fibers.resize(L->threads);
-  w.stacks = static_cast<unsigned char*>(mmap(nullptr, size_t(L->threads) * kStack, PROT_READ | PROT_WRITE,
-                                              MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE, -1, 0));
-  if (w.stacks == MAP_FAILED) {
+  w.stacks = take_stacks(size_t(L->threads) * kStack);
+  if (w.stacks == nullptr) {
     report("emulator", nullptr, fmt("could not map %d fiber stacks", L->threads));
     return;
   }
@@ -585,7 +657,7 @@ void worker_main(Launch* L) {
     run_block(w, {unsigned(i % L->grid.x), unsigned(i / L->grid.x % L->grid.y), unsigned(i / (long(L->grid.x) * L->grid.y))});
   }
   tw = nullptr;
-  munmap(w.stacks, size_t(L->threads) * kStack);
+  give_stacks(size_t(L->threads) * kStack, w.stacks);
 }
 
 }  // namespace
