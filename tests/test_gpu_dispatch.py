@@ -1,7 +1,8 @@
 """GPU tier of autoflash.attention: the kernels run (strict: a fallback is an error), eagerly and
 under torch.compile(fullgraph=True), with FlashAttention's accuracy rule against an fp32 reference;
 the eager path (autograd.Function) and the compiled path (custom op) agree bit for bit; transformers
-runs on the kernels. Every test here needs CUDA and skips cleanly without it."""
+runs on the kernels. Each test runs on a CUDA GPU (skipped without one) and on the CPU emulator
+(`target`, conftest.py); FlashAttention's head dims 59 and 111 get the clear strict-mode error."""
 import warnings
 
 import pytest
@@ -12,9 +13,7 @@ import autoflash
 from autoflash import dispatch
 from autoflash.reference import attention_ref, within_tolerance
 from autoflash.reference_bwd import attention_backward_ref
-from gpu_inputs import make_qkv
-
-pytestmark = pytest.mark.gpu
+from gpu_inputs import HEAD_DIMS, UNSUPPORTED_HEAD_DIMS, batch, device, make_qkv
 
 
 @pytest.fixture(autouse=True)
@@ -25,8 +24,10 @@ def _strict(monkeypatch):
 @pytest.mark.parametrize("layout", ["bhsd", "bshd"])
 @pytest.mark.parametrize("causal", [False, True])
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
-def test_attention_runs_the_kernels_accurately(dtype, causal, layout):
-    q, k, v = make_qkv(2, 8, 2, 300, 517, 128, dtype, layout=layout, requires_grad=True)
+def test_attention_runs_the_kernels_accurately(target, dtype, causal, layout):
+    lq, lk = (300, 517) if target == "gpu" else (130, 217)
+    q, k, v = make_qkv(batch(target, 2), 8 if target == "gpu" else 4, 2, lq, lk, 128, dtype, layout=layout,
+                       requires_grad=True, target=target)
     out = autoflash.attention(q, k, v, is_causal=causal, enable_gqa=True)
     ref, _ = attention_ref(q.detach(), k.detach(), v.detach(), causal=causal)
     same, _ = attention_ref(q.detach(), k.detach(), v.detach(), causal=causal, upcast=False)
@@ -41,34 +42,57 @@ def test_attention_runs_the_kernels_accurately(dtype, causal, layout):
         assert ok, f"d{name}: max err {err:.3e} > bound {bound:.3e}"
 
 
-def test_extra_batch_dims_and_explain_on_the_device():
-    q, k, v = (torch.randn(2, 3, 4, 257, 64, device="cuda", dtype=torch.bfloat16) for _ in range(3))
+def test_extra_batch_dims_and_explain_on_the_device(target):
+    shape = (2, 3, 4, 257, 64) if target == "gpu" else (2, 2, 2, 129, 64)
+    q, k, v = (torch.randn(shape, device=device(target), dtype=torch.bfloat16) for _ in range(3))
     out = autoflash.attention(q, k, v, is_causal=True)
     ref = F.scaled_dot_product_attention(q.float(), k.float(), v.float(), is_causal=True)
     torch.testing.assert_close(out.float(), ref, atol=2e-2, rtol=2e-2)
     ex = autoflash.explain(q, k, v, is_causal=True)
-    assert ex.uses_kernels and ex.gpu == autoflash.detect().name
+    gpu = autoflash.detect().name if target == "gpu" else autoflash.emulation.active().gpu
+    assert ex.uses_kernels and ex.gpu == gpu
+    assert ("emulated" in ex.path) == (target == "emulated")
 
 
-def test_eager_and_custom_op_paths_agree_bitwise():
-    q, k, v = make_qkv(2, 8, 8, 1000, 1000, 128, torch.bfloat16)
+@pytest.mark.parametrize("d", HEAD_DIMS + UNSUPPORTED_HEAD_DIMS)
+def test_strict_head_dims(target, d):
+    """FlashAttention's head dims: the kernels run every one of ours; 59 and 111 (not multiples of 8)
+    get strict mode's error, naming the head dim and what is accepted."""
+    q, k, v = make_qkv(1, 2, 1, 33, 47, d, torch.bfloat16, target=target)
+    if d in UNSUPPORTED_HEAD_DIMS:
+        with pytest.raises(dispatch.UnsupportedCallError, match=rf"head_dim {d} .*multiples of 8 in \[32, 256\]"):
+            autoflash.attention(q, k, v, enable_gqa=True)
+        return
+    out = autoflash.attention(q, k, v, enable_gqa=True, is_causal=True)
+    ref, _ = attention_ref(q, k, v, causal=True)
+    same, _ = attention_ref(q, k, v, causal=True, upcast=False)
+    ok, err, bound = within_tolerance(out, ref, same, factor=2.0)
+    assert ok, f"out: max err {err:.3e} > bound {bound:.3e}"
+
+
+def test_eager_and_custom_op_paths_agree_bitwise(target):
+    n = 1000 if target == "gpu" else 200
+    q, k, v = make_qkv(batch(target, 2), 8 if target == "gpu" else 2, 8 if target == "gpu" else 2, n, n, 128,
+                       torch.bfloat16, target=target)
     eager = autoflash.attention(q, k, v, is_causal=True)
     op, _ = torch.ops.autoflash.attention_fwd(q, k, v, True, 128 ** -0.5)
     assert torch.equal(eager, op)
 
 
-def test_compile_fullgraph_runs_the_kernels_and_matches_eager():
+def test_compile_fullgraph_runs_the_kernels_and_matches_eager(target):
     class Attn(torch.nn.Module):
         def __init__(self):
             super().__init__()
-            self.proj = torch.nn.Linear(128, 128, device="cuda", dtype=torch.bfloat16)
+            self.proj = torch.nn.Linear(128, 128, device=device(target), dtype=torch.bfloat16)
 
         def forward(self, q, k, v):
             return self.proj(autoflash.attention(q, k, v, is_causal=True, enable_gqa=True))
 
     torch._dynamo.reset()
     model = Attn()
-    q, k, v = make_qkv(2, 8, 2, 1024, 1024, 128, torch.bfloat16, requires_grad=True)
+    n = 1024 if target == "gpu" else 160
+    q, k, v = make_qkv(batch(target, 2), 8 if target == "gpu" else 4, 2, n, n, 128, torch.bfloat16,
+                       requires_grad=True, target=target)
     with warnings.catch_warnings():
         warnings.simplefilter("error", dispatch.FallbackWarning)
         compiled = torch.compile(model, fullgraph=True)(q, k, v)
@@ -79,7 +103,7 @@ def test_compile_fullgraph_runs_the_kernels_and_matches_eager():
         torch.testing.assert_close(g, e, atol=2e-2, rtol=2e-2)
 
 
-def test_transformers_model_runs_on_the_kernels(monkeypatch):
+def test_transformers_model_runs_on_the_kernels(target, monkeypatch):
     transformers = pytest.importorskip("transformers")  # the device machine may lack the test extra
     import autoflash.hf
 
@@ -90,11 +114,11 @@ def test_transformers_model_runs_on_the_kernels(monkeypatch):
                num_key_value_heads=2, max_position_embeddings=256)
     torch.manual_seed(0)
     ours = LlamaForCausalLM._from_config(LlamaConfig(**cfg), attn_implementation=autoflash.hf.NAME,
-                                         torch_dtype=torch.bfloat16).cuda().eval()
+                                         torch_dtype=torch.bfloat16).to(device(target)).eval()
     theirs = LlamaForCausalLM._from_config(LlamaConfig(**cfg), attn_implementation="sdpa",
-                                           torch_dtype=torch.bfloat16).cuda().eval()
+                                           torch_dtype=torch.bfloat16).to(device(target)).eval()
     theirs.load_state_dict(ours.state_dict())
-    ids = torch.randint(0, 256, (2, 200), device="cuda")
+    ids = torch.randint(0, 256, (2, 200 if target == "gpu" else 70), device=device(target))
     with torch.no_grad():
         got, want = ours(ids).logits.float(), theirs(ids).logits.float()
     torch.testing.assert_close(got, want, atol=0.1, rtol=0.05)
