@@ -74,7 +74,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if args.sanitize and not args.emulate:
         parser.error("--sanitize checks kernels on the emulator: add --emulate GPU (e.g. --emulate a100)")
-    shape, dtype_name, causal, fwd_cfg, bwd_cfg, backward = _resolve(args, parser)
+    shape, dtype, causal, fwd_cfg, bwd_cfg, backward = _resolve(args, parser)
     import contextlib
 
     import torch
@@ -84,46 +84,21 @@ def main(argv: list[str] | None = None) -> int:
               "Add --emulate GPU to run the kernels on the CPU.", file=sys.stderr)
         return 2
     from autoflash import emulation
-    from autoflash.checks import TORCH_DTYPES
-    from autoflash.function import flash_attn
-    from autoflash.reference import attention_ref, within_tolerance
-    from autoflash.reference_bwd import attention_backward_ref
 
-    b, hq, hkv, lq, lk, d = shape
-    dt = TORCH_DTYPES[dtype_name]
-    device = "cpu" if args.emulate else "cuda"
-    g = torch.Generator(device=device).manual_seed(args.seed)
-    if args.sanitize:  # guard bands after every row and sequence: reads past them are findings
-        from autoflash.emulation.guards import guarded_randn
-
-        make = lambda h, n: guarded_randn(b, h, n, d, dt, g)  # noqa: E731
-    else:
-        make = lambda h, n: torch.randn(b, h, n, d, device=device, dtype=dt, generator=g)  # noqa: E731
-    q, k, v = (make(h, n).requires_grad_(backward) for h, n in ((hq, lq), (hkv, lk), (hkv, lk)))
-    up = torch.float64 if dt == torch.float32 else torch.float32
     context = emulation.emulate(args.emulate, sanitize=args.sanitize) if args.emulate else contextlib.nullcontext()
-    with context:
-        emulation.clear_findings()
-        out = flash_attn(q, k, v, causal=causal, deterministic=args.deterministic, config=fwd_cfg,
-                         backward_config=bwd_cfg)
-        results = [("out", out, attention_ref(*(t.detach().to(up) for t in (q, k, v)), causal=causal)[0],
-                    attention_ref(q.detach(), k.detach(), v.detach(), causal=causal, upcast=False)[0], 2.0)]
-        if backward:
-            dout = make(hq, lq)
-            grads = torch.autograd.grad(out, (q, k, v), dout)
-            x = [t.detach() for t in (q, k, v)]
-            ref = attention_backward_ref(*(t.to(up) for t in x), dout.to(up), causal=causal)
-            yard = attention_backward_ref(*x, dout, causal=causal, upcast=False)
-            results += [(n, gr, r, y, 3.0) for n, gr, r, y in zip(("dq", "dk", "dv"), grads, ref, yard)]
-        findings = emulation.findings() if args.sanitize else []
-    if not args.emulate:
-        torch.cuda.synchronize()
+    try:
+        with context:
+            emulation.clear_findings()
+            results = _check(args, shape, dtype, causal, fwd_cfg, bwd_cfg, backward)
+            findings = emulation.findings() if args.sanitize else []
+    except (ValueError, TypeError, emulation.EmulationError) as e:  # e.g. a config that does not fit
+        print(f"autoflash.selfcheck: {e}", file=sys.stderr)
+        return 2
     where = (f"emulated {args.emulate} on the CPU{' (sanitizer on)' if args.sanitize else ''}" if args.emulate
              else torch.cuda.get_device_name())
+    print(f"{where}  shape b,hq,hkv,lq,lk,d = {shape}  {dtype}{'  causal' if causal else ''}")
     failed = False
-    print(f"{where}  shape b,hq,hkv,lq,lk,d = {shape}  {dtype_name}{'  causal' if causal else ''}")
-    for name, got, ref, yard, factor in results:
-        ok, err, bound = within_tolerance(got.detach(), ref, yard, factor=factor)
+    for name, ok, err, bound in results:
         failed |= not ok
         print(f"  {name:3s}  err {err:.3e}  bound {bound:.3e}  {'ok' if ok else 'OUTSIDE THE RULE'}")
     if args.sanitize:
@@ -132,6 +107,46 @@ def main(argv: list[str] | None = None) -> int:
             print(f"  {f}")
         failed |= bool(findings)
     return 1 if failed else 0
+
+
+def _check(args, shape, dtype, causal, fwd_cfg, bwd_cfg, backward) -> list[tuple[str, bool, float, float]]:
+    """Runs the kernels once; (name, within the rule, error, bound) for out and, with backward, dq, dk, dv."""
+    import torch
+
+    from autoflash.checks import TORCH_DTYPES
+    from autoflash.function import flash_attn
+    from autoflash.reference import attention_ref, within_tolerance
+    from autoflash.reference_bwd import attention_backward_ref
+
+    b, hq, hkv, lq, lk, d = shape
+    dt = TORCH_DTYPES[dtype]
+    device = "cpu" if args.emulate else "cuda"
+    g = torch.Generator(device=device).manual_seed(args.seed)
+    if args.sanitize:  # guard bands after every row and sequence: reads past them are findings
+        from autoflash.emulation.guards import guarded_randn
+
+        def make(h, n):
+            return guarded_randn(b, h, n, d, dt, g)
+    else:
+        def make(h, n):
+            return torch.randn(b, h, n, d, device=device, dtype=dt, generator=g)
+
+    up = torch.float64 if dt == torch.float32 else torch.float32
+    q, k, v = (make(h, n).requires_grad_(backward) for h, n in ((hq, lq), (hkv, lk), (hkv, lk)))
+    out = flash_attn(q, k, v, causal=causal, deterministic=args.deterministic, config=fwd_cfg,
+                     backward_config=bwd_cfg)
+    x = [t.detach() for t in (q, k, v)]
+    checks = [("out", out.detach(), attention_ref(*(t.to(up) for t in x), causal=causal)[0],
+               attention_ref(*x, causal=causal, upcast=False)[0], 2.0)]
+    if backward:
+        dout = make(hq, lq)
+        grads = torch.autograd.grad(out, (q, k, v), dout)
+        ref = attention_backward_ref(*(t.to(up) for t in x), dout.to(up), causal=causal)
+        yard = attention_backward_ref(*x, dout, causal=causal, upcast=False)
+        checks += [(n, gr, r, y, 3.0) for n, gr, r, y in zip(("dq", "dk", "dv"), grads, ref, yard)]
+    if device == "cuda":
+        torch.cuda.synchronize()
+    return [(name, *within_tolerance(got, ref, yard, factor=factor)) for name, got, ref, yard, factor in checks]
 
 
 if __name__ == "__main__":

@@ -3,7 +3,7 @@
 Inside `with autoflash.emulate("a100"):` every kernel entry point takes CPU tensors and runs the
 kernels that GPU would run (same selection: user table, shipped table, built-in defaults) on the
 host emulator. AUTOFLASH_EMULATE=a100 does the same for a whole program; AUTOFLASH_EMULATE=a100:sanitize
-also turns the sanitizer on."""
+also turns the sanitizer on. Both are process-wide (threads see the same emulated GPU)."""
 from __future__ import annotations
 
 import contextlib

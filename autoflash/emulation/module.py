@@ -32,8 +32,13 @@ class Finding:
     frames: tuple[str, ...]  # the kernel-side call chain, innermost first (file:line function)
 
     def __str__(self) -> str:
-        via = f" (via {self.frames[0]})" if self.frames and not self.frames[0].startswith(self.location) else ""
-        return (f"{self.kind}: {self.kernel} at {self.location}{via}, block {self.block}, thread {self.thread}: "
+        places = [f.split(" ")[0] for f in self.frames]
+        template = [p for p in places if ".j2:" in p]
+        notes = [f"called from line {p.rpartition(':')[2]}" for p in template[1:3]]
+        if places and ".j2:" not in places[0]:
+            notes.append(f"in {places[0]}")
+        where = f" ({'; '.join(notes)})" if notes else ""
+        return (f"{self.kind}: {self.kernel} at {self.location}{where}, block {self.block}, thread {self.thread}: "
                 f"{self.detail}")
 
 
