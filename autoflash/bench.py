@@ -6,6 +6,7 @@
     python -m autoflash.bench --direction bwd --dtype fp16 --backends autoflash,flash,math
     python -m autoflash.bench dispatch --help      # per-call overhead of autoflash.attention vs SDPA
     python -m autoflash.bench train --help         # a 4-layer transformer trained on both (GPU)
+    python -m autoflash.bench emulator --help      # the host emulator's speed on this CPU (no GPU)
 
 Directions: fwd = the forward call; bwd = the backward only (autoflash: flash_backward on a saved
 forward; SDPA: torch.autograd.grad through a saved graph, retain_graph=True, under the backend);
@@ -49,7 +50,8 @@ DIRECTION_MODES = {"fwd": ("fwd",), "bwd": ("bwd",), "fwdbwd": ("fwdbwd",), "all
 NO_GPU_MESSAGE = (
     "autoflash.bench needs a CUDA GPU; none is visible (torch.cuda.is_available() is False). "
     "Without a GPU you can still render and compile kernels, e.g. "
-    "python -m autoflash.render --default --head-dim 128 --dtype bf16 --gpu h100"
+    "python -m autoflash.render --default --head-dim 128 --dtype bf16 --gpu h100, or run them on the CPU "
+    "through the emulator: python -m autoflash.selfcheck --emulate h100 --backward"
 )
 CHECK_SCORE_ELEMS = 1 << 26  # largest b * h * Lq * Lk the plain reference is run on
 DEVICE = "cuda"
@@ -341,6 +343,10 @@ def main(argv: list[str] | None = None) -> int:
         from autoflash.bench_dispatch import main as dispatch_main
 
         return dispatch_main(argv[1:])
+    if argv[:1] == ["emulator"]:  # the host emulator's speed on this CPU (no GPU)
+        from autoflash.bench_emulator import main as emulator_main
+
+        return emulator_main(argv[1:])
     if argv[:1] == ["train"]:  # a small transformer trained with autoflash and with SDPA (GPU)
         from autoflash.bench_train import main as train_main
 

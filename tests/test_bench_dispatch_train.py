@@ -57,3 +57,17 @@ def test_train_rejects_bad_shapes(capsys):
     with pytest.raises(SystemExit):
         bench_train.main(["--dim", "100", "--heads", "3"])
     assert "expected heads dividing dim" in capsys.readouterr().err
+
+
+def test_bench_emulator_reports_its_figures(tmp_path, capsys):
+    from autoflash.bench import main
+
+    out = tmp_path / "emu.json"
+    assert main(["emulator", "--gpu", "l4", "--shape", "1,2,1,40,60,64", "--reps", "1", "--json", str(out)]) == 0
+    text = capsys.readouterr().out
+    assert "emulated l4" in text and "meets the 10 s target" in text and "not a GPU figure" in text
+    data = json.loads(out.read_text())
+    assert set(data["figures"]) == {"first_call_s", "fwd_s", "bwd_s", "fwdbwd_s"}
+    assert all(v > 0 for v in data["figures"].values()) and data["template_hash"] and data["cores"] >= 1
+    # an impossible target is reported as missed, with status 1
+    assert main(["emulator", "--gpu", "l4", "--shape", "1,1,1,16,16,64", "--reps", "1", "--target-s", "0"]) == 1

@@ -23,3 +23,27 @@ def test_bad_shape(shape, capsys):
 @pytest.mark.parametrize("causal", [[], ["--causal"]])
 def test_selfcheck_passes_on_gpu(dtype, causal, capsys):
     assert main(["--dtype", dtype, "--backward", *causal]) == 0, capsys.readouterr().out
+
+
+def test_emulated_selfcheck_runs_without_a_gpu(capsys):
+    assert main(["--emulate", "l4", "--backward", "--shape", "1,2,1,40,57,64", "--dtype", "fp16", "--causal"]) == 0
+    out = capsys.readouterr().out
+    assert out.startswith("emulated l4 on the CPU") and out.count(" ok") == 4
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--sanitize"], "--sanitize checks kernels on the emulator: add --emulate GPU"),
+    (["--emulate", "h100", "--config", "fwd_hd64_bf16_m64n64"], "--config: kernel name"),
+    (["--emulate", "h100", "--config", "fwd_hd64_bf16_m64n64w4s2", "--shape", "1,1,1,8,8,128"], "has head_dim 64"),
+    (["--emulate", "h100", "--config", "fwd_hd64_bf16_m64n64w4s2", "--dtype", "fp16"], "is bf16; --dtype gives fp16"),
+    (["--emulate", "h1000"], "invalid choice: 'h1000'"),
+])
+def test_emulate_argument_errors(argv, message, capsys):
+    with pytest.raises(SystemExit) as info:
+        main(argv)
+    assert info.value.code == 2 and message in capsys.readouterr().err
+
+
+def test_a_config_that_does_not_fit_exits_2_with_the_reason(capsys):
+    assert main(["--emulate", "l4", "--config", "fwd_hd128_bf16_m128n128w8s2"]) == 2
+    assert "allows at most 101376" in capsys.readouterr().err
