@@ -10,22 +10,22 @@ import importlib
 __version__ = "0.1.0"
 
 _EXPORTS = {
-    "Explanation": "autoflash.explain",
-    "FallbackWarning": "autoflash.dispatch",
-    "UnsupportedCallError": "autoflash.dispatch",
-    "attention": "autoflash.dispatch",
-    "explain": "autoflash.explain",
-    "patch_sdpa": "autoflash.dispatch",
-    "KernelConfig": "autoflash.config",
-    "default_backward_config": "autoflash.defaults",
-    "default_config": "autoflash.defaults",
-    "detect": "autoflash.gpus",
+    "Explanation": "autoflash.dispatch.explain",
+    "FallbackWarning": "autoflash.dispatch.sdpa",
+    "UnsupportedCallError": "autoflash.dispatch.sdpa",
+    "attention": "autoflash.dispatch.sdpa",
+    "explain": "autoflash.dispatch.explain",
+    "patch_sdpa": "autoflash.dispatch.sdpa",
+    "KernelConfig": "autoflash.kernels.config",
+    "default_backward_config": "autoflash.kernels.defaults",
+    "default_config": "autoflash.kernels.defaults",
+    "detect": "autoflash.kernels.gpus",
     "EmulationError": "autoflash.emulation",
     "emulate": "autoflash.emulation",
-    "flash_attn": "autoflash.function",
-    "flash_backward": "autoflash.launch",
-    "flash_forward": "autoflash.launch",
-    "get_profile": "autoflash.gpus",
+    "flash_attn": "autoflash.kernels.function",
+    "flash_backward": "autoflash.kernels.launch",
+    "flash_forward": "autoflash.kernels.launch",
+    "get_profile": "autoflash.kernels.gpus",
 }
 __all__ = sorted(_EXPORTS) + ["__version__"]
 

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import torch
 
-from autoflash.dispatch import attention
+from autoflash.dispatch.sdpa import attention
 
 NAME = "autofa"
 

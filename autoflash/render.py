@@ -6,7 +6,7 @@ import argparse
 import sys
 from pathlib import Path
 
-from autoflash.config import DTYPES, KernelConfig
+from autoflash.kernels.config import DTYPES, KernelConfig
 
 EPILOG = """examples:
   python -m autoflash.render fwd_hd128_bf16_causal_m128n64w4s2 --gpu h100
@@ -53,8 +53,8 @@ def _config(args, parser) -> KernelConfig:
     if args.head_dim is None or args.dtype is None:
         parser.error("give a kernel name, or at least --head-dim and --dtype")
     if args.default:
-        from autoflash.defaults import default_backward_config, default_config
-        from autoflash.gpus import get_profile
+        from autoflash.kernels.defaults import default_backward_config, default_config
+        from autoflash.kernels.gpus import get_profile
 
         if not args.gpu:
             parser.error("--default needs --gpu (defaults depend on the GPU's shared memory)")
@@ -69,8 +69,8 @@ def _config(args, parser) -> KernelConfig:
 
 def report(config: KernelConfig, gpu: str) -> str:
     """Compiles `config` for a GPU profile (or a bare arch) and describes the resources it uses."""
-    from autoflash.compiler import compile_config
-    from autoflash.gpus import PROFILES, arch_for
+    from autoflash.kernels.compiler import compile_config
+    from autoflash.kernels.gpus import PROFILES, arch_for
 
     profile = PROFILES.get(gpu.lower())
     arch = arch_for(gpu)
@@ -100,7 +100,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     try:
         config = _config(args, parser)
-        from autoflash.codegen import render
+        from autoflash.kernels.codegen import render
 
         source = render(config, line_directives=not args.no_line_directives)
         if args.output:

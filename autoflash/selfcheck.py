@@ -30,7 +30,7 @@ def _shape(text: str) -> tuple[int, ...]:
 
 
 def _parser() -> argparse.ArgumentParser:
-    from autoflash.gpus import PROFILES
+    from autoflash.kernels.gpus import PROFILES
 
     p = argparse.ArgumentParser(prog="python -m autoflash.selfcheck", description=__doc__, epilog=EPILOG,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -51,7 +51,7 @@ def _parser() -> argparse.ArgumentParser:
 
 def _resolve(args, parser):
     """(shape, dtype, causal, forward config or None, backward config or None, backward?)."""
-    from autoflash.config import KernelConfig
+    from autoflash.kernels.config import KernelConfig
 
     shape, dtype, causal = args.shape or (2, 6, 2, 113, 203, 96), args.dtype or "bf16", args.causal
     fwd = bwd = None
@@ -113,10 +113,10 @@ def _check(args, shape, dtype, causal, fwd_cfg, bwd_cfg, backward) -> list[tuple
     """Runs the kernels once; (name, within the rule, error, bound) for out and, with backward, dq, dk, dv."""
     import torch
 
-    from autoflash.checks import TORCH_DTYPES
-    from autoflash.function import flash_attn
-    from autoflash.reference import attention_ref, within_tolerance
-    from autoflash.reference_bwd import attention_backward_ref
+    from autoflash.kernels.checks import TORCH_DTYPES
+    from autoflash.kernels.function import flash_attn
+    from autoflash.reference.forward import attention_ref, within_tolerance
+    from autoflash.reference.backward import attention_backward_ref
 
     b, hq, hkv, lq, lk, d = shape
     dt = TORCH_DTYPES[dtype]

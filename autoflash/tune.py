@@ -36,9 +36,9 @@ import shlex
 import sys
 from pathlib import Path
 
-from autoflash.config import DIRECTIONS, DTYPES, HEAD_DIM_MAX, HEAD_DIM_MIN, HEAD_DIM_STEP
-from autoflash.gpus import PROFILES
-from autoflash.problem import BUCKET_LABELS, SEQLEN_BUCKETS
+from autoflash.kernels.config import DIRECTIONS, DTYPES, HEAD_DIM_MAX, HEAD_DIM_MIN, HEAD_DIM_STEP
+from autoflash.kernels.gpus import PROFILES
+from autoflash.tuning.problem import BUCKET_LABELS, SEQLEN_BUCKETS
 from autoflash.tuning.study import SAMPLERS, Settings
 
 CAUSAL_MODES = {"off": (False,), "on": (True,), "both": (False, True)}
@@ -189,8 +189,8 @@ def main(argv: list[str] | None = None) -> int:
     parser = make_parser()
     args = parser.parse_args(argv)
     _check_args(parser, args)
-    from autoflash.codegen import template_hash
-    from autoflash.gpus import get_profile
+    from autoflash.kernels.codegen import template_hash
+    from autoflash.kernels.gpus import get_profile
     from autoflash.tuning.runner import build_keys, prepare_spaces
 
     profile = get_profile(args.gpu)
@@ -240,7 +240,7 @@ def _start_pool(args, profile):
 def _tune(args, argv, profile, keys, spaces, thash: str, pool) -> int:
     import optuna
 
-    from autoflash.resources import default_tune_output
+    from autoflash.kernels.resources import default_tune_output
     from autoflash.tuning.report import format_results, plot_search
     from autoflash.tuning.runner import provenance, run_keys
     from autoflash.tuning.study import make_storage

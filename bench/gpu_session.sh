@@ -48,7 +48,7 @@ fi
 if [[ $step == tune ]]; then
   # Issue 6's tune: d 64,128 x fp16,bf16 x causal on/off x fwd,bwd, the 2k-4k bucket first (the
   # cheapest that says something); widen --seqlen-buckets when time allows. Resumable: rerun to go on.
-  gpu=$(python3 -c "from autoflash.gpus import detect; print(detect().name)")
+  gpu=$(python3 -c "from autoflash.kernels.gpus import detect; print(detect().name)")
   python3 -m autoflash.tune --gpu "$gpu" --seqlen-buckets le4k --budget 30 --out "$OUT" --plot \
     --record-timings "$OUT/$gpu-timings.json" --no-progress 2>&1 | tee "$OUT/tune.log" | tail -30
   status=$(( status | ${PIPESTATUS[0]} ))

@@ -64,3 +64,8 @@ def pytest_collection_modifyitems(config, items):
         for i, item in enumerate(members):
             if i != keep and rng.random() >= SWEEP_SHARE:
                 item.add_marker(skip)
+
+
+def pytest_terminal_summary(terminalreporter):
+    # Also under -q (which hides the header): the seed is what replays this run's emulated sample.
+    terminalreporter.write_line(pytest_report_header(None))

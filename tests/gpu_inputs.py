@@ -6,7 +6,7 @@ under autoflash.emulate (the `target` fixture of conftest.py), the latter at red
 <= 256, batch 1. The emulated sweep is sampled per run (see conftest.py)."""
 import torch
 
-from autoflash.checks import TORCH_DTYPES  # noqa: F401  (re-exported for the GPU tests)
+from autoflash.kernels.checks import TORCH_DTYPES  # noqa: F401  (re-exported for the GPU tests)
 
 HEAD_DIMS = (32, 40, 64, 96, 128, 160, 192, 224, 256)
 UNSUPPORTED_HEAD_DIMS = (59, 111)  # in FlashAttention's grid; refused here (multiples of 8 only)

@@ -11,7 +11,7 @@ import types
 import pytest
 import torch
 
-from autoflash import bench
+from autoflash.bench import kernels as bench
 
 
 def test_flops_formula_and_causal_halving():
@@ -324,8 +324,8 @@ def fake_cuda(monkeypatch):
     modules replaced by PyTorch stand-ins. ``state['offset']`` makes the forward's out wrong,
     ``state['dq_offset']`` the backward's dq. The stand-ins count their calls and add the bytes of what
     they return to the fake peak-memory counter (which only reset_peak_memory_stats lowers)."""
-    from autoflash.reference import attention_ref
-    from autoflash.reference_bwd import attention_backward_ref
+    from autoflash.reference.forward import attention_ref
+    from autoflash.reference.backward import attention_backward_ref
 
     state = {"offset": 0.0, "dq_offset": 0.0, "calls": 0, "bwd_calls": 0, "flash_attn_calls": 0,
              "peak": 0, "resets": 0}
@@ -350,7 +350,7 @@ def fake_cuda(monkeypatch):
         allocate(dq, dk, dv)
         return dq, dk, dv
 
-    class FlashAttn(torch.autograd.Function):  # autoflash.function's shape, over the stand-ins
+    class FlashAttn(torch.autograd.Function):  # autoflash.kernels.function's shape, over the stand-ins
         @staticmethod
         def forward(ctx, q, k, v, causal, config, backward_config):
             out, lse = flash_forward(q, k, v, causal=causal, config=config)
@@ -377,10 +377,10 @@ def fake_cuda(monkeypatch):
         state["resets"] += 1
         state["peak"] = ALLOCATED
 
-    mods = {"autoflash.launch": dict(flash_forward=flash_forward, flash_backward=flash_backward),
-            "autoflash.function": dict(flash_attn=flash_attn),
-            "autoflash.defaults": dict(default_config=default_config, default_backward_config=default_backward_config),
-            "autoflash.gpus": dict(detect=lambda: types.SimpleNamespace(name="fake h100"))}
+    mods = {"autoflash.kernels.launch": dict(flash_forward=flash_forward, flash_backward=flash_backward),
+            "autoflash.kernels.function": dict(flash_attn=flash_attn),
+            "autoflash.kernels.defaults": dict(default_config=default_config, default_backward_config=default_backward_config),
+            "autoflash.kernels.gpus": dict(detect=lambda: types.SimpleNamespace(name="fake h100"))}
     for name, attrs in mods.items():
         monkeypatch.setitem(sys.modules, name, types.SimpleNamespace(**attrs))
     monkeypatch.setattr(bench, "DEVICE", "cpu")
@@ -562,12 +562,12 @@ def test_main_on_gpu_small_sweep(tmp_path):
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="fakes CUDA on a machine without it")
 def test_reference_failure_is_recorded_not_a_crash(fake_cuda, tmp_path, monkeypatch):
-    import autoflash.reference
+    import autoflash.reference.forward
 
     def boom(*a, **kw):
         raise RuntimeError("CUDA out of memory (fake)")
 
-    monkeypatch.setattr(autoflash.reference, "attention_ref", boom)
+    monkeypatch.setattr(autoflash.reference.forward, "attention_ref", boom)
     argv = ["--dtype", "fp32", "--head-dims", "32", "--seqlens", "64", "--hidden", "64", "--tokens", "128",
             "--causal", "on", "--backends", "autoflash,flash", "--out", str(tmp_path), "--no-plot"]
     assert bench.main(argv) == 1

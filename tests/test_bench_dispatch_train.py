@@ -5,7 +5,9 @@ import json
 import pytest
 import torch
 
-from autoflash import bench, bench_dispatch, bench_train
+from autoflash import bench
+from autoflash.bench import dispatch as bench_dispatch
+from autoflash.bench import train as bench_train
 
 
 def test_dispatch_benchmark_reports_its_rows(tmp_path, capsys):

@@ -4,10 +4,10 @@ import re
 
 import pytest
 
-from autoflash.codegen import render, template_hash
-from autoflash.compiler import CompileError, compile_source
-from autoflash.config import KernelConfig
-from autoflash.resources import templates_dir
+from autoflash.kernels.codegen import render, template_hash
+from autoflash.kernels.compiler import CompileError, compile_source
+from autoflash.kernels.config import KernelConfig
+from autoflash.kernels.resources import templates_dir
 
 CONFIGS = [
     KernelConfig(128, "bf16", 128, 64, num_warps=8, causal=True),

@@ -9,10 +9,10 @@ from concurrent.futures import ProcessPoolExecutor
 
 import pytest
 
-from autoflash.compiler import Resources, compile_config, disassemble, static_smem_probe
-from autoflash.config import KernelConfig
-from autoflash.defaults import default_backward_config, default_config
-from autoflash.gpus import get_profile
+from autoflash.kernels.compiler import Resources, compile_config, disassemble, static_smem_probe
+from autoflash.kernels.config import KernelConfig
+from autoflash.kernels.defaults import default_backward_config, default_config
+from autoflash.kernels.gpus import get_profile
 
 HEAD_DIMS = (32, 40, 64, 96, 128, 160, 192, 256)
 DTYPES = ("fp16", "bf16", "fp32")

@@ -3,7 +3,7 @@ import dataclasses
 
 import pytest
 
-from autoflash.config import KernelConfig
+from autoflash.kernels.config import KernelConfig
 
 
 def test_name_is_deterministic_and_round_trips():

@@ -12,12 +12,14 @@ import torch
 import torch.nn.functional as F
 
 import autoflash
-from autoflash import dispatch, ops, resources, selection
-from autoflash.codegen import template_hash
-from autoflash.config import KernelConfig
-from autoflash.dispatch import FallbackWarning, UnsupportedCallError
-from autoflash.problem import ProblemKey
-from autoflash.selection import HEURISTIC
+from autoflash.dispatch import ops, selection
+from autoflash.dispatch import sdpa as dispatch
+from autoflash.kernels import resources
+from autoflash.kernels.codegen import template_hash
+from autoflash.kernels.config import KernelConfig
+from autoflash.dispatch.sdpa import FallbackWarning, UnsupportedCallError
+from autoflash.tuning.problem import ProblemKey
+from autoflash.dispatch.selection import HEURISTIC
 from autoflash.tuning.table import Entry, Result, Table, merge_into, table_path
 
 
@@ -318,7 +320,7 @@ def test_patch_sdpa_routes_and_restores():
 
 
 def test_a_device_the_kernels_cannot_use_is_a_fallback_reason(monkeypatch):
-    from autoflash import launch
+    from autoflash.kernels import launch
 
     def too_old(index):
         raise ValueError(f"autoflash needs compute capability 8.0 or newer; got 7.5 for device {index}")

@@ -11,13 +11,13 @@ import torch
 
 import autoflash
 from autoflash import emulation
-from autoflash.defaults import default_backward_config, default_config
+from autoflash.kernels.defaults import default_backward_config, default_config
 from autoflash.emulation import build, context, module
 from autoflash.emulation.guards import guarded_randn
-from autoflash.gpus import PROFILES, get_profile
-from autoflash.reference import attention_ref, within_tolerance
-from autoflash.reference_bwd import attention_backward_ref
-from autoflash.resources import templates_dir
+from autoflash.kernels.gpus import PROFILES, get_profile
+from autoflash.reference.forward import attention_ref, within_tolerance
+from autoflash.reference.backward import attention_backward_ref
+from autoflash.kernels.resources import templates_dir
 from autoflash.selfcheck import main as selfcheck
 
 FA_HEAD_DIMS = (32, 40, 64, 96, 128, 160, 192, 224, 256)
@@ -118,7 +118,7 @@ def test_selection_is_the_emulated_gpus(monkeypatch):
 
 
 def test_strict_attention_runs_the_kernels_not_sdpa(monkeypatch):
-    from autoflash import dispatch
+    from autoflash.dispatch import sdpa as dispatch
 
     def no_sdpa(*args, **kwargs):
         raise AssertionError("fell back to torch SDPA")
@@ -241,7 +241,7 @@ DEFAULTS = _unique_defaults()
 
 def _sanitized_run(cfg, gpu):
     """Runs one config at an odd GQA shape on guard-banded inputs; (problems, findings)."""
-    from autoflash.checks import TORCH_DTYPES
+    from autoflash.kernels.checks import TORCH_DTYPES
 
     dt = TORCH_DTYPES[cfg.dtype]
     b, hq, hkv, lq, lk, d = 1, 2, 1, 77, 133, cfg.head_dim

@@ -8,8 +8,8 @@ import torch
 
 import gpu_inputs
 from autoflash import KernelConfig, flash_attn
-from autoflash.reference import within_tolerance
-from autoflash.reference_bwd import attention_backward_ref
+from autoflash.reference.forward import within_tolerance
+from autoflash.reference.backward import attention_backward_ref
 from gpu_inputs import HEAD_DIMS, HEADS, TORCH_DTYPES, batch, heads, seqlens
 
 

@@ -10,9 +10,9 @@ import torch
 import torch.nn.functional as F
 
 import autoflash
-from autoflash import dispatch
-from autoflash.reference import attention_ref, within_tolerance
-from autoflash.reference_bwd import attention_backward_ref
+from autoflash.dispatch import sdpa as dispatch
+from autoflash.reference.forward import attention_ref, within_tolerance
+from autoflash.reference.backward import attention_backward_ref
 from gpu_inputs import HEAD_DIMS, UNSUPPORTED_HEAD_DIMS, batch, device, make_qkv
 
 

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from autoflash import KernelConfig, flash_forward
-from autoflash.reference import attention_ref, within_tolerance
+from autoflash.reference.forward import attention_ref, within_tolerance
 from gpu_inputs import HEAD_DIMS, HEADS, TORCH_DTYPES, batch, heads, make_qkv, seqlens
 
 
@@ -111,7 +111,7 @@ def test_bad_config_is_refused_before_launch(target):
         props = torch.cuda.get_device_properties(0)
         limit = getattr(props, "shared_memory_per_block_optin", 0)
     else:
-        from autoflash.gpus import get_profile
+        from autoflash.kernels.gpus import get_profile
         from gpu_inputs import EMULATED_GPU
 
         limit = get_profile(EMULATED_GPU).smem_per_block_optin

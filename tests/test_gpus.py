@@ -1,4 +1,4 @@
-"""Tests for autoflash.gpus: profile table consistency, lookup, device mapping and arch strings."""
+"""Tests for autoflash.kernels.gpus: profile table consistency, lookup, device mapping and arch strings."""
 from __future__ import annotations
 
 import dataclasses
@@ -6,8 +6,8 @@ from types import SimpleNamespace
 
 import pytest
 
-from autoflash import gpus
-from autoflash.gpus import PROFILES, GpuProfile, arch_for, detect, get_profile, profile_from_properties
+from autoflash.kernels import gpus
+from autoflash.kernels.gpus import PROFILES, GpuProfile, arch_for, detect, get_profile, profile_from_properties
 
 KB = 1024
 REQUIRED = ("a100", "a10g", "l4", "l40s", "rtx3090", "rtx4090", "h100", "h200")
@@ -284,8 +284,8 @@ def test_arch_for_rejects_non_str():
 def test_every_head_dim_has_forward_and_backward_defaults(profile):
     """Every head dim the kernels take (32..256 in steps of 8, 224 of FlashAttention's grid included)
     gets a built-in forward and backward config that fits the profile, in every dtype."""
-    from autoflash.config import HEAD_DIM_MAX, HEAD_DIM_MIN, HEAD_DIM_STEP
-    from autoflash.defaults import default_backward_config, default_config
+    from autoflash.kernels.config import HEAD_DIM_MAX, HEAD_DIM_MIN, HEAD_DIM_STEP
+    from autoflash.kernels.defaults import default_backward_config, default_config
 
     p = PROFILES[profile]
     for d in range(HEAD_DIM_MIN, HEAD_DIM_MAX + 1, HEAD_DIM_STEP):

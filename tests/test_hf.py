@@ -1,7 +1,6 @@
 """transformers with attn_implementation="autofa": a tiny, randomly initialised Llama (GQA, no
 download) gives the logits of the same model on "sdpa", through the fallback on the CPU and
 through autoflash's own ops (their CPU references) on the kernel path."""
-import functools
 import warnings
 
 import pytest
@@ -9,8 +8,8 @@ import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
 import autoflash.hf
-from autoflash import dispatch
-from autoflash.dispatch import FallbackWarning
+from autoflash.dispatch import sdpa as dispatch
+from autoflash.dispatch.sdpa import FallbackWarning
 
 CONFIG = dict(vocab_size=128, hidden_size=128, intermediate_size=256, num_hidden_layers=2, num_attention_heads=4,
               num_key_value_heads=2, max_position_embeddings=64)  # head_dim 32, two query heads per kv head
@@ -76,14 +75,14 @@ def test_generate_decodes_with_a_cache(models, calls):
     assert decode and not any(c[2] for c in decode)
 
 
-def test_kernel_path_in_bf16_matches_sdpa(models, calls, monkeypatch):
-    monkeypatch.setattr(dispatch, "plan", functools.partial(dispatch.plan, device_check=False))
+def test_kernel_path_in_bf16_matches_sdpa(models, calls):
+    """The model on the kernels themselves, run by the host emulator as on an H100."""
     ours, theirs = models
     ids, _ = _batch()
     try:
         ours.to(torch.bfloat16)
-        with torch.no_grad(), warnings.catch_warnings():
-            warnings.simplefilter("error", FallbackWarning)  # every attention call runs autoflash's op
+        with torch.no_grad(), warnings.catch_warnings(), autoflash.emulate("h100"):
+            warnings.simplefilter("error", FallbackWarning)  # every attention call runs the kernels
             got = ours(ids).logits.float()
         want = theirs(ids).logits
     finally:

@@ -7,11 +7,11 @@ import pytest
 import torch
 
 import autoflash
-from autoflash.checks import TORCH_DTYPES
-from autoflash.config import KernelConfig
-from autoflash.defaults import default_backward_config, default_config
-from autoflash.gpus import get_profile
-from autoflash.reference import attention_ref, within_tolerance
+from autoflash.kernels.checks import TORCH_DTYPES
+from autoflash.kernels.config import KernelConfig
+from autoflash.kernels.defaults import default_backward_config, default_config
+from autoflash.kernels.gpus import get_profile
+from autoflash.reference.forward import attention_ref, within_tolerance
 
 # (config, batch, heads_q, heads_kv, seqlen_q, seqlen_k, layout)
 CASES = [

@@ -7,8 +7,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from autoflash.config import KernelConfig
-from autoflash.reference import attention_ref, attention_tiled, within_tolerance
+from autoflash.kernels.config import KernelConfig
+from autoflash.reference.forward import attention_ref, attention_tiled, within_tolerance
 
 
 

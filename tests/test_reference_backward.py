@@ -4,9 +4,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from autoflash.config import KernelConfig
-from autoflash.reference import attention_ref, attention_tiled, within_tolerance
-from autoflash.reference_bwd import (
+from autoflash.kernels.config import KernelConfig
+from autoflash.reference.forward import attention_ref, attention_tiled, within_tolerance
+from autoflash.reference.backward import (
     TiledAttention,
     attention_backward_ref,
     attention_backward_tiled,

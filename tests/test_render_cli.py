@@ -1,7 +1,7 @@
 """`python -m autoflash.render`: sources by name or flags, the resource report, clear CLI errors."""
 import pytest
 
-from autoflash.config import KernelConfig
+from autoflash.kernels.config import KernelConfig
 from autoflash.render import main
 
 

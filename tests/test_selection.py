@@ -6,12 +6,13 @@ import warnings
 
 import pytest
 
-from autoflash import resources, selection
-from autoflash.codegen import template_hash
-from autoflash.config import KernelConfig
-from autoflash.gpus import get_profile
-from autoflash.problem import ProblemKey
-from autoflash.selection import HEURISTIC, select_config
+from autoflash.dispatch import selection
+from autoflash.kernels import resources
+from autoflash.kernels.codegen import template_hash
+from autoflash.kernels.config import KernelConfig
+from autoflash.kernels.gpus import get_profile
+from autoflash.tuning.problem import ProblemKey
+from autoflash.dispatch.selection import HEURISTIC, select_config
 from autoflash.tuning.table import Entry, Result, Table, merge_into, table_path
 
 H100 = get_profile("h100")
@@ -44,7 +45,7 @@ def _folders(tmp_path, monkeypatch):
 
 
 def test_heuristic_without_tables():
-    from autoflash.defaults import default_config
+    from autoflash.kernels.defaults import default_config
 
     sel = select_config(H100, "fwd", "bf16", 128, True, 3000)
     assert sel.origin == HEURISTIC and sel.config == default_config(128, "bf16", True, H100)

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from autoflash.resources import templates_dir
+from autoflash.kernels.resources import templates_dir
 
 HERE = Path(__file__).resolve().parent
 ROWS = (16, 48, 64, 80, 128, 256)

@@ -14,8 +14,8 @@ import optuna
 import pytest
 import torch
 
-from autoflash.gpus import get_profile
-from autoflash.problem import ProblemKey
+from autoflash.kernels.gpus import get_profile
+from autoflash.tuning.problem import ProblemKey
 from autoflash.tune import main
 from autoflash.tuning.study import is_measured
 from autoflash.tuning.table import load_table

@@ -7,8 +7,8 @@ import math
 import optuna
 import pytest
 
-from autoflash.gpus import get_profile
-from autoflash.problem import ProblemKey
+from autoflash.kernels.gpus import get_profile
+from autoflash.tuning.problem import ProblemKey
 from autoflash.tuning import efficiency
 from autoflash.tuning.efficiency import InProcessPool, exhaustive, feasible_for, first_within, search, summarise
 from autoflash.tuning.runner import prepare_spaces, spaces_for

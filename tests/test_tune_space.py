@@ -1,9 +1,9 @@
 """The tuner's search space and its hard constraints (shared memory, ptxas spills), on the CPU."""
 import pytest
 
-from autoflash.config import KernelConfig
-from autoflash.gpus import get_profile
-from autoflash.problem import ProblemKey
+from autoflash.kernels.config import KernelConfig
+from autoflash.kernels.gpus import get_profile
+from autoflash.tuning.problem import ProblemKey
 from autoflash.tuning import space
 from autoflash.tuning.space import (ACCUMULATOR_REGISTER_LIMIT, ROWS_PER_WARP, Candidate, accumulator_registers,
                                     constrain, default_for, enumerate_space, param_values)

@@ -6,8 +6,8 @@ import optuna
 import pytest
 from optuna.trial import TrialState
 
-from autoflash.config import KernelConfig
-from autoflash.problem import ProblemKey
+from autoflash.kernels.config import KernelConfig
+from autoflash.tuning.problem import ProblemKey
 from autoflash.tuning.space import Candidate
 from autoflash.tuning.study import KeyStudy, Settings, is_measured
 from autoflash.tuning.worker import WorkerPool
@@ -151,13 +151,13 @@ def test_default_that_fails_the_constraints_is_an_error(tmp_path):
 def test_cuda_backend_refuses_another_gpu(monkeypatch):
     import torch
 
-    import autoflash.gpus
-    from autoflash.gpus import get_profile
+    import autoflash.kernels.gpus
+    from autoflash.kernels.gpus import get_profile
     from autoflash.tuning.cuda_backend import CudaBackend
 
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda *a: "NVIDIA A100-SXM4-80GB")
-    monkeypatch.setattr(autoflash.gpus, "detect", lambda *a: get_profile("a100"))
+    monkeypatch.setattr(autoflash.kernels.gpus, "detect", lambda *a: get_profile("a100"))
     with pytest.raises(RuntimeError, match=r"--gpu h100 but the visible device is NVIDIA A100-SXM4-80GB "
                                            r"\(profile 'a100'\)"):
         CudaBackend("h100")

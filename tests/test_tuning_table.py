@@ -8,8 +8,8 @@ import os
 import filelock
 import pytest
 
-from autoflash.config import KernelConfig
-from autoflash.problem import ProblemKey
+from autoflash.kernels.config import KernelConfig
+from autoflash.tuning.problem import ProblemKey
 from autoflash.tuning import table as tt
 from autoflash.tuning.table import (
     Entry, MergeReport, Result, Table, TableError, load_table, merge_into, table_path,

@@ -35,9 +35,9 @@ def test_installed_wheel_renders_from_its_own_templates(wheel, tmp_path):
     site = tmp_path / "site"
     zipfile.ZipFile(wheel).extractall(site)
     code = (
-        "from autoflash.resources import templates_dir, tuned_dir\n"
-        "from autoflash.codegen import render\n"
-        "from autoflash.config import KernelConfig\n"
+        "from autoflash.kernels.resources import templates_dir, tuned_dir\n"
+        "from autoflash.kernels.codegen import render\n"
+        "from autoflash.kernels.config import KernelConfig\n"
         "print(templates_dir()); print(tuned_dir())\n"
         "print(len(render(KernelConfig(64, 'bf16', 128, 64))))\n"
     )

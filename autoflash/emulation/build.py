@@ -11,8 +11,8 @@ import subprocess
 import tempfile
 from pathlib import Path
 
-from autoflash.compiler import cache_dir
-from autoflash.resources import templates_dir
+from autoflash.kernels.compiler import cache_dir
+from autoflash.kernels.resources import templates_dir
 
 HEADERS = Path(__file__).resolve().parent / "cuda"
 COMMON_FLAGS = ("-std=c++20", "-fPIC", "-fvisibility=hidden", "-pthread", "-g")
@@ -119,7 +119,7 @@ def runtime_object(sanitize: bool) -> Path:
 def build_library(source: str, name: str, entries: tuple[str, ...], sanitize: bool) -> Path:
     """A shared library running `source` (a rendered kernel) on the emulator, exporting
     emu_entry_<e> for each kernel symbol e in `entries`. Cached by everything that changes it."""
-    from autoflash.codegen import template_hash
+    from autoflash.kernels.codegen import template_hash
 
     cxx, version = compiler()
     flags = _mode_flags(sanitize)

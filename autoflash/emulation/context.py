@@ -11,7 +11,7 @@ import dataclasses
 import functools
 import os
 
-from autoflash.gpus import GpuProfile, get_profile
+from autoflash.kernels.gpus import GpuProfile, get_profile
 
 ENV = "AUTOFLASH_EMULATE"
 

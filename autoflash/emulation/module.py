@@ -14,8 +14,8 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from autoflash.codegen import render
-from autoflash.config import KernelConfig
+from autoflash.kernels.codegen import render
+from autoflash.kernels.config import KernelConfig
 from autoflash.emulation.build import EmulationError, build_library
 
 

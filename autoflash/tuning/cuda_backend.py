@@ -6,8 +6,8 @@ from __future__ import annotations
 
 import sys
 
-from autoflash.config import KernelConfig
-from autoflash.problem import ProblemKey, Shape
+from autoflash.kernels.config import KernelConfig
+from autoflash.tuning.problem import ProblemKey, Shape
 
 # The correctness problem: lengths that are no multiple of any tile, two heads sharing one K/V head.
 CHECK_BATCH, CHECK_HEADS, CHECK_KV_HEADS, CHECK_SEQLEN = 1, 2, 1, 257
@@ -17,7 +17,7 @@ class CudaBackend:
     def __init__(self, gpu: str):
         import torch
 
-        from autoflash.gpus import detect
+        from autoflash.kernels.gpus import detect
 
         if not torch.cuda.is_available():
             raise RuntimeError(f"no CUDA device visible (torch {torch.__version__}, CUDA {torch.version.cuda}); "
@@ -53,7 +53,7 @@ class CudaBackend:
     # ---------------------------------------------------------------- helpers
     def _tensors(self, key: ProblemKey, shape: tuple[int, int, int, int], kv_heads: int | None = None) -> tuple:
         """q, k, v, dout of a shape, created once per (dtype, shape) and reused across trials."""
-        from autoflash.checks import TORCH_DTYPES
+        from autoflash.kernels.checks import TORCH_DTYPES
 
         cache_key = (key.dtype, shape, kv_heads)
         if cache_key not in self._inputs:
@@ -66,7 +66,7 @@ class CudaBackend:
 
     def _calls(self, key: ProblemKey, config: KernelConfig, tensors):
         """The timed callable of a config: the forward, or the backward on a saved forward."""
-        from autoflash.launch import flash_backward, flash_forward
+        from autoflash.kernels.launch import flash_backward, flash_forward
 
         q, k, v, dout = tensors
         c = key.causal
@@ -77,8 +77,8 @@ class CudaBackend:
 
     def _check(self, key: ProblemKey, config: KernelConfig) -> dict | None:
         """None when the config's result satisfies FlashAttention's rule, else a "wrong" result."""
-        from autoflash.reference import attention_ref, within_tolerance
-        from autoflash.reference_bwd import attention_backward_ref
+        from autoflash.reference.forward import attention_ref, within_tolerance
+        from autoflash.reference.backward import attention_backward_ref
 
         torch = self.torch
         shape = (CHECK_BATCH, CHECK_HEADS, CHECK_SEQLEN, key.head_dim)
@@ -106,7 +106,7 @@ class CudaBackend:
     # ---------------------------------------------------------------- protocol
     def measure(self, key: ProblemKey, config: KernelConfig, shapes: list[Shape], registers: int | None,
                 trial: int | None = None, reps: int = 20, warmup: int = 3) -> dict:
-        from autoflash.timing import flush_buffer, time_cuda
+        from autoflash.bench.timing import flush_buffer, time_cuda
 
         wrong = self._check(key, config)
         if wrong is not None:
@@ -125,7 +125,7 @@ class CudaBackend:
         from torch.nn.attention import SDPBackend, sdpa_kernel
         from torch.nn.functional import scaled_dot_product_attention as sdpa
 
-        from autoflash.timing import flush_buffer, time_cuda
+        from autoflash.bench.timing import flush_buffer, time_cuda
 
         torch = self.torch
         if self._flush is None:

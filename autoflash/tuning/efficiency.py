@@ -27,9 +27,9 @@ import statistics
 import sys
 from pathlib import Path
 
-from autoflash.config import DIRECTIONS
-from autoflash.gpus import PROFILES
-from autoflash.problem import BUCKET_LABELS
+from autoflash.kernels.config import DIRECTIONS
+from autoflash.kernels.gpus import PROFILES
+from autoflash.tuning.problem import BUCKET_LABELS
 from autoflash.tune import CAUSAL_MODES, _head_dims, _list, _restriction
 from autoflash.tuning.study import SAMPLERS, KeyStudy, Settings, is_measured
 from autoflash.tuning.worker import _handle
@@ -141,7 +141,7 @@ def make_parser() -> argparse.ArgumentParser:
 def run(args) -> dict:
     import optuna
 
-    from autoflash.gpus import get_profile
+    from autoflash.kernels.gpus import get_profile
     from autoflash.tuning.runner import build_keys, prepare_spaces, spaces_for
     from autoflash.tuning.simulated import SimulatedBackend
 

@@ -5,8 +5,8 @@ from __future__ import annotations
 import collections
 from pathlib import Path
 
-from autoflash.bench_report import flops, tflops
-from autoflash.problem import ProblemKey
+from autoflash.bench.report import flops, tflops
+from autoflash.tuning.problem import ProblemKey
 from autoflash.tuning.space import Candidate
 
 

@@ -8,9 +8,9 @@ import itertools
 import sys
 from pathlib import Path
 
-from autoflash.config import KernelConfig
-from autoflash.gpus import GpuProfile
-from autoflash.problem import ProblemKey
+from autoflash.kernels.config import KernelConfig
+from autoflash.kernels.gpus import GpuProfile
+from autoflash.tuning.problem import ProblemKey
 from autoflash.tuning.report import key_tflops
 from autoflash.tuning.space import Candidate, constrain, default_for, enumerate_space
 from autoflash.tuning.study import KeyStudy, Outcome, Settings
@@ -82,7 +82,7 @@ def entry_from(outcome: Outcome, runner_ups: int) -> Entry | None:
 
 def provenance(device: dict, backend: str, command: str) -> dict:
     import autoflash
-    from autoflash.compiler import nvrtc_version
+    from autoflash.kernels.compiler import nvrtc_version
 
     return {"device_name": device.get("device_name"), "compute_capability": device.get("compute_capability"),
             "driver": device.get("driver"), "cuda": device.get("cuda"), "nvrtc": nvrtc_version(),

@@ -17,10 +17,10 @@ import os
 import time
 from pathlib import Path
 
-from autoflash.bench_report import flops
-from autoflash.config import KernelConfig
-from autoflash.gpus import GpuProfile, get_profile
-from autoflash.problem import ProblemKey, Shape
+from autoflash.bench.report import flops
+from autoflash.kernels.config import KernelConfig
+from autoflash.kernels.gpus import GpuProfile, get_profile
+from autoflash.tuning.problem import ProblemKey, Shape
 
 TIMINGS_FORMAT, TIMINGS_VERSION = "autoflash.timings", 1
 FAULT_KINDS = ("crash", "hang", "wrong", "error")

@@ -10,9 +10,9 @@ import multiprocessing
 import os
 from typing import Callable, Iterable
 
-from autoflash.config import KernelConfig
-from autoflash.gpus import GpuProfile
-from autoflash.problem import ProblemKey
+from autoflash.kernels.config import KernelConfig
+from autoflash.kernels.gpus import GpuProfile
+from autoflash.tuning.problem import ProblemKey
 
 # The values each knob may take. Tiles need not be powers of two (48, 80, 96, 112, 160, 192 are
 # legal); the filter below keeps the combinations the template accepts.
@@ -101,7 +101,7 @@ class Candidate:
 
 
 def _compile_one(config: KernelConfig, arch: str) -> tuple[str, str, int | None, int | None]:
-    from autoflash.compiler import CompileError, compile_config
+    from autoflash.kernels.compiler import CompileError, compile_config
 
     try:
         res = compile_config(config, arch).resources
@@ -152,7 +152,7 @@ def constrain(configs: Iterable[KernelConfig], profile: GpuProfile, *, jobs: int
 
 def default_for(key: ProblemKey, profile: GpuProfile) -> KernelConfig:
     """The built-in config for a key: what the dispatcher runs without a tuned table."""
-    from autoflash.defaults import default_backward_config, default_config
+    from autoflash.kernels.defaults import default_backward_config, default_config
 
     pick = default_backward_config if key.direction == "bwd" else default_config
     return pick(key.head_dim, key.dtype, key.causal, profile)

@@ -24,8 +24,8 @@ from typing import Callable
 import optuna
 from optuna.trial import TrialState
 
-from autoflash.config import KernelConfig
-from autoflash.problem import ProblemKey
+from autoflash.kernels.config import KernelConfig
+from autoflash.tuning.problem import ProblemKey
 from autoflash.tuning.space import Candidate, knobs, param_values
 
 SAMPLERS = ("tpe", "random", "grid", "bruteforce")

@@ -21,8 +21,8 @@ from typing import Any, Mapping
 
 import filelock
 
-from autoflash.config import KernelConfig
-from autoflash.problem import ProblemKey
+from autoflash.kernels.config import KernelConfig
+from autoflash.tuning.problem import ProblemKey
 
 SCHEMA_NAME = "autoflash.tuned"
 SCHEMA_VERSION = 1

@@ -23,8 +23,8 @@ import threading
 import time
 import traceback
 
-from autoflash.config import KernelConfig
-from autoflash.problem import ProblemKey, Shape
+from autoflash.kernels.config import KernelConfig
+from autoflash.tuning.problem import ProblemKey, Shape
 
 
 # ------------------------------------------------------------------ the worker process

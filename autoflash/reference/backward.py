@@ -5,9 +5,9 @@ from __future__ import annotations
 
 import torch
 
-from autoflash.checks import check_qkv_shapes
-from autoflash.config import KernelConfig
-from autoflash.reference import LOG2E, _FLOAT_DTYPES, _scale, _upcast_dtype, attention_ref, attention_tiled
+from autoflash.kernels.checks import check_qkv_shapes
+from autoflash.kernels.config import KernelConfig
+from autoflash.reference.forward import LOG2E, _FLOAT_DTYPES, _scale, _upcast_dtype, attention_ref, attention_tiled
 
 
 def _check_like_q(name: str, t, q: torch.Tensor) -> None:

@@ -6,7 +6,7 @@ Lookup order, first hit wins:
 1. the user's table: $AUTOFLASH_TUNED_DIR/<gpu>.json, else the per-user folder where
    `python -m autoflash.tune` writes outside a checkout (~/.local/share/autoflash/tuned);
 2. the shipped table, tuned/<gpu>.json;
-3. the built-in heuristics (autoflash/defaults.py: FlashAttention-2's published tile choices).
+3. the built-in heuristics (autoflash/kernels/defaults.py: FlashAttention-2's published tile choices).
 A table for another GPU, another template hash or with a bad schema is skipped with one warning
 naming the file and the mismatch."""
 from __future__ import annotations
@@ -17,11 +17,11 @@ import os
 import warnings
 from pathlib import Path
 
-from autoflash.config import KernelConfig
-from autoflash.gpus import GpuProfile
-from autoflash.problem import ProblemKey, seqlen_bucket
+from autoflash.kernels.config import KernelConfig
+from autoflash.kernels.gpus import GpuProfile
+from autoflash.tuning.problem import ProblemKey, seqlen_bucket
 
-HEURISTIC = "built-in heuristic (autoflash/defaults.py)"
+HEURISTIC = "built-in heuristic (autoflash/kernels/defaults.py)"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -38,7 +38,7 @@ def table_folders() -> tuple[tuple[str, Path], ...]:
 
 @functools.lru_cache(maxsize=8)
 def _folders(user: str | None) -> tuple[tuple[str, Path], ...]:
-    from autoflash.resources import tuned_dir, user_tuned_dir
+    from autoflash.kernels.resources import tuned_dir, user_tuned_dir
 
     folders = [("$AUTOFLASH_TUNED_DIR", Path(user)) if user else ("per-user", user_tuned_dir())]
     try:
@@ -82,7 +82,7 @@ def _select(profile: GpuProfile, direction: str, dtype: str, head_dim: int, caus
 def select_config(profile: GpuProfile, direction: str, dtype: str, head_dim: int, causal: bool,
                   seqlen_k: int) -> Selection:
     """The config for one call; cached on its arguments (and on the folders and templates in use)."""
-    from autoflash.codegen import template_hash
+    from autoflash.kernels.codegen import template_hash
 
     return _select(profile, direction, dtype, head_dim, causal, seqlen_bucket(seqlen_k), template_hash(),
                    table_folders())

@@ -7,12 +7,12 @@ import math
 
 import torch
 
-from autoflash.checks import DTYPE_NAMES, check_config, check_like, check_qkv, check_scale, device_index
-from autoflash.compiler import compile_config
-from autoflash.config import KernelConfig
-from autoflash.defaults import default_backward_config, default_config
-from autoflash.gpus import GpuProfile, detect
-from autoflash.reference import LOG2E  # the kernels run the softmax in base 2
+from autoflash.kernels.checks import DTYPE_NAMES, check_config, check_like, check_qkv, check_scale, device_index
+from autoflash.kernels.compiler import compile_config
+from autoflash.kernels.config import KernelConfig
+from autoflash.kernels.defaults import default_backward_config, default_config
+from autoflash.kernels.gpus import GpuProfile, detect
+from autoflash.reference.forward import LOG2E  # the kernels run the softmax in base 2
 
 DELTA_ROWS_PER_BLOCK = 4  # the backward's delta kernel: one warp per query row, 128 threads
 

@@ -29,7 +29,7 @@ def _shape(text: str) -> tuple[int, ...]:
 
 
 def make_parser() -> argparse.ArgumentParser:
-    from autoflash.gpus import PROFILES
+    from autoflash.kernels.gpus import PROFILES
 
     p = argparse.ArgumentParser(prog="python -m autoflash.bench emulator", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -48,7 +48,7 @@ def measure(gpu: str, shape, dtype: str, causal: bool, sanitize: bool, reps: int
     import torch
 
     import autoflash
-    from autoflash.checks import TORCH_DTYPES
+    from autoflash.kernels.checks import TORCH_DTYPES
 
     b, hq, hkv, lq, lk, d = shape
     dt = TORCH_DTYPES[dtype]
@@ -105,7 +105,7 @@ def main(argv: list[str] | None = None) -> int:
         import torch
 
         from autoflash import __version__
-        from autoflash.codegen import template_hash
+        from autoflash.kernels.codegen import template_hash
         from autoflash.emulation.build import compiler
 
         args.json.write_text(json.dumps({

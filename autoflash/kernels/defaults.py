@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import functools
 
-from autoflash.config import KernelConfig
-from autoflash.gpus import GpuProfile
+from autoflash.kernels.config import KernelConfig
+from autoflash.kernels.gpus import GpuProfile
 
 # A100-class parts let one block use up to 163 KB of shared memory; sm_86/sm_89 parts only 99 KB.
 _BIG_SMEM = 160 * 1024

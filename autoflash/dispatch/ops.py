@@ -2,7 +2,7 @@
 
 As custom ops with fake (meta) implementations and a registered autograd formula, torch.compile
 traces a model through them as single nodes, with no graph break, and autograd reaches the backward
-kernel. On CUDA the op picks its KernelConfig at run time (autoflash.selection: tuned table, else
+kernel. On CUDA the op picks its KernelConfig at run time (autoflash.dispatch.selection: tuned table, else
 heuristic), from the tensors' metadata only. On the CPU inside autoflash.emulate() the ops run the
 same kernels on the host emulator; outside it their CPU implementations are the plain PyTorch
 references, so the registration (schema, fake, autograd) stays checkable anywhere
@@ -13,8 +13,8 @@ types to build each op's schema.
 """
 import torch
 
-from autoflash.checks import DTYPE_NAMES, is_chunked_layout
-from autoflash.reference import attention_ref
+from autoflash.kernels.checks import DTYPE_NAMES, is_chunked_layout
+from autoflash.reference.forward import attention_ref
 
 
 def chunked(t: torch.Tensor) -> torch.Tensor:
@@ -24,22 +24,22 @@ def chunked(t: torch.Tensor) -> torch.Tensor:
 
 def selected_config(q: torch.Tensor, direction: str, is_causal: bool, seqlen_k: int):
     """The KernelConfig for a call on q's CUDA device, or the emulated GPU (tuned table, else heuristic)."""
-    from autoflash.launch import profile_for
-    from autoflash.selection import select_config
+    from autoflash.kernels.launch import profile_for
+    from autoflash.dispatch.selection import select_config
 
     profile = profile_for(q, "autoflash.attention")
     return select_config(profile, direction, DTYPE_NAMES[q.dtype], q.shape[-1], is_causal, seqlen_k).config
 
 
 def _forward_kernels(q, k, v, is_causal, scale):
-    from autoflash.launch import flash_forward
+    from autoflash.kernels.launch import flash_forward
 
     q, k, v = chunked(q), chunked(k), chunked(v)
     return flash_forward(q, k, v, causal=is_causal, scale=scale, config=selected_config(q, "fwd", is_causal, k.shape[2]))
 
 
 def _backward_kernels(dout, q, k, v, out, lse, is_causal, scale):
-    from autoflash.launch import flash_backward
+    from autoflash.kernels.launch import flash_backward
 
     q, k, v, out, dout = (chunked(t) for t in (q, k, v, out, dout))
     return flash_backward(dout, q, k, v, out, lse, causal=is_causal, scale=scale,

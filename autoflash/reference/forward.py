@@ -6,8 +6,8 @@ import math
 
 import torch
 
-from autoflash.checks import check_qkv_shapes
-from autoflash.config import KernelConfig
+from autoflash.kernels.checks import check_qkv_shapes
+from autoflash.kernels.config import KernelConfig
 
 LOG2E = 1.4426950408889634  # log2(e): the kernel folds it into the softmax scale and uses exp2
 LN2 = 0.6931471805599453  # ln(2): turns the kernel's log2-domain LSE back into natural log

@@ -34,11 +34,11 @@ import sys
 import warnings
 from pathlib import Path
 
-from autoflash.bench_report import (  # noqa: F401  (re-exported: the report helpers are part of bench's API)
+from autoflash.bench.report import (  # noqa: F401  (re-exported: the report helpers are part of bench's API)
     DIRECTION_FLOPS_FORMULA, DIRECTIONS, FLOPS_FACTORS, FLOPS_FORMULA, build_record, flops, format_table,
     plot_results, summarize, tflops)
-from autoflash.config import HEAD_DIM_MAX, HEAD_DIM_MIN, HEAD_DIM_STEP
-from autoflash.timing import flush_buffer, time_cuda
+from autoflash.kernels.config import HEAD_DIM_MAX, HEAD_DIM_MIN, HEAD_DIM_STEP
+from autoflash.bench.timing import flush_buffer, time_cuda
 
 BACKENDS = ("autoflash", "flash", "efficient", "cudnn", "math")
 DEFAULT_BACKENDS = ("autoflash", "flash", "efficient", "cudnn")
@@ -155,8 +155,8 @@ def _peak_mib(torch, fn) -> float:
 def _references(torch, q, k, v, dout, causal: bool, directions) -> dict:
     """name -> (upcast reference, PyTorch in the input dtype) for out and/or dq, dk, dv of the slice.
     fp32 inputs get an fp64 reference, so that fp32 PyTorch has an error to compare against."""
-    from autoflash.reference import attention_ref
-    from autoflash.reference_bwd import attention_backward_ref
+    from autoflash.reference.forward import attention_ref
+    from autoflash.reference.backward import attention_backward_ref
 
     hi = (lambda t: t.double()) if q.dtype == torch.float32 else (lambda t: t)
     refs = {}
@@ -173,7 +173,7 @@ def _references(torch, q, k, v, dout, causal: bool, directions) -> dict:
 def _check(result, refs: dict, sl, direction: str) -> tuple[bool, dict]:
     """FlashAttention's rule on each output of one call (factor 2 for out, 3 for gradients). Returns
     (ok, fields): errors {name: [err, bound]}, and err, bound, err_of of the failing (else worst) one."""
-    from autoflash.reference import within_tolerance
+    from autoflash.reference.forward import within_tolerance
 
     names = {"fwd": ("out",), "bwd": ("dq", "dk", "dv"), "fwdbwd": ("out", "dq", "dk", "dv")}[direction]
     outputs = (result,) if direction == "fwd" else tuple(result)
@@ -197,8 +197,8 @@ def _make_call(torch, backend: str, direction: str, sh: Shape, dtype: str, tenso
     q, k, v, dout = tensors
     c = sh.causal
     if backend == "autoflash":
-        from autoflash.defaults import default_backward_config, default_config
-        from autoflash.launch import flash_backward, flash_forward
+        from autoflash.kernels.defaults import default_backward_config, default_config
+        from autoflash.kernels.launch import flash_backward, flash_forward
 
         cfg = default_config(sh.head_dim, dtype, c, profile)
         m["config"] = cfg.name
@@ -209,7 +209,7 @@ def _make_call(torch, backend: str, direction: str, sh: Shape, dtype: str, tenso
         if direction == "bwd":
             out, lse = flash_forward(q, k, v, causal=c, config=cfg)
             return lambda: flash_backward(dout, q, k, v, out, lse, causal=c, config=bcfg)
-        from autoflash.function import flash_attn
+        from autoflash.kernels.function import flash_attn
 
         def attn(*qkv):
             return flash_attn(*qkv, causal=c, config=cfg, backward_config=bcfg)
@@ -268,7 +268,7 @@ def _bench_one(torch, m: dict, backend: str, direction: str, sh: Shape, tensors,
 
 
 def _bench_shape(torch, sh: Shape, args, profile, flush) -> list[dict]:
-    from autoflash.checks import TORCH_DTYPES
+    from autoflash.kernels.checks import TORCH_DTYPES
 
     dt = TORCH_DTYPES[args.dtype]
     directions = DIRECTION_MODES[args.direction]
@@ -320,7 +320,7 @@ def _environment(torch, profile) -> tuple[dict, dict]:
         return "{1}.{2}".format(*nv.nvrtcVersion())
 
     def template_hash():
-        from autoflash.codegen import template_hash
+        from autoflash.kernels.codegen import template_hash
         return template_hash()
 
     import autoflash
@@ -339,18 +339,6 @@ def _environment(torch, profile) -> tuple[dict, dict]:
 
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
-    if argv[:1] == ["dispatch"]:  # the per-call overhead benchmark (runs without a GPU too)
-        from autoflash.bench_dispatch import main as dispatch_main
-
-        return dispatch_main(argv[1:])
-    if argv[:1] == ["emulator"]:  # the host emulator's speed on this CPU (no GPU)
-        from autoflash.bench_emulator import main as emulator_main
-
-        return emulator_main(argv[1:])
-    if argv[:1] == ["train"]:  # a small transformer trained with autoflash and with SDPA (GPU)
-        from autoflash.bench_train import main as train_main
-
-        return train_main(argv[1:])
     parser = make_parser()
     args = parser.parse_args(argv)
     if args.reps < 1 or args.warmup < 0:
@@ -365,7 +353,7 @@ def main(argv: list[str] | None = None) -> int:
     if not torch.cuda.is_available():
         print(NO_GPU_MESSAGE, file=sys.stderr)
         return 2
-    from autoflash.gpus import detect
+    from autoflash.kernels.gpus import detect
 
     try:
         profile = detect()
@@ -401,6 +389,3 @@ def main(argv: list[str] | None = None) -> int:
             print(f"wrote {out_dir / f'{stamp}-{d}.png'}")
     return 1 if any(m["status"] in ("failed", "error") and m["backend"] == "autoflash" for m in measurements) else 0
 
-
-if __name__ == "__main__":
-    sys.exit(main())

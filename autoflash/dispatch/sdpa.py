@@ -3,7 +3,7 @@ torch.nn.functional.scaled_dot_product_attention.
 
 Every call is first validated as SDPA validates it (so bad input fails here, with what was received
 and what is accepted, whichever path runs), then planned: either the autoflash kernels (the custom
-ops of autoflash/ops.py, config picked by autoflash/selection.py) or, for what the kernels do not
+ops of autoflash/dispatch/ops.py, config picked by autoflash/dispatch/selection.py) or, for what the kernels do not
 support yet, torch's own SDPA with one warning per reason (`strict=True` or AUTOFLASH_STRICT=1
 raises instead). The planning reads tensor metadata only: no synchronisation, no allocation. It
 is plain Python that torch.compile traces, so a compiled model keeps the path (and the warning,
@@ -19,8 +19,8 @@ import warnings
 
 import torch
 
-from autoflash.checks import GRID_YZ_MAX, device_index
-from autoflash.config import HEAD_DIM_MAX, HEAD_DIM_MIN, HEAD_DIM_STEP
+from autoflash.kernels.checks import GRID_YZ_MAX, device_index
+from autoflash.kernels.config import HEAD_DIM_MAX, HEAD_DIM_MIN, HEAD_DIM_STEP
 
 # torch's SDPA itself (torch.nn.functional re-exports it), kept here so patch_sdpa() cannot
 # route the fallback back into autoflash.
@@ -137,7 +137,7 @@ def _probe_device(device_index: int) -> str:
         try:
             import cupy  # noqa: F401  (loads and launches the kernels)
 
-            from autoflash.launch import device_profile
+            from autoflash.kernels.launch import device_profile
 
             device_profile(device_index)
             reason = ""
@@ -236,7 +236,7 @@ def attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, attn_
     if not torch.compiler.is_compiling():  # a CUDA tensor, or a CPU one inside autoflash.emulate()
         out = _eager(q, k, v, is_causal, p.scale)
     else:  # traced by torch.compile: the custom op, one node with fake shapes and an autograd formula
-        from autoflash import ops  # noqa: F401  (registers torch.ops.autoflash)
+        from autoflash.dispatch import ops  # noqa: F401  (registers torch.ops.autoflash)
 
         out, _ = torch.ops.autoflash.attention_fwd(q, k, v, is_causal, p.scale)
     return out if query.dim() == 4 else out.reshape(*p.batch_shape, *out.shape[1:])
@@ -245,8 +245,8 @@ def attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, attn_
 def _eager(q, k, v, is_causal: bool, scale: float) -> torch.Tensor:
     """The same kernels and configs as the custom op, through an autograd.Function: eagerly it costs
     a few microseconds less per call than the op's dispatch (python -m autoflash.bench dispatch)."""
-    from autoflash.function import FlashAttentionFunction
-    from autoflash.ops import chunked, selected_config
+    from autoflash.kernels.function import FlashAttentionFunction
+    from autoflash.dispatch.ops import chunked, selected_config
 
     q, k, v = chunked(q), chunked(k), chunked(v)
     fwd = selected_config(q, "fwd", is_causal, k.shape[2])

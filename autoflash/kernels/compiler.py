@@ -11,9 +11,9 @@ import re
 import tempfile
 from pathlib import Path
 
-from autoflash.codegen import render, template_hash
-from autoflash.config import KernelConfig
-from autoflash.resources import templates_dir
+from autoflash.kernels.codegen import render, template_hash
+from autoflash.kernels.config import KernelConfig
+from autoflash.kernels.resources import templates_dir
 
 _ARCH_RE = re.compile(r"^sm_\d{2,3}[af]?$")
 BASE_OPTIONS = ("-std=c++17", "--ptxas-options=-v", "-lineinfo")

@@ -6,9 +6,9 @@ import dataclasses
 
 import torch
 
-from autoflash.checks import DTYPE_NAMES
-from autoflash.dispatch import plan
-from autoflash.selection import Selection
+from autoflash.kernels.checks import DTYPE_NAMES
+from autoflash.dispatch.sdpa import plan
+from autoflash.dispatch.selection import Selection
 
 
 @dataclasses.dataclass(frozen=True)
@@ -42,14 +42,14 @@ def explain(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, attn_ma
     gpu=NAME (a profile: "h100", "a100", ...) explains the call as if the tensors were on that GPU,
     so configs can be inspected on any machine; by default the tensors' own device decides (CPU tensors
 inside autoflash.emulate(): the emulated GPU, path "autoflash kernels (emulated on the CPU)")."""
-    from autoflash.gpus import get_profile
-    from autoflash.launch import profile_for
-    from autoflash.selection import select_config
+    from autoflash.kernels.gpus import get_profile
+    from autoflash.kernels.launch import profile_for
+    from autoflash.dispatch.selection import select_config
 
     p = plan(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa, device_check=gpu is None)
     if p.reason is not None:
         return Explanation("torch SDPA (fallback)", p.reason, gpu, None, None)
-    profile = get_profile(gpu) if gpu is not None else profile_for(query, "autoflash.explain")
+    profile = get_profile(gpu) if gpu is not None else profile_for(query, "autoflash.dispatch.explain")
     fwd, bwd = (select_config(profile, direction, DTYPE_NAMES[query.dtype], query.shape[-1], is_causal, key.shape[-2])
                 for direction in ("fwd", "bwd"))
     emulated = gpu is None and not query.is_cuda

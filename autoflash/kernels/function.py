@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import torch
 
-from autoflash.checks import is_chunked_layout
-from autoflash.config import KernelConfig
-from autoflash.launch import flash_backward, flash_forward
+from autoflash.kernels.checks import is_chunked_layout
+from autoflash.kernels.config import KernelConfig
+from autoflash.kernels.launch import flash_backward, flash_forward
 
 
 class FlashAttentionFunction(torch.autograd.Function):

@@ -6,7 +6,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
-from autoflash.config import DIRECTIONS, DTYPES, HEAD_DIM_MAX, HEAD_DIM_MIN, HEAD_DIM_STEP
+from autoflash.kernels.config import DIRECTIONS, DTYPES, HEAD_DIM_MAX, HEAD_DIM_MIN, HEAD_DIM_STEP
 
 # Sequence-length buckets: (label, largest seqlen_k in the bucket or None, representative lengths).
 # Tile choices shift with length (short sequences want small tiles to fill the SMs); three buckets

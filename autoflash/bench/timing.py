@@ -2,7 +2,7 @@
 warm-up, with the L2 cache flushed before every repetition (torch is passed in, imported lazily)."""
 from __future__ import annotations
 
-from autoflash.bench_report import summarize
+from autoflash.bench.report import summarize
 
 FLUSH_BYTES = 256 << 20  # written before every timed call: larger than any L2 (x4 L2 if that is more)
 

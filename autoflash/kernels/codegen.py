@@ -9,8 +9,8 @@ import re
 import jinja2
 
 from autoflash import __version__
-from autoflash.config import KernelConfig
-from autoflash.resources import templates_dir
+from autoflash.kernels.config import KernelConfig
+from autoflash.kernels.resources import templates_dir
 
 TEMPLATES = {"fwd": "flash_fwd.cu.j2", "bwd": "flash_bwd.cu.j2"}
 # Per-dtype spellings the templates need; fp32 runs on the SIMT path and needs no mma.

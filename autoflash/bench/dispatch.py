@@ -48,9 +48,10 @@ def measure(gpu: str, calls: int, rounds: int) -> list[dict]:
     import torch
     import torch.nn.functional as F
 
-    from autoflash import dispatch, ops  # noqa: F401  (registers torch.ops.autoflash)
-    from autoflash.gpus import get_profile
-    from autoflash.selection import select_config
+    from autoflash.dispatch import ops  # noqa: F401  (registers torch.ops.autoflash)
+    from autoflash.dispatch import sdpa as dispatch
+    from autoflash.kernels.gpus import get_profile
+    from autoflash.dispatch.selection import select_config
 
     rows = []
     q, k, v = (torch.randn(1, 1, 128, 64, dtype=torch.bfloat16) for _ in range(3))

@@ -6,8 +6,8 @@ import math
 
 import torch
 
-from autoflash.config import HEAD_DIM_MAX, HEAD_DIM_MIN, HEAD_DIM_STEP, KernelConfig
-from autoflash.gpus import GpuProfile
+from autoflash.kernels.config import HEAD_DIM_MAX, HEAD_DIM_MIN, HEAD_DIM_STEP, KernelConfig
+from autoflash.kernels.gpus import GpuProfile
 
 DTYPE_NAMES = {torch.float16: "fp16", torch.bfloat16: "bf16", torch.float32: "fp32"}
 TORCH_DTYPES = {name: dtype for dtype, name in DTYPE_NAMES.items()}

@@ -1,0 +1,5 @@
+import sys
+
+from autoflash.bench import main
+
+sys.exit(main())
