@@ -67,5 +67,8 @@ def pytest_collection_modifyitems(config, items):
 
 
 def pytest_terminal_summary(terminalreporter):
-    # Also under -q (which hides the header): the seed is what replays this run's emulated sample.
+    # Also under -q (which hides the header): the seeds replay this run's emulated sample and fuzz.
     terminalreporter.write_line(pytest_report_header(None))
+    fuzz = __import__("sys").modules.get("test_emulated_fuzz")
+    if fuzz is not None:
+        terminalreporter.write_line(f"autoflash emulated fuzz: seed {fuzz.SEED} (AUTOFLASH_FUZZ_SEED={fuzz.SEED} replays it)")
