@@ -19,7 +19,8 @@ Exit status: 0 all within the rule (and, sanitizing, no finding), 1 a result out
 finding, 2 no GPU (without --emulate) or bad arguments."""
 
 
-def _shape(text: str) -> tuple[int, ...]:
+def shape_arg(text: str) -> tuple[int, ...]:
+    """argparse type for b,hq,hkv,lq,lk,d (also used by `python -m autoflash.bench emulator`)."""
     try:
         dims = tuple(int(t) for t in text.split(","))
     except ValueError:
@@ -34,7 +35,7 @@ def _parser() -> argparse.ArgumentParser:
 
     p = argparse.ArgumentParser(prog="python -m autoflash.selfcheck", description=__doc__, epilog=EPILOG,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--shape", type=_shape, default=None,
+    p.add_argument("--shape", type=shape_arg, default=None,
                    help="b,hq,hkv,lq,lk,d (default 2,6,2,113,203,96: odd lengths, GQA; d from --config if given)")
     p.add_argument("--dtype", choices=("fp16", "bf16", "fp32"), default=None, help="default bf16 (or --config's)")
     p.add_argument("--causal", action="store_true")

@@ -18,23 +18,14 @@ import time
 from pathlib import Path
 
 
-def _shape(text: str) -> tuple[int, ...]:
-    try:
-        dims = tuple(int(t) for t in text.split(","))
-    except ValueError:
-        dims = ()
-    if len(dims) != 6 or min(dims) < 1:
-        raise argparse.ArgumentTypeError(f"got {text!r}, expected six positive integers b,hq,hkv,lq,lk,d")
-    return dims
-
-
 def make_parser() -> argparse.ArgumentParser:
     from autoflash.kernels.gpus import PROFILES
+    from autoflash.selfcheck import shape_arg
 
     p = argparse.ArgumentParser(prog="python -m autoflash.bench emulator", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--gpu", default="a100", choices=sorted(PROFILES), help="the GPU emulated (default a100)")
-    p.add_argument("--shape", type=_shape, default=(1, 2, 2, 128, 128, 128), help="b,hq,hkv,lq,lk,d")
+    p.add_argument("--shape", type=shape_arg, default=(1, 2, 2, 128, 128, 128), help="b,hq,hkv,lq,lk,d")
     p.add_argument("--dtype", choices=("fp16", "bf16", "fp32"), default="bf16")
     p.add_argument("--causal", action="store_true")
     p.add_argument("--sanitize", action="store_true", help="time the sanitizing build instead")

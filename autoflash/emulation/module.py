@@ -121,7 +121,6 @@ class EmulatedModule:
                                        ctypes.c_int,
                                        ctypes.POINTER(ctypes.c_longlong), ctypes.POINTER(ctypes.c_longlong)]
         lib.emu_finding.argtypes = [ctypes.c_int, ctypes.c_char_p, ctypes.c_int]
-        lib.emu_finding_total.restype = ctypes.c_long
 
     def get_function(self, name: str) -> EmulatedFunction:
         return EmulatedFunction(self, name)
@@ -149,9 +148,6 @@ class EmulatedModule:
                             kernel_frames[0].split(" ")[0] if kernel_frames else "?")
             out.append(Finding(kind, kernel, location, block, thread, detail, tuple(kernel_frames)))
         return out
-
-    def finding_total(self) -> int:
-        return int(self.lib.emu_finding_total())
 
     def clear_findings(self) -> None:
         self.lib.emu_clear_findings()

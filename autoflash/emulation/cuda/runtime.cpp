@@ -27,25 +27,15 @@
 // instrumentation (-fsanitize=thread): this file defines the __tsan_* hooks it calls, in place of
 // the TSan runtime. Without EMU_SANITIZE only the checks that keep the emulator itself safe run
 // (shared addresses inside the window, barrier errors); they fail the launch.
+// The parts: runtime/fiber.h (stack switching), runtime/state.h (fibers, warps, blocks, findings),
+// runtime/sanitizer.h (the checks and the ThreadSanitizer hooks); this file runs warps, blocks and
+// launches, and holds what the kernel calls and the library's C interface.
 #include "runtime.h"
 
-#include <dlfcn.h>
-#include <execinfo.h>
-#include <sys/mman.h>
-#include <ucontext.h>
-
 #include <algorithm>
-#include <atomic>
 #include <cinttypes>
-#include <cstdarg>
-#include <cstdio>
 #include <cstring>
-#include <mutex>
-#include <set>
-#include <string>
 #include <thread>
-#include <utility>
-#include <vector>
 
 #ifndef EMU_SANITIZE
 #define EMU_SANITIZE 0
@@ -55,348 +45,12 @@
 constexpr size_t kWindow = 256 * 1024;  // above every GPU's opt-in maximum (227 KB on sm_90)
 alignas(128) thread_local unsigned char smem_raw[kWindow];
 
+#include "runtime/fiber.h"
+#include "runtime/state.h"
+#include "runtime/sanitizer.h"
+
 namespace emu {
 namespace {
-
-constexpr size_t kStack = 256 * 1024;
-constexpr int kMaxFindings = 200;
-
-enum class St : uint8_t { Run, Bar, Warp, Done };
-enum class Op : uint8_t { None, Shfl, Ldmatrix, LdmatrixT, MmaF16, MmaBF16, Syncwarp };
-const char* op_name(Op op) {
-  switch (op) {
-    case Op::Shfl: return "__shfl_xor_sync";
-    case Op::Ldmatrix: return "ldmatrix";
-    case Op::LdmatrixT: return "ldmatrix.trans";
-    case Op::MmaF16: case Op::MmaBF16: return "mma.sync";
-    case Op::Syncwarp: return "__syncwarp";
-    default: return "?";
-  }
-}
-
-struct Copy { unsigned char* dst; const unsigned char* src; bool valid; };
-
-// ------------------------------------------------------------------ fiber contexts
-#if defined(__x86_64__)
-// Saves the callee-saved registers on the current stack, stores the stack pointer in *save, and
-// continues on stack `to` (System V ABI: rbp, rbx, r12-r15 are all a switch must keep).
-extern "C" void autoflash_emu_switch(void** save, void* to);
-asm(R"(
-  .text
-  .p2align 4
-  .hidden autoflash_emu_switch
-  .type autoflash_emu_switch, @function
-autoflash_emu_switch:
-  pushq %rbp
-  pushq %rbx
-  pushq %r12
-  pushq %r13
-  pushq %r14
-  pushq %r15
-  movq %rsp, (%rdi)
-  movq %rsi, %rsp
-  popq %r15
-  popq %r14
-  popq %r13
-  popq %r12
-  popq %rbx
-  popq %rbp
-  ret
-  .size autoflash_emu_switch, .-autoflash_emu_switch
-)");
-struct Context { void* sp = nullptr; };
-void ctx_init(Context& c, unsigned char* stack, size_t size, void (*entry)()) {
-  void** sp = reinterpret_cast<void**>((reinterpret_cast<uintptr_t>(stack) + size) & ~uintptr_t(15));
-  *--sp = nullptr;                           // entry's return address: none, which ends unwinding
-  *--sp = reinterpret_cast<void*>(entry);    // where the first switch's `ret` goes
-  for (int i = 0; i < 6; ++i) *--sp = nullptr;  // rbp, rbx, r12-r15
-  c.sp = sp;
-}
-void ctx_switch(Context& from, Context& to) { autoflash_emu_switch(&from.sp, to.sp); }
-#else
-struct Context { ucontext_t uc; };
-void ctx_init(Context& c, unsigned char* stack, size_t size, void (*entry)()) {
-  getcontext(&c.uc);
-  c.uc.uc_stack.ss_sp = stack;
-  c.uc.uc_stack.ss_size = size;
-  c.uc.uc_link = nullptr;
-  makecontext(&c.uc, entry, 0);
-}
-void ctx_switch(Context& from, Context& to) { swapcontext(&from.uc, &to.uc); }
-#endif
-
-// Fiber stacks outlive launches (their pages are touched once, not per launch).
-std::mutex g_stack_mu;
-std::vector<std::pair<size_t, unsigned char*>> g_stack_pool;
-unsigned char* take_stacks(size_t bytes) {
-  {
-    std::lock_guard<std::mutex> lock(g_stack_mu);
-    for (auto it = g_stack_pool.begin(); it != g_stack_pool.end(); ++it)
-      if (it->first == bytes) {
-        unsigned char* p = it->second;
-        g_stack_pool.erase(it);
-        return p;
-      }
-  }
-  void* p = mmap(nullptr, bytes, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE, -1, 0);
-  return p == MAP_FAILED ? nullptr : static_cast<unsigned char*>(p);
-}
-void give_stacks(size_t bytes, unsigned char* p) {
-  std::lock_guard<std::mutex> lock(g_stack_mu);
-  g_stack_pool.push_back({bytes, p});
-}
-
-struct Fiber {
-  Context ctx;
-  dim3 idx;
-  int tid = 0, warp = 0, lane = 0;
-  St st = St::Run;
-  const void* pc = nullptr;  // where it waits
-  std::vector<Copy> open;
-  std::vector<std::vector<Copy>> groups;
-  uint32_t u[6] = {};  // warp-operation operands and results
-  float f[4] = {};
-  uint32_t ou[4] = {};
-  float of[4] = {};
-};
-
-struct Warp {
-  int arrived = 0, live = 0, first = 0, lanes = 0;
-  Op op = Op::None;
-  const void* pc = nullptr;
-  int32_t epoch = 0;  // __syncwarp generation (race rule within a warp)
-};
-
-struct Finding {
-  std::string kind, kernel, detail;
-  dim3 block;
-  int thread;
-  std::vector<uintptr_t> pcs;  // offsets into this library
-};
-
-struct Region {
-  std::string name;
-  uintptr_t base, end;      // the tensor's storage: any access inside it is checked
-  uintptr_t origin;         // its first element
-  int elem;
-  int ndim;
-  long long shape[8], stride[8];  // sorted by stride, largest first, in elements
-  bool nested;                    // strides nest, so an offset decomposes into one index per dim
-};
-
-struct Launch {
-  emu_entry_t entry;
-  void** args;
-  const char* kernel;
-  dim3 grid, block;
-  size_t smem;
-  int threads;
-  std::atomic<long> next{0};
-  std::atomic<bool> failed{false};
-};
-
-#if EMU_SANITIZE
-struct Shadow {
-  int32_t wB, wW, rB, rW;
-  int16_t wT, rT, rWarp;
-  uint8_t st;  // 0 never written, 1 cp.async in flight, 2 written
-};
-constexpr int16_t kMany = -2;
-#endif
-
-struct Worker {
-  Context sched;
-  Launch* launch = nullptr;
-  std::vector<Fiber> fibers;
-  std::vector<Warp> warps;
-  unsigned char* stacks = nullptr;
-  Fiber* cur = nullptr;
-  dim3 block;
-  int live = 0, bar_arrived = 0;
-  int32_t bar_epoch = 0;
-  const void* bar_pc = nullptr;
-  bool abandon = false;
-  unsigned char* window = nullptr;
-#if EMU_SANITIZE
-  std::vector<Shadow> shadow;
-#endif
-};
-
-thread_local Worker* tw = nullptr;
-
-std::mutex g_mu;  // findings and regions
-std::vector<Finding> g_findings;
-std::set<std::pair<std::string, uintptr_t>> g_seen;
-long g_finding_total = 0;
-std::vector<Region> g_regions;
-uintptr_t g_lib_base = 0;
-
-uintptr_t lib_base() {
-  if (!g_lib_base) {
-    Dl_info info;
-    if (dladdr(reinterpret_cast<void*>(&lib_base), &info)) g_lib_base = reinterpret_cast<uintptr_t>(info.dli_fbase);
-  }
-  return g_lib_base;
-}
-
-// Records a finding once per (kind, place); `pc` is the kernel's code address that made it. Without
-// EMU_SANITIZE every finding is an error that fails the launch.
-void report(const char* kind, const void* pc, std::string detail) {
-  Worker* w = tw;
-  void* frames[24];
-  const int n = backtrace(frames, 24);
-  std::lock_guard<std::mutex> lock(g_mu);
-  ++g_finding_total;
-  if (w) w->launch->failed.store(true);
-  if (!g_seen.insert({kind, reinterpret_cast<uintptr_t>(pc)}).second || int(g_findings.size()) >= kMaxFindings) return;
-  Finding f;
-  f.kind = kind;
-  f.kernel = w ? w->launch->kernel : "";
-  f.detail = std::move(detail);
-  f.block = w ? w->block : dim3{};
-  f.thread = w && w->cur ? w->cur->tid : -1;
-  const uintptr_t base = lib_base();
-  f.pcs.push_back(reinterpret_cast<uintptr_t>(pc) - base - 1);  // the call, not the return address
-  for (int i = 0; i < n; ++i) f.pcs.push_back(reinterpret_cast<uintptr_t>(frames[i]) - base - 1);
-  g_findings.push_back(std::move(f));
-}
-
-std::string fmt(const char* f, ...) __attribute__((format(printf, 1, 2)));
-std::string fmt(const char* f, ...) {
-  char buf[512];
-  va_list ap;
-  va_start(ap, f);
-  std::vsnprintf(buf, sizeof buf, f, ap);
-  va_end(ap);
-  return buf;
-}
-
-// Back to the scheduler; a fiber of a block that was given up (w.abandon) is never resumed.
-void yield(Worker& w, Fiber& f) { ctx_switch(f.ctx, w.sched); }
-
-// ------------------------------------------------------------------ sanitizer checks
-#if EMU_SANITIZE
-bool regions_active = false;
-
-// Where in the tensor (one index per dim, largest stride first) an element offset falls.
-std::string coords(const Region& r, long long elem) {
-  std::string s = "(";
-  for (int d = 0; d < r.ndim; ++d) {
-    const long long i = elem / r.stride[d];
-    elem %= r.stride[d];
-    s += fmt("%s%lld", d ? ", " : "", i);
-  }
-  s += ") of shape (";
-  for (int d = 0; d < r.ndim; ++d) s += fmt("%s%lld", d ? ", " : "", r.shape[d]);
-  return s + ")";
-}
-
-bool is_element(const Region& r, long long elem) {
-  if (!r.nested) return true;
-  for (int d = 0; d < r.ndim; ++d) {
-    if (elem / r.stride[d] >= r.shape[d]) return false;
-    elem %= r.stride[d];
-  }
-  return elem == 0;
-}
-
-void global_access(const void* addr, size_t size, bool write, const void* pc) {
-  const uintptr_t a = reinterpret_cast<uintptr_t>(addr);
-  const Region* hit = nullptr;
-  for (const Region& r : g_regions)
-    if (a < r.end && a + size > r.base) { hit = &r; break; }
-  if (!hit) return;  // not a tensor of this launch (the stack, the emulator's own data)
-  const Region& r = *hit;
-  if (a % size) {
-    report("misaligned", pc, fmt("%zu-byte global %s of %s at byte offset %lld (not a multiple of %zu)", size,
-                                 write ? "write" : "read", r.name.c_str(), (long long)(a - r.origin), size));
-    return;
-  }
-  for (uintptr_t p = a; p < a + size; p += r.elem) {
-    const long long off = (long long)p - (long long)r.origin;
-    if (p < r.origin || p >= r.end || off % r.elem || !is_element(r, off / r.elem)) {
-      report("out-of-bounds", pc, fmt("global %s of %s at element %s: not an element of the tensor",
-                                      write ? "write" : "read", r.name.c_str(),
-                                      coords(r, off / r.elem).c_str()));
-      return;
-    }
-  }
-}
-
-bool ordered_in_warp(const Worker& w, int other_tid, int32_t other_wepoch, const Fiber& f) {
-  return other_tid >= 0 && other_tid / 32 == f.warp && other_wepoch < w.warps[f.warp].epoch;
-}
-
-// A shared-memory access of `size` bytes at window offset `off` by the running thread.
-void shared_access(size_t off, size_t size, bool write, const void* pc, const char* what) {
-  Worker& w = *tw;
-  Fiber& f = *w.cur;
-  if (off + size > w.launch->smem) {
-    report("out-of-bounds", pc, fmt("%s of %zu bytes at shared offset %zu: past the block's %zu bytes of shared memory",
-                                    what, size, off, w.launch->smem));
-    return;
-  }
-  if (off % size) {
-    report("misaligned", pc, fmt("%s of %zu bytes at shared offset %zu (not a multiple of %zu)", what, size, off, size));
-    return;
-  }
-  const int32_t B = w.bar_epoch, W = w.warps[f.warp].epoch;
-  const int16_t T = int16_t(f.tid);
-  for (size_t i = off; i < off + size; ++i) {
-    Shadow& s = w.shadow[i];
-    const bool raced_write = s.wT >= 0 && s.wT != T && s.wB == B && !ordered_in_warp(w, s.wT, s.wW, f);
-    if (!write) {
-      if (s.st != 2) {
-        report("uninitialized", pc, fmt("%s reads shared offset %zu %s", what, i,
-                                        s.st == 0 ? "before any write in this block" : "before its cp.async landed (no cp.async.wait_group yet)"));
-        return;
-      }
-      if (raced_write) {
-        report("race", pc, fmt("%s reads shared offset %zu that thread %d wrote with no __syncthreads between", what, i, s.wT));
-        return;
-      }
-      if (s.rB != B) { s.rB = B; s.rT = T; s.rWarp = int16_t(f.warp); s.rW = W; }
-      else {
-        if (s.rT != T) s.rT = kMany;
-        if (s.rWarp != f.warp) s.rWarp = -1;
-        s.rW = std::max(s.rW, W);
-      }
-    } else {
-      if (raced_write) {
-        report("race", pc, fmt("%s writes shared offset %zu that thread %d wrote with no __syncthreads between", what, i, s.wT));
-        return;
-      }
-      if (s.rB == B && s.rT != T && !(s.rWarp == f.warp && s.rW < W)) {
-        report("race", pc, fmt("%s writes shared offset %zu that %s read with no __syncthreads between", what, i,
-                               s.rT == kMany ? "other threads" : fmt("thread %d", s.rT).c_str()));
-        return;
-      }
-      s.wT = T; s.wB = B; s.wW = W; s.rB = -1;
-      s.st = 2;
-    }
-  }
-}
-
-void mark_pending(size_t off) {  // a cp.async into [off, off + 16) is in flight
-  Worker& w = *tw;
-  for (size_t i = off; i < off + 16; ++i) w.shadow[i].st = 1;
-}
-void mark_landed(size_t off, const Fiber& f) {
-  Worker& w = *tw;
-  for (size_t i = off; i < off + 16; ++i) {
-    Shadow& s = w.shadow[i];
-    s.st = 2; s.wT = int16_t(f.tid); s.wB = w.bar_epoch; s.wW = w.warps[f.warp].epoch; s.rB = -1;
-  }
-}
-
-void any_access(const void* addr, size_t size, bool write, const void* pc) {
-  Worker* w = tw;
-  if (!w || !w->cur) return;
-  const uintptr_t a = reinterpret_cast<uintptr_t>(addr), win = reinterpret_cast<uintptr_t>(w->window);
-  if (a >= win && a < win + kWindow) shared_access(a - win, size, write, pc, write ? "store" : "load");
-  else if (regions_active) global_access(addr, size, write, pc);
-}
-#endif
 
 // Shared window offset of a pointer into this block's shared memory.
 size_t window_offset(const void* p, size_t size, const void* pc, const char* what) {
@@ -758,25 +412,6 @@ uint32_t cvta_shared(const void* p) {
 
 }  // namespace emu
 
-// ------------------------------------------------------------------ ThreadSanitizer's hooks
-#if EMU_SANITIZE
-#define EMU_TSAN_ACCESS(N)                                                                                       \
-  EMU_EXPORT void __tsan_read##N(void* a) { emu::any_access(a, N, false, __builtin_return_address(0)); }       \
-  EMU_EXPORT void __tsan_write##N(void* a) { emu::any_access(a, N, true, __builtin_return_address(0)); }       \
-  EMU_EXPORT void __tsan_unaligned_read##N(void* a) { emu::any_access(a, N, false, __builtin_return_address(0)); } \
-  EMU_EXPORT void __tsan_unaligned_write##N(void* a) { emu::any_access(a, N, true, __builtin_return_address(0)); }
-EMU_TSAN_ACCESS(1)
-EMU_TSAN_ACCESS(2)
-EMU_TSAN_ACCESS(4)
-EMU_TSAN_ACCESS(8)
-EMU_TSAN_ACCESS(16)
-EMU_EXPORT void __tsan_read_range(void*, unsigned long) {}
-EMU_EXPORT void __tsan_write_range(void*, unsigned long) {}
-EMU_EXPORT void __tsan_func_entry(void*) {}
-EMU_EXPORT void __tsan_func_exit() {}
-EMU_EXPORT void __tsan_init() {}
-#endif
-
 // ------------------------------------------------------------------ the library's C interface
 // Runs `entry` over the grid; returns the number of findings (sanitizing) or 0 / 1 (ok / failed).
 EMU_EXPORT int emu_launch(emu_entry_t entry, const char* kernel, unsigned gx, unsigned gy, unsigned gz, unsigned bx,
@@ -805,8 +440,6 @@ EMU_EXPORT int emu_launch(emu_entry_t entry, const char* kernel, unsigned gx, un
   }
   return L.failed.load() ? 1 : 0;
 }
-
-EMU_EXPORT int emu_sanitizing() { return EMU_SANITIZE; }
 
 // Registers a tensor of this launch for the out-of-bounds check: its elements are exactly
 // origin + sum(i_d * stride_d) * elem for 0 <= i_d < shape_d; every other byte of its storage
@@ -852,7 +485,6 @@ EMU_EXPORT void emu_clear_regions() {
 #endif
 }
 
-EMU_EXPORT long emu_finding_total() { return emu::g_finding_total; }
 EMU_EXPORT int emu_finding_count() { return int(emu::g_findings.size()); }
 
 // Finding i as one line: kind \t kernel \t block x,y,z \t thread \t detail \t pc offsets (hex, comma-separated).
@@ -872,5 +504,4 @@ EMU_EXPORT void emu_clear_findings() {
   std::lock_guard<std::mutex> lock(emu::g_mu);
   emu::g_findings.clear();
   emu::g_seen.clear();
-  emu::g_finding_total = 0;
 }

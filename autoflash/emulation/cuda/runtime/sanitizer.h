@@ -1,0 +1,153 @@
+// The sanitizer's checks (included once, by runtime.cpp, built with EMU_SANITIZE=1): shadow state per
+// byte of shared memory for races and uninitialized reads, element checks of registered tensors for
+// out-of-bounds global accesses, alignment, and the ThreadSanitizer hooks the instrumented kernel calls
+// for every plain load and store.
+#pragma once
+#include <algorithm>
+
+#include "runtime/state.h"
+
+#if EMU_SANITIZE
+namespace emu {
+namespace {
+
+bool regions_active = false;
+
+// Where in the tensor (one index per dim, largest stride first) an element offset falls.
+std::string coords(const Region& r, long long elem) {
+  std::string s = "(";
+  for (int d = 0; d < r.ndim; ++d) {
+    const long long i = elem / r.stride[d];
+    elem %= r.stride[d];
+    s += fmt("%s%lld", d ? ", " : "", i);
+  }
+  s += ") of shape (";
+  for (int d = 0; d < r.ndim; ++d) s += fmt("%s%lld", d ? ", " : "", r.shape[d]);
+  return s + ")";
+}
+
+bool is_element(const Region& r, long long elem) {
+  if (!r.nested) return true;
+  for (int d = 0; d < r.ndim; ++d) {
+    if (elem / r.stride[d] >= r.shape[d]) return false;
+    elem %= r.stride[d];
+  }
+  return elem == 0;
+}
+
+void global_access(const void* addr, size_t size, bool write, const void* pc) {
+  const uintptr_t a = reinterpret_cast<uintptr_t>(addr);
+  const Region* hit = nullptr;
+  for (const Region& r : g_regions)
+    if (a < r.end && a + size > r.base) { hit = &r; break; }
+  if (!hit) return;  // not a tensor of this launch (the stack, the emulator's own data)
+  const Region& r = *hit;
+  if (a % size) {
+    report("misaligned", pc, fmt("%zu-byte global %s of %s at byte offset %lld (not a multiple of %zu)", size,
+                                 write ? "write" : "read", r.name.c_str(), (long long)(a - r.origin), size));
+    return;
+  }
+  for (uintptr_t p = a; p < a + size; p += r.elem) {
+    const long long off = (long long)p - (long long)r.origin;
+    if (p < r.origin || p >= r.end || off % r.elem || !is_element(r, off / r.elem)) {
+      report("out-of-bounds", pc, fmt("global %s of %s at element %s: not an element of the tensor",
+                                      write ? "write" : "read", r.name.c_str(),
+                                      coords(r, off / r.elem).c_str()));
+      return;
+    }
+  }
+}
+
+bool ordered_in_warp(const Worker& w, int other_tid, int32_t other_wepoch, const Fiber& f) {
+  return other_tid >= 0 && other_tid / 32 == f.warp && other_wepoch < w.warps[f.warp].epoch;
+}
+
+// A shared-memory access of `size` bytes at window offset `off` by the running thread.
+void shared_access(size_t off, size_t size, bool write, const void* pc, const char* what) {
+  Worker& w = *tw;
+  Fiber& f = *w.cur;
+  if (off + size > w.launch->smem) {
+    report("out-of-bounds", pc, fmt("%s of %zu bytes at shared offset %zu: past the block's %zu bytes of shared memory",
+                                    what, size, off, w.launch->smem));
+    return;
+  }
+  if (off % size) {
+    report("misaligned", pc, fmt("%s of %zu bytes at shared offset %zu (not a multiple of %zu)", what, size, off, size));
+    return;
+  }
+  const int32_t B = w.bar_epoch, W = w.warps[f.warp].epoch;
+  const int16_t T = int16_t(f.tid);
+  for (size_t i = off; i < off + size; ++i) {
+    Shadow& s = w.shadow[i];
+    const bool raced_write = s.wT >= 0 && s.wT != T && s.wB == B && !ordered_in_warp(w, s.wT, s.wW, f);
+    if (!write) {
+      if (s.st != 2) {
+        report("uninitialized", pc, fmt("%s reads shared offset %zu %s", what, i,
+                                        s.st == 0 ? "before any write in this block" : "before its cp.async landed (no cp.async.wait_group yet)"));
+        return;
+      }
+      if (raced_write) {
+        report("race", pc, fmt("%s reads shared offset %zu that thread %d wrote with no __syncthreads between", what, i, s.wT));
+        return;
+      }
+      if (s.rB != B) { s.rB = B; s.rT = T; s.rWarp = int16_t(f.warp); s.rW = W; }
+      else {
+        if (s.rT != T) s.rT = kMany;
+        if (s.rWarp != f.warp) s.rWarp = -1;
+        s.rW = std::max(s.rW, W);
+      }
+    } else {
+      if (raced_write) {
+        report("race", pc, fmt("%s writes shared offset %zu that thread %d wrote with no __syncthreads between", what, i, s.wT));
+        return;
+      }
+      if (s.rB == B && s.rT != T && !(s.rWarp == f.warp && s.rW < W)) {
+        report("race", pc, fmt("%s writes shared offset %zu that %s read with no __syncthreads between", what, i,
+                               s.rT == kMany ? "other threads" : fmt("thread %d", s.rT).c_str()));
+        return;
+      }
+      s.wT = T; s.wB = B; s.wW = W; s.rB = -1;
+      s.st = 2;
+    }
+  }
+}
+
+void mark_pending(size_t off) {  // a cp.async into [off, off + 16) is in flight
+  Worker& w = *tw;
+  for (size_t i = off; i < off + 16; ++i) w.shadow[i].st = 1;
+}
+void mark_landed(size_t off, const Fiber& f) {
+  Worker& w = *tw;
+  for (size_t i = off; i < off + 16; ++i) {
+    Shadow& s = w.shadow[i];
+    s.st = 2; s.wT = int16_t(f.tid); s.wB = w.bar_epoch; s.wW = w.warps[f.warp].epoch; s.rB = -1;
+  }
+}
+
+void any_access(const void* addr, size_t size, bool write, const void* pc) {
+  Worker* w = tw;
+  if (!w || !w->cur) return;
+  const uintptr_t a = reinterpret_cast<uintptr_t>(addr), win = reinterpret_cast<uintptr_t>(w->window);
+  if (a >= win && a < win + kWindow) shared_access(a - win, size, write, pc, write ? "store" : "load");
+  else if (regions_active) global_access(addr, size, write, pc);
+}
+
+}  // namespace
+}  // namespace emu
+
+#define EMU_TSAN_ACCESS(N)                                                                                       \
+  EMU_EXPORT void __tsan_read##N(void* a) { emu::any_access(a, N, false, __builtin_return_address(0)); }       \
+  EMU_EXPORT void __tsan_write##N(void* a) { emu::any_access(a, N, true, __builtin_return_address(0)); }       \
+  EMU_EXPORT void __tsan_unaligned_read##N(void* a) { emu::any_access(a, N, false, __builtin_return_address(0)); } \
+  EMU_EXPORT void __tsan_unaligned_write##N(void* a) { emu::any_access(a, N, true, __builtin_return_address(0)); }
+EMU_TSAN_ACCESS(1)
+EMU_TSAN_ACCESS(2)
+EMU_TSAN_ACCESS(4)
+EMU_TSAN_ACCESS(8)
+EMU_TSAN_ACCESS(16)
+EMU_EXPORT void __tsan_read_range(void*, unsigned long) {}
+EMU_EXPORT void __tsan_write_range(void*, unsigned long) {}
+EMU_EXPORT void __tsan_func_entry(void*) {}
+EMU_EXPORT void __tsan_func_exit() {}
+EMU_EXPORT void __tsan_init() {}
+#endif

@@ -1,0 +1,165 @@
+// The runtime's state (included once, by runtime.cpp): fibers, warps, the running launch and block,
+// and the findings every check reports into.
+#pragma once
+#include <dlfcn.h>
+#include <execinfo.h>
+
+#include <atomic>
+#include <cstdarg>
+#include <cstdio>
+#include <mutex>
+#include <set>
+#include <string>
+#include <vector>
+
+#include "runtime/fiber.h"
+
+namespace emu {
+namespace {
+
+constexpr size_t kStack = 256 * 1024;
+constexpr int kMaxFindings = 200;
+
+enum class St : uint8_t { Run, Bar, Warp, Done };
+enum class Op : uint8_t { None, Shfl, Ldmatrix, LdmatrixT, MmaF16, MmaBF16, Syncwarp };
+const char* op_name(Op op) {
+  switch (op) {
+    case Op::Shfl: return "__shfl_xor_sync";
+    case Op::Ldmatrix: return "ldmatrix";
+    case Op::LdmatrixT: return "ldmatrix.trans";
+    case Op::MmaF16: case Op::MmaBF16: return "mma.sync";
+    case Op::Syncwarp: return "__syncwarp";
+    default: return "?";
+  }
+}
+
+struct Copy { unsigned char* dst; const unsigned char* src; bool valid; };
+
+struct Fiber {
+  Context ctx;
+  dim3 idx;
+  int tid = 0, warp = 0, lane = 0;
+  St st = St::Run;
+  const void* pc = nullptr;  // where it waits
+  std::vector<Copy> open;
+  std::vector<std::vector<Copy>> groups;
+  uint32_t u[6] = {};  // warp-operation operands and results
+  float f[4] = {};
+  uint32_t ou[4] = {};
+  float of[4] = {};
+};
+
+struct Warp {
+  int arrived = 0, live = 0, first = 0, lanes = 0;
+  Op op = Op::None;
+  const void* pc = nullptr;
+  int32_t epoch = 0;  // __syncwarp generation (race rule within a warp)
+};
+
+struct Finding {
+  std::string kind, kernel, detail;
+  dim3 block;
+  int thread;
+  std::vector<uintptr_t> pcs;  // offsets into this library
+};
+
+struct Region {
+  std::string name;
+  uintptr_t base, end;      // the tensor's storage: any access inside it is checked
+  uintptr_t origin;         // its first element
+  int elem;
+  int ndim;
+  long long shape[8], stride[8];  // sorted by stride, largest first, in elements
+  bool nested;                    // strides nest, so an offset decomposes into one index per dim
+};
+
+struct Launch {
+  emu_entry_t entry;
+  void** args;
+  const char* kernel;
+  dim3 grid, block;
+  size_t smem;
+  int threads;
+  std::atomic<long> next{0};
+  std::atomic<bool> failed{false};
+};
+
+#if EMU_SANITIZE
+struct Shadow {
+  int32_t wB, wW, rB, rW;
+  int16_t wT, rT, rWarp;
+  uint8_t st;  // 0 never written, 1 cp.async in flight, 2 written
+};
+constexpr int16_t kMany = -2;
+#endif
+
+struct Worker {
+  Context sched;
+  Launch* launch = nullptr;
+  std::vector<Fiber> fibers;
+  std::vector<Warp> warps;
+  unsigned char* stacks = nullptr;
+  Fiber* cur = nullptr;
+  dim3 block;
+  int live = 0, bar_arrived = 0;
+  int32_t bar_epoch = 0;
+  const void* bar_pc = nullptr;
+  bool abandon = false;
+  unsigned char* window = nullptr;
+#if EMU_SANITIZE
+  std::vector<Shadow> shadow;
+#endif
+};
+
+thread_local Worker* tw = nullptr;
+
+std::mutex g_mu;  // findings and regions
+std::vector<Finding> g_findings;
+std::set<std::pair<std::string, uintptr_t>> g_seen;
+std::vector<Region> g_regions;
+uintptr_t g_lib_base = 0;
+
+uintptr_t lib_base() {
+  if (!g_lib_base) {
+    Dl_info info;
+    if (dladdr(reinterpret_cast<void*>(&lib_base), &info)) g_lib_base = reinterpret_cast<uintptr_t>(info.dli_fbase);
+  }
+  return g_lib_base;
+}
+
+// Records a finding once per (kind, place); `pc` is the kernel's code address that made it. Without
+// EMU_SANITIZE every finding is an error that fails the launch.
+void report(const char* kind, const void* pc, std::string detail) {
+  Worker* w = tw;
+  void* frames[24];
+  const int n = backtrace(frames, 24);
+  std::lock_guard<std::mutex> lock(g_mu);
+  if (w) w->launch->failed.store(true);
+  if (!g_seen.insert({kind, reinterpret_cast<uintptr_t>(pc)}).second || int(g_findings.size()) >= kMaxFindings) return;
+  Finding f;
+  f.kind = kind;
+  f.kernel = w ? w->launch->kernel : "";
+  f.detail = std::move(detail);
+  f.block = w ? w->block : dim3{};
+  f.thread = w && w->cur ? w->cur->tid : -1;
+  const uintptr_t base = lib_base();
+  f.pcs.push_back(reinterpret_cast<uintptr_t>(pc) - base - 1);  // the call, not the return address
+  for (int i = 0; i < n; ++i) f.pcs.push_back(reinterpret_cast<uintptr_t>(frames[i]) - base - 1);
+  g_findings.push_back(std::move(f));
+}
+
+std::string fmt(const char* f, ...) __attribute__((format(printf, 1, 2)));
+std::string fmt(const char* f, ...) {
+  char buf[512];
+  va_list ap;
+  va_start(ap, f);
+  std::vsnprintf(buf, sizeof buf, f, ap);
+  va_end(ap);
+  return buf;
+}
+
+// Back to the scheduler; a fiber of a block that was given up (w.abandon) is never resumed.
+void yield(Worker& w, Fiber& f) { ctx_switch(f.ctx, w.sched); }
+
+}  // namespace
+}  // namespace emu
