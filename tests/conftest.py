@@ -55,9 +55,11 @@ def pytest_collection_modifyitems(config, items):
     rng = random.Random(_SEED)
     groups: dict[tuple, list] = {}
     for item in items:
-        if "sweep" in item.keywords and getattr(item, "callspec", None) and item.callspec.params.get("target") == "emulated":
+        callspec = getattr(item, "callspec", None)
+        if "sweep" in item.keywords and callspec and callspec.params.get("target") == "emulated":
             groups.setdefault(_sweep_key(item), []).append(item)
-    skip = pytest.mark.skip(reason=f"not in this run's sample of the emulated sweep (seed {_SEED}; AUTOFLASH_SWEEP=full)")
+    skip = pytest.mark.skip(reason=f"not in this run's sample of the emulated sweep (seed {_SEED}; "
+                                   "AUTOFLASH_SWEEP=full)")
     for key in sorted(groups, key=str):
         members = groups[key]
         keep = rng.randrange(len(members))
@@ -71,4 +73,5 @@ def pytest_terminal_summary(terminalreporter):
     terminalreporter.write_line(pytest_report_header(None))
     fuzz = __import__("sys").modules.get("test_emulated_fuzz")
     if fuzz is not None:
-        terminalreporter.write_line(f"autoflash emulated fuzz: seed {fuzz.SEED} (AUTOFLASH_FUZZ_SEED={fuzz.SEED} replays it)")
+        terminalreporter.write_line(f"autoflash emulated fuzz: seed {fuzz.SEED} "
+                                    f"(AUTOFLASH_FUZZ_SEED={fuzz.SEED} replays it)")

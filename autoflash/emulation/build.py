@@ -125,7 +125,8 @@ def build_library(source: str, name: str, entries: tuple[str, ...], sanitize: bo
     flags = _mode_flags(sanitize)
     text = source + '\n#line 1 "autoflash-emulator-entries"\n#include "register.h"\n' + "".join(
         f"EMU_KERNEL({e})\n" for e in entries)
-    key = hashlib.sha256("\0".join([text, version, headers_hash(), template_hash(), *flags, *LINK_FLAGS]).encode()).hexdigest()[:20]
+    parts = [text, version, headers_hash(), template_hash(), *flags, *LINK_FLAGS]
+    key = hashlib.sha256("\0".join(parts).encode()).hexdigest()[:20]
     mode = "sanitize" if sanitize else "plain"
     target = emu_cache_dir() / f"{name}-{mode}-{key}.so"
     if target.exists():

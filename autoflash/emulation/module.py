@@ -14,9 +14,9 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from autoflash.emulation.build import EmulationError, build_library
 from autoflash.kernels.codegen import render
 from autoflash.kernels.config import KernelConfig
-from autoflash.emulation.build import EmulationError, build_library
 
 
 @dataclasses.dataclass(frozen=True)
@@ -54,8 +54,11 @@ def symbolize(library: Path, offsets: list[int]) -> list[list[str]]:
     """For each code offset in `library`, its inline call chain innermost first ("file:line function")."""
     if not offsets:
         return []
-    r = subprocess.run(["addr2line", "-a", "-f", "-i", "-C", "-e", str(library), *(hex(o) for o in offsets)],
-                       capture_output=True, text=True)
+    try:
+        r = subprocess.run(["addr2line", "-a", "-f", "-i", "-C", "-e", str(library), *(hex(o) for o in offsets)],
+                           capture_output=True, text=True)
+    except FileNotFoundError:  # binutils missing: findings keep their kind and detail, without lines
+        return [[] for _ in offsets]
     chains: list[list[str]] = []
     lines = r.stdout.splitlines()
     i = 0
@@ -74,6 +77,8 @@ def symbolize(library: Path, offsets: list[int]) -> list[list[str]]:
 
 
 class EmulatedFunction:
+    """One kernel of a library, called like a cupy RawKernel (synchronously; no stream)."""
+
     def __init__(self, module: "EmulatedModule", name: str):
         self.module, self.name = module, name
         self._entry = ctypes.cast(getattr(module.lib, f"emu_entry_{name}"), ctypes.c_void_p)
@@ -89,8 +94,9 @@ class EmulatedFunction:
                     shape = (ctypes.c_longlong * a.dim())(*a.shape)
                     stride = (ctypes.c_longlong * a.dim())(*a.stride())
                     storage = a.untyped_storage()
-                    lib.emu_add_region(name.encode(), ctypes.c_void_p(a.data_ptr()), ctypes.c_void_p(storage.data_ptr()),
-                                       storage.nbytes(), a.element_size(), a.dim(), shape, stride)
+                    lib.emu_add_region(name.encode(), ctypes.c_void_p(a.data_ptr()),
+                                       ctypes.c_void_p(storage.data_ptr()), storage.nbytes(), a.element_size(),
+                                       a.dim(), shape, stride)
             else:
                 buf = ctypes.create_string_buffer(np.asarray(a).tobytes())
             keep.append(buf)
@@ -118,8 +124,7 @@ class EmulatedModule:
         lib.emu_launch.argtypes = [ctypes.c_void_p, ctypes.c_char_p, *[ctypes.c_uint] * 6, ctypes.c_ulong,
                                    ctypes.POINTER(ctypes.c_void_p), ctypes.c_int]
         lib.emu_add_region.argtypes = [ctypes.c_char_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_ulong, ctypes.c_int,
-                                       ctypes.c_int,
-                                       ctypes.POINTER(ctypes.c_longlong), ctypes.POINTER(ctypes.c_longlong)]
+                                       ctypes.c_int, ctypes.POINTER(ctypes.c_longlong), ctypes.POINTER(ctypes.c_longlong)]
         lib.emu_finding.argtypes = [ctypes.c_int, ctypes.c_char_p, ctypes.c_int]
 
     def get_function(self, name: str) -> EmulatedFunction:
@@ -156,12 +161,16 @@ class EmulatedModule:
 _MODULES: dict[tuple[KernelConfig, bool], EmulatedModule] = {}
 
 
+def _symbols(config: KernelConfig) -> tuple[str, ...]:
+    """The kernels a config's source defines (the backward adds its delta kernel)."""
+    return (config.name,) + ((f"{config.name}_delta",) if config.direction == "bwd" else ())
+
+
 def load_module(config: KernelConfig, sanitize: bool) -> EmulatedModule:
     """The library of a config's kernels, built (disk-cached) and loaded once per process."""
     key = (config, sanitize)
     if key not in _MODULES:
-        entries = (config.name,) + ((f"{config.name}_delta",) if config.direction == "bwd" else ())
-        _MODULES[key] = EmulatedModule(build_library(render(config), config.name, entries, sanitize), sanitize)
+        _MODULES[key] = EmulatedModule(build_library(render(config), config.name, _symbols(config), sanitize), sanitize)
     return _MODULES[key]
 
 
@@ -169,7 +178,7 @@ def load_module(config: KernelConfig, sanitize: bool) -> EmulatedModule:
 def load_functions(config: KernelConfig, sanitize: bool = False) -> dict:
     """{symbol: EmulatedFunction} of a config's kernels (the emulator's load_functions)."""
     module = load_module(config, sanitize)
-    return {n: module.get_function(n) for n in (config.name, f"{config.name}_delta") if hasattr(module.lib, f"emu_entry_{n}")}
+    return {name: module.get_function(name) for name in _symbols(config)}
 
 
 def loaded_modules() -> list[tuple[tuple[KernelConfig, bool], EmulatedModule]]:

@@ -37,7 +37,7 @@ class FlashAttentionFunction(torch.autograd.Function):
 def flash_attn(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool = False,
                scale: float | None = None, deterministic: bool = False, config: KernelConfig | None = None,
                backward_config: KernelConfig | None = None) -> torch.Tensor:
-    """Differentiable attention on CUDA tensors: q (batch, heads_q, seqlen_q, head_dim), k and v
+    """Differentiable attention on CUDA tensors (or CPU tensors inside autoflash.emulate()): q (batch, heads_q, seqlen_q, head_dim), k and v
     (batch, heads_kv, seqlen_k, head_dim), heads_kv dividing heads_q. Returns out like q.
 
     `causal` is top-left aligned (SDPA's is_causal); scale defaults to 1/sqrt(head_dim);

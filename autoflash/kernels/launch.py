@@ -1,5 +1,6 @@
 """Runs generated kernels on torch tensors: checks every input before anything reaches the GPU, loads
-cubins through CuPy and launches on torch's current stream into torch-allocated outputs."""
+cubins through CuPy and launches on torch's current stream into torch-allocated outputs; CPU tensors
+inside autoflash.emulate() take the same path to the host emulator."""
 from __future__ import annotations
 
 import functools
@@ -100,7 +101,8 @@ def _strides(t: torch.Tensor) -> list:
 
 def flash_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool = False,
                   scale: float | None = None, config: KernelConfig | None = None):
-    """FlashAttention forward on CUDA tensors.
+    """FlashAttention forward on CUDA tensors (CPU tensors inside autoflash.emulate(): the emulated GPU's
+    kernel on the host emulator).
 
     q: (batch, heads_q, seqlen_q, head_dim); k, v: (batch, heads_kv, seqlen_k, head_dim) with
     heads_kv dividing heads_q (GQA/MQA). Any strides on the first three dims (multiples of 16 bytes),
