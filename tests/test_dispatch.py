@@ -353,3 +353,26 @@ def test_compile_with_dynamic_shapes_needs_no_recompile(kernel_path):
         ref = F.scaled_dot_product_attention(q.float(), k.float(), v.float(), is_causal=True, enable_gqa=True)
         torch.testing.assert_close(fn(q, k, v).float(), ref, atol=2e-2, rtol=2e-2)
     assert len(graphs) == 1
+
+
+def test_emulated_calls_run_the_user_tuned_config(tuned_folder, monkeypatch):
+    """Inside autoflash.emulate("h100") selection is the H100's, table first: a tuned winner in the
+    user's table is the kernel that runs (and gives SDPA's result within bf16 noise)."""
+    from autoflash.emulation import module
+
+    q, k, v = _qkv((1, 4, 70, 64), (1, 2, 90, 64), torch.bfloat16)
+    winner = KernelConfig(head_dim=64, dtype="bf16", block_m=32, block_n=48, num_warps=2, num_stages=3, causal=True)
+    key = ProblemKey("h100", "fwd", "bf16", 64, True, "le1k")
+    entry = Entry(key=key, winner=Result.of(winner, 1.0, 100.0), default=None, sdpa_flash_ms=None, runner_ups=(),
+                  shapes=((4, 16, 512, 64),), evaluated=1, failed=0, trials=1, date="2026-11-23T00:00:00+00:00")
+    merge_into(table_path(tuned_folder, "h100"), Table("h100", template_hash(), {"backend": "cuda"}, {}).with_entries(entry))
+    selection.clear_cache()
+    ran = []
+    real = module.load_functions
+    monkeypatch.setattr(module, "load_functions", lambda cfg, sanitize=False: ran.append(cfg) or real(cfg, sanitize))
+    with autoflash.emulate("h100"):
+        out = autoflash.attention(q, k, v, is_causal=True, enable_gqa=True, strict=True)
+        assert autoflash.explain(q, k, v, is_causal=True, enable_gqa=True).forward.config == winner
+    assert ran == [winner]
+    ref = F.scaled_dot_product_attention(q.float(), k.float(), v.float(), is_causal=True, enable_gqa=True)
+    torch.testing.assert_close(out.float(), ref, atol=2e-2, rtol=2e-2)
