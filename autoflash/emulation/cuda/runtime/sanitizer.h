@@ -4,6 +4,7 @@
 // for every plain load and store.
 #pragma once
 #include <algorithm>
+#include <cstring>
 
 #include "runtime/state.h"
 
@@ -132,6 +133,12 @@ void any_access(const void* addr, size_t size, bool write, const void* pc) {
   else if (regions_active) global_access(addr, size, write, pc);
 }
 
+// A range (a struct copy, memcpy/memset that the compiler instruments as a whole): byte by byte, so
+// no alignment is implied; a finding is reported once per place anyway.
+void range_access(const void* addr, size_t n, bool write, const void* pc) {
+  for (size_t i = 0; i < n; ++i) any_access(static_cast<const unsigned char*>(addr) + i, 1, write, pc);
+}
+
 }  // namespace
 }  // namespace emu
 
@@ -145,8 +152,23 @@ EMU_TSAN_ACCESS(2)
 EMU_TSAN_ACCESS(4)
 EMU_TSAN_ACCESS(8)
 EMU_TSAN_ACCESS(16)
-EMU_EXPORT void __tsan_read_range(void*, unsigned long) {}
-EMU_EXPORT void __tsan_write_range(void*, unsigned long) {}
+EMU_EXPORT void __tsan_read_range(void* a, unsigned long n) { emu::range_access(a, n, false, __builtin_return_address(0)); }
+EMU_EXPORT void __tsan_write_range(void* a, unsigned long n) { emu::range_access(a, n, true, __builtin_return_address(0)); }
+// clang instruments memory intrinsics as calls (GCC leaves them to the TSan runtime's interceptors).
+EMU_EXPORT void* __tsan_memcpy(void* d, const void* s, unsigned long n) {
+  emu::range_access(s, n, false, __builtin_return_address(0));
+  emu::range_access(d, n, true, __builtin_return_address(0));
+  return std::memcpy(d, s, n);
+}
+EMU_EXPORT void* __tsan_memmove(void* d, const void* s, unsigned long n) {
+  emu::range_access(s, n, false, __builtin_return_address(0));
+  emu::range_access(d, n, true, __builtin_return_address(0));
+  return std::memmove(d, s, n);
+}
+EMU_EXPORT void* __tsan_memset(void* d, int c, unsigned long n) {
+  emu::range_access(d, n, true, __builtin_return_address(0));
+  return std::memset(d, c, n);
+}
 EMU_EXPORT void __tsan_func_entry(void*) {}
 EMU_EXPORT void __tsan_func_exit() {}
 EMU_EXPORT void __tsan_init() {}
