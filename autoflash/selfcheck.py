@@ -1,7 +1,8 @@
 """`python -m autoflash.selfcheck`: run the kernels once on one problem and hold the outputs (and,
 with --backward, the gradients) to FlashAttention's accuracy rule. On a CUDA GPU (small enough for
 compute-sanitizer), or on the CPU with --emulate GPU, where --sanitize also checks every memory
-access and barrier of the kernels (races, out-of-bounds, misaligned, uninitialized, barrier)."""
+access and barrier of the kernels (races, out-of-bounds, misaligned, uninitialized, barrier, and
+undefined behaviour such as signed overflow)."""
 from __future__ import annotations
 
 import argparse

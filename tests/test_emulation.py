@@ -172,33 +172,39 @@ def _template_line(template: str, text: str) -> int:
     return next(i for i, line in enumerate(lines, 1) if text in line)
 
 
-# (kind, direction, old, new, selfcheck flags, template text whose line the finding names or None,
-#  whether the results still meet the accuracy rule)
+# name: (kind, direction, old, new, selfcheck flags, template text whose line the finding names or None,
+#        whether the results still meet the accuracy rule or None)
 MUTATIONS = {
     # K rows up to seqlen_k inclusive: the mask hides the extra row, so the result stays right
-    "out-of-bounds": ("fwd", "load_rows<BLOCK_N>(smem.k[t], k_base, k_sn, t * BLOCK_N, seqlen_k, tid)",
+    "out-of-bounds": ("out-of-bounds", "fwd", "load_rows<BLOCK_N>(smem.k[t], k_base, k_sn, t * BLOCK_N, seqlen_k, tid)",
                       "load_rows<BLOCK_N>(smem.k[t], k_base, k_sn, t * BLOCK_N, seqlen_k + 1, tid)", [],
                       "load_rows<BLOCK_N>(smem.k[t]", True),
-    "race": ("fwd", "  __syncthreads();\n\n  // -- coalesced store", "\n\n  // -- coalesced store", [],
+    "race": ("race", "fwd", "  __syncthreads();\n\n  // -- coalesced store", "\n\n  // -- coalesced store", [],
              None, False),
-    "misaligned": ("fwd", "ldmatrix_x4(a[mt], q_lane.at(2 * s, mt * 16));",
+    "misaligned": ("misaligned", "fwd", "ldmatrix_x4(a[mt], q_lane.at(2 * s, mt * 16));",
                    "ldmatrix_x4(a[mt], q_lane.at(2 * s, mt * 16) + 4);", [], "ldmatrix_x4(a[mt], q_lane", False),
-    "uninitialized": ("fwd", "    cp_async_wait<IN_FLIGHT>();\n    __syncthreads();  // K_j",
+    "uninitialized": ("uninitialized", "fwd", "    cp_async_wait<IN_FLIGHT>();\n    __syncthreads();  // K_j",
                       "    cp_async_wait<IN_FLIGHT + 1>();\n    __syncthreads();  // K_j", ["--causal"], None, False),
-    "barrier": ("fwd", "  __syncthreads();\n\n  // -- coalesced store",
+    "barrier": ("barrier", "fwd", "  __syncthreads();\n\n  // -- coalesced store",
                 "  if (tid >= 32) __syncthreads();\n\n  // -- coalesced store", ["--causal"], None, None),
-    "race-bwd": ("bwd", "__syncthreads();  // every warp's dS is staged", "// (barrier removed)", ["--causal"],
+    # an overflowing product that decides nothing: only the UBSan checks see it
+    "undefined": ("undefined", "fwd", "  const int m_start = m_block * BLOCK_M;",
+                  "  const int m_start = m_block * BLOCK_M;\n"
+                  "  if (seqlen_q * seqlen_k * seqlen_k * seqlen_k * seqlen_q == 7) return;", [], None, True),
+    "race-bwd": ("race", "bwd", "__syncthreads();  // every warp's dS is staged", "// (barrier removed)", ["--causal"],
                  None, None),
-    "out-of-bounds-bwd": ("bwd", "load_rows<BLOCK_M>(smem.q[slot], q_base, q_sm, m0, seqlen_q, tid);",
+    "out-of-bounds-bwd": ("out-of-bounds", "bwd", "load_rows<BLOCK_M>(smem.q[slot], q_base, q_sm, m0, seqlen_q, tid);",
                           "load_rows<BLOCK_M>(smem.q[slot], q_base, q_sm, m0, seqlen_q + 1, tid);", [],
                           "load_rows<BLOCK_M>(smem.q[slot]", None),
+    # one past the end of smem.lse[slot]: the memory is the block's own (smem.delta), the index is not
+    "array-bounds-bwd": ("out-of-bounds", "bwd", "scale_log2, -smem.lse[slot][col]));",
+                         "scale_log2, -smem.lse[slot][col + 1]));", [], "scale_log2, -smem.lse[slot][col]));", None),
 }
 
 
 @pytest.mark.parametrize("name", sorted(MUTATIONS))
 def test_sanitizer_catches_an_injected_bug(mutate, capsys, name):
-    direction, old, new, flags, line_text, accurate = MUTATIONS[name]
-    kind = name.removesuffix("-bwd")
+    kind, direction, old, new, flags, line_text, accurate = MUTATIONS[name]
     mutate(direction, old, new)
     shape = ["--shape", "1,2,1,77,133,64"] + (["--backward"] if direction == "bwd" else [])
     status = selfcheck(["--emulate", "h100", "--sanitize", *shape, *flags])
@@ -211,8 +217,8 @@ def test_sanitizer_catches_an_injected_bug(mutate, capsys, name):
     assert f.kernel.startswith(direction) and f.location.startswith(f"templates/{template}:"), str(f)
     assert len(f.block) == 3 and 0 <= f.thread < 1024
     if line_text is not None:
-        assert f.location == f"templates/{template}:{_template_line(template, line_text)}" or \
-            f"templates/{template}:{_template_line(template, line_text)}" in " ".join(f.frames), str(f)
+        where = f"templates/{template}:{_template_line(template, line_text)}"
+        assert f.location == where or where in " ".join(f.frames), str(f)
     assert f"{kind}: {f.kernel} at templates/{template}:" in out  # what the CLI prints
     if accurate is not None:
         assert (" OUTSIDE THE RULE" not in out) == accurate, out

@@ -18,10 +18,13 @@ HEADERS = Path(__file__).resolve().parent / "cuda"
 COMMON_FLAGS = ("-std=c++20", "-fPIC", "-fvisibility=hidden", "-pthread", "-g")
 # Plain builds are optimised for speed; sanitizing builds keep every call a real frame (-O0) so a
 # finding's stack names the template line, and let the compiler's ThreadSanitizer instrumentation
-# report every load and store to the runtime (which defines the hooks in place of the TSan runtime).
+# report every load and store, and its UndefinedBehaviorSanitizer checks (fixed-size array bounds,
+# signed overflow, shifts, division by zero) report to the runtime, which defines both sets of hooks
+# in place of the sanitizers' runtimes.
 MODE_FLAGS = {
     False: ("-O1",),
-    True: ("-O0", "-fno-omit-frame-pointer", "-fsanitize=thread"),
+    True: ("-O0", "-fno-omit-frame-pointer", "-fsanitize=thread",
+           "-fsanitize=bounds,signed-integer-overflow,shift,integer-divide-by-zero"),
 }
 LINK_FLAGS = ("-shared", "-pthread", "-Wl,-Bsymbolic")
 _GCC_ONLY = ("--param=tsan-instrument-func-entry-exit=0",)

@@ -23,7 +23,7 @@ from autoflash.kernels.config import KernelConfig
 class Finding:
     """One problem the sanitizer (or, failing a plain launch, the emulator's own checks) found."""
 
-    kind: str  # race, out-of-bounds, misaligned, uninitialized, barrier
+    kind: str  # race, out-of-bounds, misaligned, uninitialized, barrier, undefined
     kernel: str
     location: str  # template file:line, e.g. templates/flash_fwd.cu.j2:162
     block: tuple[int, int, int]

@@ -22,10 +22,12 @@
 //                  ldmatrix rows: 16 bytes);
 //   uninitialized  shared memory read before any write in this block, or before its cp.async landed;
 //   barrier        a __syncthreads or warp operation not reached by every thread, or reached at
-//                  different places.
+//                  different places;
+//   undefined      signed overflow, a bad shift or a division by zero (UBSan's checks; its array
+//                  bounds check reports an index past a fixed-size array as out-of-bounds).
 // Plain loads and stores of the kernel are seen through the compiler's ThreadSanitizer
-// instrumentation (-fsanitize=thread): this file defines the __tsan_* hooks it calls, in place of
-// the TSan runtime. Without EMU_SANITIZE only the checks that keep the emulator itself safe run
+// instrumentation (-fsanitize=thread), undefined behaviour through UBSan's (-fsanitize=bounds,...):
+// runtime/sanitizer.h defines the __tsan_* and __ubsan_handle_* hooks in place of their runtimes. Without EMU_SANITIZE only the checks that keep the emulator itself safe run
 // (shared addresses inside the window, barrier errors); they fail the launch.
 // The parts: runtime/fiber.h (stack switching), runtime/state.h (fibers, warps, blocks, findings),
 // runtime/sanitizer.h (the checks and the ThreadSanitizer hooks); this file runs warps, blocks and

@@ -172,4 +172,59 @@ EMU_EXPORT void* __tsan_memset(void* d, int c, unsigned long n) {
 EMU_EXPORT void __tsan_func_entry(void*) {}
 EMU_EXPORT void __tsan_func_exit() {}
 EMU_EXPORT void __tsan_init() {}
+
+// ------------------------------------------------------------------ UndefinedBehaviorSanitizer's hooks
+// The kernel is also built with -fsanitize=bounds,signed-integer-overflow,shift,integer-divide-by-zero;
+// these handlers stand in for the UBSan runtime. An index past a fixed-size array (smem.k[slot] past
+// the last stage, an accumulator tile) is out-of-bounds even where the memory belongs to the block;
+// overflowing index arithmetic, a bad shift or a division by zero is "undefined".
+namespace emu {
+// The layouts the compiler's UBSan instrumentation passes (each handler's data starts with the location).
+struct UbsanLocation { const char* file; uint32_t line, column; };
+struct UbsanType { uint16_t kind, info; char name[1]; };
+struct UbsanOverflow { UbsanLocation loc; const UbsanType* type; };
+struct UbsanShift { UbsanLocation loc; const UbsanType* lhs_type; const UbsanType* rhs_type; };
+struct UbsanBounds { UbsanLocation loc; const UbsanType* array_type; const UbsanType* index_type; };
+
+namespace {
+
+// A ValueHandle of an integer type of at most 64 bits holds the value itself.
+long long ubsan_int(const UbsanType* type, uintptr_t handle) {
+  const unsigned bits = 1u << (type->info >> 1);
+  const bool is_signed = type->info & 1;
+  if (bits >= 64) return (long long)handle;
+  const uint64_t mask = (uint64_t(1) << bits) - 1, v = uint64_t(handle) & mask;
+  return is_signed && (v >> (bits - 1)) ? (long long)(v | ~mask) : (long long)v;
+}
+
+void ubsan(const char* kind, const UbsanLocation* loc, const void* pc, std::string what) {
+  (void)loc;  // the same file:line as the symbolized pc
+  report(kind, pc, std::move(what));
+}
+}  // namespace
+}  // namespace emu
+
+#define EMU_UBSAN_ARITH(check, op)                                                                         \
+  EMU_EXPORT void __ubsan_handle_##check(emu::UbsanOverflow* d, uintptr_t a, uintptr_t b) {                \
+    emu::ubsan("undefined", &d->loc, __builtin_return_address(0),                                          \
+               emu::fmt("signed overflow: %lld " op " %lld in %s", emu::ubsan_int(d->type, a),              \
+                        emu::ubsan_int(d->type, b), d->type->name));                                        \
+  }
+EMU_UBSAN_ARITH(add_overflow, "+")
+EMU_UBSAN_ARITH(sub_overflow, "-")
+EMU_UBSAN_ARITH(mul_overflow, "*")
+EMU_UBSAN_ARITH(divrem_overflow, "/ or %%")
+EMU_EXPORT void __ubsan_handle_negate_overflow(emu::UbsanOverflow* d, uintptr_t a) {
+  emu::ubsan("undefined", &d->loc, __builtin_return_address(0),
+             emu::fmt("signed overflow: -(%lld) in %s", emu::ubsan_int(d->type, a), d->type->name));
+}
+EMU_EXPORT void __ubsan_handle_shift_out_of_bounds(emu::UbsanShift* d, uintptr_t a, uintptr_t b) {
+  emu::ubsan("undefined", &d->loc, __builtin_return_address(0),
+             emu::fmt("shift %lld << or >> %lld out of range for %s", emu::ubsan_int(d->lhs_type, a),
+                      emu::ubsan_int(d->rhs_type, b), d->lhs_type->name));
+}
+EMU_EXPORT void __ubsan_handle_out_of_bounds(emu::UbsanBounds* d, uintptr_t index) {
+  emu::ubsan("out-of-bounds", &d->loc, __builtin_return_address(0),
+             emu::fmt("index %lld past the end of %s", emu::ubsan_int(d->index_type, index), d->array_type->name));
+}
 #endif
