@@ -4,6 +4,7 @@ inputs in (B, H, S, D) or as a (B, S, H, D) storage viewed as (B, H, S, D) (no c
 Every GPU-tier test runs twice: on a CUDA GPU (`gpu` marker, skipped without one) and on the CPU
 under autoflash.emulate (the `target` fixture of conftest.py), the latter at reduced sizes: lengths
 <= 256, batch 1. The emulated sweep is sampled per run (see conftest.py)."""
+import pytest
 import torch
 
 from autoflash.kernels.checks import TORCH_DTYPES  # noqa: F401  (re-exported for the GPU tests)
@@ -21,6 +22,28 @@ EMULATED_GPU = "h100"
 
 def seqlens(target: str):
     return EMULATED_SEQLENS if target == "emulated" else SEQLENS
+
+
+def accuracy_grid(test):
+    """FlashAttention's grid as a sweep: head dim x dtype x causal x heads x (Lq, Lk) pair, the pair
+    given as an index into seqlens(target) (see pair_lengths)."""
+    pairs = range(max(len(SEQLENS), len(EMULATED_SEQLENS)))
+    for mark in (pytest.mark.parametrize("pair", pairs, ids=lambda i: f"L{i}"),
+                 pytest.mark.parametrize("head_kind", list(HEADS), ids=str),
+                 pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"]),
+                 pytest.mark.parametrize("dtype", ["fp16", "bf16"]),
+                 pytest.mark.parametrize("d", HEAD_DIMS),
+                 pytest.mark.sweep):
+        test = mark(test)
+    return test
+
+
+def pair_lengths(target: str, pair: int) -> tuple[int, int]:
+    """(Lq, Lk) of grid pair `pair` for this target; skips the pairs only the other target has."""
+    pairs = seqlens(target)
+    if pair >= len(pairs):
+        pytest.skip(f"the {target} grid has {len(pairs)} (Lq, Lk) pairs")
+    return pairs[pair]
 
 
 def heads(target: str, name: str) -> tuple[int, int]:

@@ -10,7 +10,7 @@ import gpu_inputs
 from autoflash import KernelConfig, flash_attn
 from autoflash.reference.forward import within_tolerance
 from autoflash.reference.backward import attention_backward_ref
-from gpu_inputs import HEAD_DIMS, HEADS, TORCH_DTYPES, batch, heads, seqlens
+from gpu_inputs import HEAD_DIMS, TORCH_DTYPES, accuracy_grid, batch, heads, pair_lengths
 
 
 def make_qkv(*args, **kwargs):
@@ -30,17 +30,9 @@ def assert_gradients_accurate(q, k, v, causal, scale=None, **kw):
         assert ok, f"{name}: max err {err:.3e} > bound {bound:.3e}"
 
 
-@pytest.mark.sweep
-@pytest.mark.parametrize("pair", range(9), ids=lambda i: f"L{i}")
-@pytest.mark.parametrize("head_kind", list(HEADS), ids=str)
-@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
-@pytest.mark.parametrize("dtype", ["fp16", "bf16"])
-@pytest.mark.parametrize("d", HEAD_DIMS)
+@accuracy_grid
 def test_backward_matches_reference(target, d, dtype, causal, head_kind, pair):
-    pairs = seqlens(target)
-    if pair >= len(pairs):
-        pytest.skip(f"{target} grid has {len(pairs)} (Lq, Lk) pairs")
-    lq, lk = pairs[pair]
+    lq, lk = pair_lengths(target, pair)
     hq, hkv = heads(target, head_kind)
     assert_gradients_accurate(*make_qkv(batch(target, 2), hq, hkv, lq, lk, d, TORCH_DTYPES[dtype], target=target),
                               causal)

@@ -7,7 +7,7 @@ import torch
 
 from autoflash import KernelConfig, flash_forward
 from autoflash.reference.forward import attention_ref, within_tolerance
-from gpu_inputs import HEAD_DIMS, HEADS, TORCH_DTYPES, batch, heads, make_qkv, seqlens
+from gpu_inputs import HEAD_DIMS, TORCH_DTYPES, accuracy_grid, batch, heads, make_qkv, pair_lengths
 
 
 def assert_accurate(q, k, v, causal, config=None, scale=None):
@@ -26,17 +26,9 @@ def assert_accurate(q, k, v, causal, config=None, scale=None):
     assert ok, f"lse: max err {err:.3e} > bound {bound:.3e}"
 
 
-@pytest.mark.sweep
-@pytest.mark.parametrize("pair", range(9), ids=lambda i: f"L{i}")
-@pytest.mark.parametrize("head_kind", list(HEADS), ids=str)
-@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
-@pytest.mark.parametrize("dtype", ["fp16", "bf16"])
-@pytest.mark.parametrize("d", HEAD_DIMS)
+@accuracy_grid
 def test_forward_matches_reference(target, d, dtype, causal, head_kind, pair):
-    pairs = seqlens(target)
-    if pair >= len(pairs):
-        pytest.skip(f"{target} grid has {len(pairs)} (Lq, Lk) pairs")
-    lq, lk = pairs[pair]
+    lq, lk = pair_lengths(target, pair)
     hq, hkv = heads(target, head_kind)
     assert_accurate(*make_qkv(batch(target, 2), hq, hkv, lq, lk, d, TORCH_DTYPES[dtype], target=target), causal)
 
