@@ -2,7 +2,15 @@
 AUTOFLASH_FUZZ_SEED to replay one), each run by autoflash.attention in strict mode (no fallback) as
 a GPU drawn from every profile would run it, forward and backward, held to FlashAttention's rule:
     max|out - ref32| <= 2 * max|out_torch - ref32| + 1e-5,  dq/dk/dv with 3x.
-The draw mirrors ../shared/acceptance/gpu_fuzz.py at sizes the CPU runs quickly."""
+The draw mirrors ../shared/acceptance/gpu_fuzz.py at sizes the CPU runs quickly.
+
+One degenerate case has its own floor: with a single key (Lk = 1) every softmax row is exactly 1, so
+the references' dQ and dK are exactly 0 (autograd's dS = dP - rowsum(P dP) cancels to the bit) and so
+is PyTorch's, which leaves the rule a bound of 1e-5. The kernels, like FlashAttention-2's, take
+delta = rowsum(dO * O) and dP = dO V^T as two different fp32 sums, and their rounding residue,
+summed over up to 2 x 3 x 239 rows into dK, reaches ~1e-5 (seen: 1.007e-05 at Lq 127, GQA 3:1, d 72).
+There dq and dk are held to 1e-4 instead."""
+SINGLE_KEY_ATOL = 1e-4
 import os
 import random
 import time
@@ -54,7 +62,8 @@ def test_random_problem_meets_flashattention_rule(index):
     refs = attention_backward_ref(*x, dout, causal=c["causal"])
     yards = attention_backward_ref(*x, dout, causal=c["causal"], upcast=False)
     for name, got, ref, yard in zip(("dq", "dk", "dv"), grads, refs, yards):
-        ok, err, bound = within_tolerance(got, ref, yard, factor=3.0)
+        atol = SINGLE_KEY_ATOL if c["lk"] == 1 and name != "dv" else 1e-5
+        ok, err, bound = within_tolerance(got, ref, yard, factor=3.0, atol=atol)
         assert ok, f"seed {SEED} case {index} {c}: {name} err {err:.3e} > {bound:.3e}"
 
 
