@@ -50,14 +50,23 @@ def compiler() -> tuple[str, str]:
         if path is None:
             tried.append(f"{name}: not found on PATH")
             continue
+        lines = subprocess.run([path, "--version"], capture_output=True, text=True).stdout.splitlines()
+        version = lines[0] if lines else name
+        # A compiler that passed the probe once is remembered on disk: the probe's build costs ~0.5 s,
+        # which every process using the emulator would otherwise pay before its first (cached) kernel.
+        key = hashlib.sha256("\0".join([path, version, _PROBE]).encode()).hexdigest()[:16]
+        passed = emu_cache_dir() / f"compiler-{key}.ok"
+        if passed.exists():
+            return path, version
         with tempfile.TemporaryDirectory() as tmp:
             src = Path(tmp) / "probe.cpp"
             src.write_text(_PROBE)
             r = subprocess.run([path, "-std=c++20", "-pthread", str(src), "-o", str(Path(tmp) / "probe")],
                                capture_output=True, text=True)
         if r.returncode == 0:
-            version = subprocess.run([path, "--version"], capture_output=True, text=True).stdout.splitlines()
-            return path, (version[0] if version else name)
+            passed.parent.mkdir(parents=True, exist_ok=True)
+            passed.touch()
+            return path, version
         tried.append(f"{name} ({path}): cannot build C++20 with std::atomic_ref and _Float16: "
                      f"{(r.stderr.strip().splitlines() or ['?'])[-1]}")
     raise EmulationError(

@@ -161,16 +161,11 @@ class EmulatedModule:
 _MODULES: dict[tuple[KernelConfig, bool], EmulatedModule] = {}
 
 
-def _symbols(config: KernelConfig) -> tuple[str, ...]:
-    """The kernels a config's source defines (the backward adds its delta kernel)."""
-    return (config.name,) + ((f"{config.name}_delta",) if config.direction == "bwd" else ())
-
-
 def load_module(config: KernelConfig, sanitize: bool) -> EmulatedModule:
     """The library of a config's kernels, built (disk-cached) and loaded once per process."""
     key = (config, sanitize)
     if key not in _MODULES:
-        _MODULES[key] = EmulatedModule(build_library(render(config), config.name, _symbols(config), sanitize), sanitize)
+        _MODULES[key] = EmulatedModule(build_library(render(config), config.name, config.symbols, sanitize), sanitize)
     return _MODULES[key]
 
 
@@ -178,7 +173,7 @@ def load_module(config: KernelConfig, sanitize: bool) -> EmulatedModule:
 def load_functions(config: KernelConfig, sanitize: bool = False) -> dict:
     """{symbol: EmulatedFunction} of a config's kernels (the emulator's load_functions)."""
     module = load_module(config, sanitize)
-    return {name: module.get_function(name) for name in _symbols(config)}
+    return {name: module.get_function(name) for name in config.symbols}
 
 
 def loaded_modules() -> list[tuple[tuple[KernelConfig, bool], EmulatedModule]]:

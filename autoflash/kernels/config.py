@@ -146,6 +146,11 @@ class KernelConfig:
         )
 
     @property
+    def symbols(self) -> tuple[str, ...]:
+        """The kernels its source defines: the config's name, and for the backward its delta kernel."""
+        return (self.name,) + ((f"{self.name}_delta",) if self.direction == "bwd" else ())
+
+    @property
     def tensor_cores(self) -> bool:
         return self.dtype != "fp32"
 

@@ -34,10 +34,9 @@ def load_functions(config: KernelConfig, arch: str, device_index: int) -> dict:
     import cupy
 
     compiled = compile_config(config, arch)
-    names = [config.name] + ([f"{config.name}_delta"] if config.direction == "bwd" else [])
     with cupy.cuda.Device(device_index):
         module = cupy.RawModule(path=str(compiled.cubin_path))
-        fns = {n: module.get_function(n) for n in names}
+        fns = {n: module.get_function(n) for n in config.symbols}
         fns[config.name].max_dynamic_shared_size_bytes = config.smem_bytes
     fns["_module"] = module  # keeps the module alive as long as its functions
     return fns

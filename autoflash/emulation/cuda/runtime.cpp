@@ -188,7 +188,6 @@ void warp_op(Op op, const void* pc) {
     return;
   }
   f.st = St::Warp;
-  f.pc = pc;
   yield(w, f);
 }
 
@@ -336,7 +335,6 @@ void syncthreads() {
     return;
   }
   f.st = St::Bar;
-  f.pc = pc;
   yield(w, f);
 }
 
@@ -375,7 +373,7 @@ void cp_async_16(void* dst, const void* src, bool valid) {
   if (off % 16) report("misaligned", pc, fmt("cp.async destination at shared offset %zu (not a multiple of 16)", off));
   if (valid) {
     if (reinterpret_cast<uintptr_t>(src) % 16) report("misaligned", pc, "cp.async source address not a multiple of 16");
-    else if (regions_active) global_access(src, 16, false, pc);
+    else global_access(src, 16, false, pc);
   }
   shared_access(off, 16, true, pc, "cp.async");
   mark_pending(off);
@@ -402,7 +400,7 @@ float atomic_add(float* address, float value) {
 #if EMU_SANITIZE
   const void* pc = __builtin_return_address(0);
   if (reinterpret_cast<uintptr_t>(address) % 4) { report("misaligned", pc, "atomicAdd on a float address not a multiple of 4"); return 0.f; }
-  if (regions_active) global_access(address, 4, true, pc);
+  global_access(address, 4, true, pc);
 #endif
   return std::atomic_ref<float>(*address).fetch_add(value);
 }
@@ -473,7 +471,6 @@ EMU_EXPORT void emu_add_region(const char* name, const void* origin, const void*
   r.end = std::max(r.origin + uintptr_t(span) * elem, reinterpret_cast<uintptr_t>(storage) + storage_bytes);
   std::lock_guard<std::mutex> lock(g_mu);
   g_regions.push_back(r);
-  regions_active = true;
 #else
   (void)name; (void)origin; (void)storage; (void)storage_bytes; (void)elem; (void)ndim; (void)shape; (void)stride;
 #endif
@@ -483,7 +480,6 @@ EMU_EXPORT void emu_clear_regions() {
 #if EMU_SANITIZE
   std::lock_guard<std::mutex> lock(emu::g_mu);
   emu::g_regions.clear();
-  emu::regions_active = false;
 #endif
 }
 

@@ -12,7 +12,6 @@
 namespace emu {
 namespace {
 
-bool regions_active = false;
 
 // Where in the tensor (one index per dim, largest stride first) an element offset falls.
 std::string coords(const Region& r, long long elem) {
@@ -130,7 +129,7 @@ void any_access(const void* addr, size_t size, bool write, const void* pc) {
   if (!w || !w->cur) return;
   const uintptr_t a = reinterpret_cast<uintptr_t>(addr), win = reinterpret_cast<uintptr_t>(w->window);
   if (a >= win && a < win + kWindow) shared_access(a - win, size, write, pc, write ? "store" : "load");
-  else if (regions_active) global_access(addr, size, write, pc);
+  else global_access(addr, size, write, pc);
 }
 
 // A range (a struct copy, memcpy/memset that the compiler instruments as a whole): byte by byte, so

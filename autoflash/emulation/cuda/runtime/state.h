@@ -40,7 +40,6 @@ struct Fiber {
   dim3 idx;
   int tid = 0, warp = 0, lane = 0;
   St st = St::Run;
-  const void* pc = nullptr;  // where it waits
   std::vector<Copy> open;
   std::vector<std::vector<Copy>> groups;
   uint32_t u[6] = {};  // warp-operation operands and results
