@@ -13,9 +13,12 @@ EPILOG = """examples:
   python -m autoflash.render --head-dim 96 --dtype fp16 --block-m 128 --block-n 64 --warps 8 -o k.cu
   python -m autoflash.render --default --head-dim 128 --dtype bf16 --gpu a100
   python -m autoflash.render --default --backward --head-dim 128 --dtype bf16 --causal --gpu h100
+  python -m autoflash.render fwd_hd128_bf16_m128n64w4s1 --gpu a100 --sass -o /dev/null
 
 The source goes to stdout (or -o FILE); the resource report goes to stderr when the source is on
-stdout. GPU names: a100, a10g, l4, l40s, rtx3090, rtx4090, h100, h200 (or an arch like sm_90)."""
+stdout. --sass adds what the kernel compiles to: the instruction mix of its main loop per warp and
+iteration (HMMA, LDSM, cp.async, integer/address work, spills, barriers), read statically from the
+SASS with nvdisasm. A proxy for speed, not a measurement. GPU names: a100, a10g, l4, l40s, rtx3090, rtx4090, h100, h200 (or an arch like sm_90)."""
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -41,6 +44,9 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--default", action="store_true",
                    help="use the built-in default config for --head-dim/--dtype/--causal on --gpu")
     p.add_argument("--gpu", help="compile for this GPU profile or arch and print the resource report")
+    p.add_argument("--sass", action="store_true",
+                   help="with --gpu: also print the main loop's instruction mix per HMMA, from the SASS "
+                   "(static analysis, not a timing)")
     p.add_argument("-o", "--output", type=Path, help="write the source here instead of stdout")
     p.add_argument("--no-line-directives", action="store_true",
                    help="omit the #line directives that map compiler messages to template lines")
@@ -86,13 +92,21 @@ def report(config: KernelConfig, gpu: str) -> str:
     ]
     if profile is not None:
         fits = config.smem_bytes <= profile.smem_per_block_optin
-        blocks = min(profile.smem_per_sm // max(config.smem_bytes, 1),
-                     profile.regs_per_sm // (res.registers * config.threads),
-                     profile.max_threads_per_sm // config.threads)
+        blocks = profile.blocks_per_sm(config.smem_bytes, config.threads, res.registers)
         lines.append(f"  {profile.name + ' limit':18s} {profile.smem_per_block_optin} B per block -> "
                      + ("fits" if fits else "DOES NOT FIT"))
         lines.append(f"  blocks per SM      {blocks} (by shared memory, registers and threads)")
     return "\n".join(lines)
+
+
+def sass_report(config: KernelConfig, gpu: str) -> str:
+    """The instruction mix of the kernel's loops, from its SASS (autoflash.kernels.sass)."""
+    from autoflash.kernels import sass
+    from autoflash.kernels.compiler import compile_config
+    from autoflash.kernels.gpus import arch_for
+
+    compiled = compile_config(config, arch_for(gpu))
+    return sass.report(sass.disassemble(compiled.cubin_path, config.name))
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -108,8 +122,13 @@ def main(argv: list[str] | None = None) -> int:
             print(f"wrote {args.output} ({config.name})")
         else:
             sys.stdout.write(source)
+        if args.sass and not args.gpu:
+            parser.error("--sass needs --gpu (the SASS is that of one architecture)")
         if args.gpu:
-            print(report(config, args.gpu), file=sys.stdout if args.output else sys.stderr)
+            out = sys.stdout if args.output else sys.stderr
+            print(report(config, args.gpu), file=out)
+            if args.sass:
+                print(sass_report(config, args.gpu), file=out)
     except (ValueError, TypeError) as e:
         parser.error(str(e))
     return 0

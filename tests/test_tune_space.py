@@ -52,8 +52,9 @@ def test_over_budget_configs_are_never_compiled(monkeypatch):
 
 
 def test_spilling_config_is_rejected_by_the_ptxas_report():
-    # FA2's 128 x 64 tile with 4 warps at d = 128: 32 query rows a warp spill registers on sm_80
-    spills = KernelConfig(head_dim=128, dtype="bf16", block_m=128, block_n=64, num_warps=4, num_stages=2)
+    # 128 x 128 with 4 warps at d = 56: 32 query rows a warp, 14 head-dim chunks of three block
+    # widths, spill registers on sm_80 (the defaults take 128 x 64 there)
+    spills = KernelConfig(head_dim=56, dtype="bf16", block_m=128, block_n=128, num_warps=4, num_stages=2)
     fits = KernelConfig(head_dim=128, dtype="bf16", block_m=128, block_n=64, num_warps=8, num_stages=2)
     bad, good = constrain([spills, fits], get_profile("a100"), jobs=1)
     assert bad.status == "spills" and "spill stores" in bad.reason and bad.spill_bytes > 0 and not bad.ok

@@ -22,15 +22,18 @@ def _candidates(head_dim: int, dtype: str, causal: bool, big_smem: bool):
                     yield 128 // tpr, block_n, 4
         return
     # FA2 csrc/flash_attn/src/flash_fwd_launch_template.h (sm80): d<=64 128x128 (4 warps),
-    # d<=128 128x64, d<=256 128x64 (8 warps) or 64x64 (4 warps) with less shared memory;
-    # sm86/sm89 at d=128: 128x32 non-causal, 64x64 causal. Our d=128 uses 8 warps at 128x64:
-    # with 4 warps the 128x64 tile spills registers (checked by tests/test_compile.py).
+    # d<=128 128x64 (4 warps, 32 query rows each), d<=256 128x64 (8 warps) or 64x64 (4 warps) with
+    # less shared memory; sm86/sm89 at d=128: 128x32 non-causal, 64x64 causal. Ours compile to
+    # these without spills on sm_80 and sm_90 (tests/test_compile.py) except where noted: d = 56 at
+    # 128x128 and d = 104, 112 at 128x64 with 4 warps spill, so they take the next shape.
     if head_dim <= 64:
-        if not causal and head_dim in (32, 64):  # causal masking and d = 40..56 spill at 128x128
+        if head_dim != 56:
             yield 128, 128, 4
         yield 128, 64, 4
     elif head_dim <= 128:
         if big_smem:
+            if head_dim not in (104, 112):
+                yield 128, 64, 4
             yield 128, 64, 8
         elif causal:
             yield 64, 64, 4
@@ -57,18 +60,25 @@ def default_config(head_dim: int, dtype: str, causal: bool, profile: GpuProfile)
 
 
 def _first_fitting(candidates, profile: GpuProfile, what: str) -> KernelConfig:
-    """The first candidate (KernelConfig fields) that is valid and fits the profile's shared memory,
-    with two pipeline stages when they fit, else one."""
+    """The first candidate (KernelConfig fields) that is valid and fits the profile's shared memory.
+    Of its pipeline depths (2, then 1 stage) the deeper one is taken unless the shallower one lets
+    more blocks share an SM (counting registers as if the kernel took all 255 it may): FlashAttention-2 runs d = 128 at 64 KB so that two blocks (8 warps) are
+    resident on an A100; a second stage (96 KB) would leave one."""
     tried = []
     for fields in candidates:
+        fitting = []
         for stages in (2, 1):
             try:
                 cfg = KernelConfig(**fields, num_stages=stages)
             except ValueError:  # e.g. a head_split that does not divide this head dim
                 continue
             if cfg.smem_bytes <= profile.smem_per_block_optin:
-                return cfg
-            tried.append(cfg.name)
+                fitting.append(cfg)
+            else:
+                tried.append(cfg.name)
+        if fitting:
+            # Registers as ptxas may take them under __launch_bounds__(threads, 1): up to 255.
+            return max(fitting, key=lambda c: (profile.blocks_per_sm(c.smem_bytes, c.threads, 255), c.num_stages))
     raise ValueError(
         f"no built-in config for {what} fits {profile.name}'s {profile.smem_per_block_optin} bytes of "
         f"shared memory per block; tried {tried}"

@@ -24,7 +24,19 @@ class GpuProfile:
     mem_bandwidth_gbs: float  # GB/s
     known: bool = True  # False for a profile synthesised from an unknown device
 
+    def blocks_per_sm(self, smem_bytes: int, threads: int, registers: int | None = None) -> int:
+        """Blocks of this shape resident on one SM, limited by shared memory (each block also takes
+        the 1 KB the CUDA runtime reserves per block on sm_80 and newer: CUDA C++ Programming Guide,
+        "Shared Memory", compute capability 8.x/9.x), threads, and registers when given (allocated
+        per warp in units of 256)."""
+        limits = [self.smem_per_sm // (smem_bytes + SMEM_RESERVED_PER_BLOCK), self.max_threads_per_sm // threads]
+        if registers is not None:
+            per_warp = -(-registers * 32 // 256) * 256
+            limits.append(self.regs_per_sm // (per_warp * (threads // 32)))
+        return max(0, min(limits))
 
+
+SMEM_RESERVED_PER_BLOCK = 1024  # bytes the runtime keeps per resident block (sm_80+)
 MIN_COMPUTE_CAPABILITY = (8, 0)  # the kernels use mma.sync bf16 and cp.async: Ampere and newer
 
 # Per-compute-capability limits from the CUDA C++ Programming Guide, "Technical Specifications per

@@ -15,6 +15,11 @@ __device__ __forceinline__ void cp_async_16(void* smem_dst, const void* gmem_src
                :: "r"(smem_u32(smem_dst)), "l"(gmem_src), "r"(src_bytes));
 }
 
+// Copies 16 bytes that are known to exist: no source-size operand, no predicate.
+__device__ __forceinline__ void cp_async_16_full(void* smem_dst, const void* gmem_src) {
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" :: "r"(smem_u32(smem_dst)), "l"(gmem_src));
+}
+
 // Closes the current group of copies; an empty group is legal and keeps the group count uniform.
 __device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::); }
 

@@ -41,10 +41,19 @@ template <int ROWS, int CHUNKS>
 struct TileLane {
   static_assert(CHUNKS % 2 == 0, "tiles used with ldmatrix have an even number of chunks");
   uint32_t a8, a4, a2;
+  TileLane() = default;
   __device__ __forceinline__ TileLane(uint32_t tile, int row, int sub)
       : a8(tile + row * 128 + (swizzle_chunk<8>(row, sub) << 4)),
         a4(tile + row * 64 + (swizzle_chunk<4>(row, sub) << 4)),
         a2(tile + row * 32 + (swizzle_chunk<2>(row, sub) << 4)) {}
+  // The same lane's view of a tile `bytes` further on (a multiple of 128: another pipeline stage).
+  // Applied before the XOR in at(), so the per-chunk addresses of a stage are formed from one
+  // register instead of every one of them being kept live for each stage.
+  __device__ __forceinline__ TileLane shifted(uint32_t bytes) const {
+    TileLane t = *this;
+    t.a8 += bytes; t.a4 += bytes; t.a2 += bytes;
+    return t;
+  }
   // Address of even chunk `chunk` (plus the sub-chunk) of row `row + row_add`. Both arguments are
   // compile-time constants; row_add is a multiple of 8, which leaves the swizzle unchanged.
   __device__ __forceinline__ uint32_t at(int chunk, int row_add) const {

@@ -1,0 +1,278 @@
+"""What a kernel compiles to: the instruction mix of its main loop, read from SASS without a GPU.
+
+nvdisasm (from the pip-installed toolkit) disassembles a cubin with line information; the text is
+split into basic blocks, the control-flow graph's natural loops are found (a back edge whose target
+dominates its source), and the instructions of the loops that hold tensor-core MMAs (HMMA) are
+counted by class. Ratios per HMMA make kernels with different tiles comparable: LDSM per HMMA is the
+shared-memory operand traffic, integer/address instructions per HMMA the loop's bookkeeping.
+
+This is static analysis, a proxy: it counts instructions that may issue, not time. It cannot see
+latency hiding, stalls, bank conflicts or memory bandwidth, and a loop's branches that do not run on
+every iteration are counted as if they did.
+"""
+from __future__ import annotations
+
+import collections
+import dataclasses
+import re
+import subprocess
+from pathlib import Path
+
+_INSN = re.compile(r"^\s*/\*([0-9a-f]{4,})\*/\s+(.*?)\s*;")
+_LABEL = re.compile(r"^\s*(\.L_x_\d+|\.L_\d+):")
+_LINE = re.compile(r'//## File "([^"]+)", line (\d+)')
+_TARGET = re.compile(r"`\((\.L_x_\d+|\.L_\d+)\)")
+
+# Classes in the order reports print them.
+CLASSES = ("HMMA", "LDSM", "LDGSTS", "LDS", "STS", "LDG", "STG", "ATOM/RED", "MUFU", "FP", "int/addr",
+           "MOV", "SHFL", "BAR", "LDL/STL", "uniform", "control", "other")
+_FP = {"FFMA", "FMUL", "FADD", "FMNMX", "FSEL", "FSETP", "FCHK", "FSET", "F2FP", "F2F", "HADD2", "HFMA2", "HMUL2"}
+_INT = {"IMAD", "IADD3", "IADD", "LEA", "ISETP", "SEL", "SHF", "LOP3", "LOP", "IABS", "IMNMX", "PRMT", "POPC",
+        "FLO", "BREV", "BMSK", "I2F", "F2I", "I2I", "PLOP3", "P2R", "R2P", "SGXT", "IDP", "IMUL", "ISCADD", "SHL",
+        "SHR", "VIADD", "VIMNMX", "IMNMX3", "VIADDMNMX", "S2R", "CS2R", "LDC", "I2FP", "F2IP"}
+_CONTROL = {"BRA", "BSSY", "BSYNC", "WARPSYNC", "EXIT", "RET", "CALL", "NOP", "YIELD", "BREAK", "JMP", "JMX",
+            "BRX", "KILL", "NANOSLEEP", "ELECT", "VOTE", "VOTEU", "DEPBAR", "LDGDEPBAR", "BMOV"}
+
+
+def classify(op: str, pred: str | None = None) -> str | None:
+    """The report class of one SASS opcode; None for never-executed placeholders (@!PT)."""
+    if pred == "@!PT":
+        return None
+    base = op.split(".")[0]
+    if op.startswith("IMAD.MOV") or base == "MOV":
+        return "MOV"
+    if base in ("HMMA", "LDSM", "LDGSTS", "LDS", "STS", "LDG", "STG", "MUFU", "SHFL", "BAR"):
+        return base
+    if base in ("ATOM", "ATOMS", "ATOMG", "RED", "REDG", "REDS"):
+        return "ATOM/RED"
+    if base in ("LDL", "STL"):
+        return "LDL/STL"
+    if base in _FP:
+        return "FP"
+    if base in _INT:
+        return "int/addr"
+    if base in _CONTROL:
+        return "control"
+    if base.startswith("U") or base in ("R2UR", "S2UR"):
+        return "uniform"
+    return "other"
+
+
+@dataclasses.dataclass(frozen=True)
+class Insn:
+    addr: int
+    pred: str | None
+    op: str
+    text: str
+    line: tuple[str, int] | None  # (file, line) from the line table, when the cubin has one
+    target: int | None  # index of the branch target instruction
+
+
+@dataclasses.dataclass(frozen=True)
+class Loop:
+    """One natural loop that holds HMMAs: the static counts of its body, per class."""
+
+    header_addr: int
+    counts: dict[str, int]
+    lines: tuple[int, int] | None  # the range of source lines its instructions come from
+    nested: bool  # holds an inner loop whose trip count static counts cannot know
+
+    @property
+    def total(self) -> int:
+        return sum(self.counts.values())
+
+    def per_hmma(self, cls: str | None = None) -> float:
+        h = self.counts.get("HMMA", 0)
+        if not h:
+            return float("nan")
+        return (self.total if cls is None else self.counts.get(cls, 0)) / h
+
+
+def parse(text: str) -> list[Insn]:
+    """Instructions of one kernel's nvdisasm listing (run with -g for line information)."""
+    insns: list[Insn] = []
+    targets: list[str | None] = []  # branch labels, resolved once every label is known
+    labels: dict[str, int] = {}
+    line = None
+    pending: list[str] = []
+    for raw in text.splitlines():
+        m = _LINE.search(raw)
+        if m:
+            line = (m.group(1).rsplit("/", 1)[-1], int(m.group(2)))
+            continue
+        m = _LABEL.match(raw)
+        if m:
+            pending.append(m.group(1))
+            continue
+        m = _INSN.match(raw)
+        if not m:
+            continue
+        body = m.group(2).strip()
+        pred = None
+        if body.startswith("@"):
+            pred, body = body.split(None, 1)
+        t = _TARGET.search(body)
+        targets.append(t.group(1) if t else None)
+        insns.append(Insn(int(m.group(1), 16), pred, body.split()[0], body, line, None))
+        for lbl in pending:
+            labels[lbl] = len(insns) - 1
+        pending = []
+    return [dataclasses.replace(i, target=labels.get(t)) if t else i for i, t in zip(insns, targets)]
+
+
+def _is_jump(ins: Insn) -> bool:
+    """ptxas leaves `#pragma unroll 1` loops through CALL.REL.NOINC to the label after the loop:
+    a jump, not a call."""
+    return ins.op.startswith("CALL.REL.NOINC")
+
+
+def _blocks(insns: list[Insn]) -> tuple[list[tuple[int, int]], dict[int, list[int]]]:
+    leaders = {0}
+    for i, ins in enumerate(insns):
+        base = ins.op.split(".")[0]
+        if (base in ("BRA", "EXIT", "RET", "BRX", "JMX") or _is_jump(ins)) and i + 1 < len(insns):
+            leaders.add(i + 1)
+        if ins.target is not None:
+            leaders.add(ins.target)
+    starts = sorted(leaders)
+    blocks = [(s, starts[k + 1] if k + 1 < len(starts) else len(insns)) for k, s in enumerate(starts)]
+    index = {s: b for b, (s, _) in enumerate(blocks)}
+    succ: dict[int, list[int]] = collections.defaultdict(list)
+    for b, (s, e) in enumerate(blocks):
+        last = insns[e - 1]
+        base = last.op.split(".")[0]
+        if (base == "BRA" or _is_jump(last)) and last.target is not None:
+            succ[b].append(index[last.target])
+            if last.pred is not None and b + 1 < len(blocks):
+                succ[b].append(b + 1)
+        elif base in ("EXIT", "RET") and last.pred is None:
+            pass
+        elif b + 1 < len(blocks):
+            succ[b].append(b + 1)
+    return blocks, succ
+
+
+def _natural_loops(n: int, succ: dict[int, list[int]]) -> list[set[int]]:
+    preds: dict[int, set[int]] = collections.defaultdict(set)
+    for b, ss in succ.items():
+        for x in ss:
+            preds[x].add(b)
+    everything = set(range(n))
+    dom = {b: set(everything) for b in range(n)}
+    dom[0] = {0}
+    changed = True
+    while changed:
+        changed = False
+        for b in range(1, n):
+            ps = [dom[p] for p in preds[b]]
+            new = (set.intersection(*ps) if ps else set()) | {b}
+            if new != dom[b]:
+                dom[b], changed = new, True
+    loops: dict[int, set[int]] = {}
+    for b, ss in succ.items():
+        for h in ss:
+            if h in dom[b]:  # back edge b -> h
+                body, stack = {h, b}, ([b] if b != h else [])
+                while stack:
+                    for p in preds[stack.pop()]:
+                        if p not in body:
+                            body.add(p)
+                            stack.append(p)
+                loops.setdefault(h, set()).update(body)
+    return list(loops.values())
+
+
+def hmma_loops(text: str) -> list[Loop]:
+    """The outermost natural loops holding HMMAs, in address order."""
+    insns = parse(text)
+    if not insns:
+        return []
+    blocks, succ = _blocks(insns)
+    loops = _natural_loops(len(blocks), succ)
+    outer = [lp for lp in loops if not any(lp < other for other in loops)]
+    found = []
+    for body in outer:
+        members = [ins for b in sorted(body) for ins in insns[blocks[b][0]:blocks[b][1]]]
+        counts = collections.Counter(c for ins in members if (c := classify(ins.op, ins.pred)) is not None)
+        if not counts.get("HMMA"):
+            continue
+        # Source lines of the kernel's own template (.cu.j2), not of the headers it includes.
+        files = collections.Counter(ins.line[0] for ins in members if ins.line)
+        own = [f for f, _ in files.most_common() if f.endswith(".j2")] or [f for f, _ in files.most_common(1)]
+        lines = [ins.line[1] for ins in members if ins.line and ins.line[0] in own[:1]]
+        nested = any(lp < body for lp in loops)
+        found.append(Loop(insns[blocks[min(body)][0]].addr, dict(counts),
+                          (min(lines), max(lines)) if lines else None, nested))
+    return sorted(found, key=lambda lp: lp.header_addr)
+
+
+def main_loop(loops: list[Loop]) -> Loop:
+    """The steady-state loop: the last HMMA loop without an inner loop (autoflash's forward peels
+    its masked tiles into a loop before it), else the last one."""
+    if not loops:
+        raise ValueError("no loop with tensor-core MMAs (HMMA) in this kernel")
+    plain = [lp for lp in loops if not lp.nested]
+    return (plain or loops)[-1]
+
+
+def disassemble(cubin: Path | str, kernel: str | None = None) -> str:
+    """nvdisasm -c -g of a cubin, no GPU needed; with `kernel`, only that function's section."""
+    from cuda.pathfinder import find_nvidia_binary_utility
+
+    tool = find_nvidia_binary_utility("nvdisasm")
+    if not tool:
+        raise RuntimeError("nvdisasm not found: install it with `pip install 'cuda-toolkit[nvdisasm]'`")
+    text = subprocess.run([tool, "-c", "-g", str(cubin)], capture_output=True, text=True, check=True).stdout
+    if kernel is None:
+        return text
+    sections = functions(text)
+    if kernel not in sections:
+        raise ValueError(f"kernel {kernel!r} is not in {cubin}; it holds {sorted(sections)}")
+    return sections[kernel]
+
+
+_SECTION = re.compile(r"^\s*\.section\s+\.text\.([^,\s]+)", re.M)
+
+
+def functions(text: str) -> dict[str, str]:
+    """An nvdisasm listing split into its functions' sections, by name."""
+    marks = list(_SECTION.finditer(text))
+    return {m.group(1): text[m.start():marks[k + 1].start() if k + 1 < len(marks) else len(text)]
+            for k, m in enumerate(marks)}
+
+
+ROW_KEYS = ("HMMA/iter", "insns/HMMA", "LDSM/HMMA", "int/HMMA", "FP+MUFU/HMMA", "LDGSTS/HMMA", "spill/iter",
+            "BAR/iter")
+
+
+def loop_row(loop: Loop) -> dict[str, float]:
+    """The figures one report row shows for a main loop (per warp and iteration)."""
+    return {
+        "HMMA/iter": loop.counts.get("HMMA", 0),
+        "insns/HMMA": loop.per_hmma(),
+        "LDSM/HMMA": loop.per_hmma("LDSM"),
+        "int/HMMA": (loop.counts.get("int/addr", 0) + loop.counts.get("MOV", 0) + loop.counts.get("uniform", 0))
+        / max(loop.counts.get("HMMA", 0), 1),
+        "FP+MUFU/HMMA": (loop.counts.get("FP", 0) + loop.counts.get("MUFU", 0)) / max(loop.counts.get("HMMA", 0), 1),
+        "LDGSTS/HMMA": loop.per_hmma("LDGSTS"),
+        "spill/iter": loop.counts.get("LDL/STL", 0),
+        "BAR/iter": loop.counts.get("BAR", 0),
+    }
+
+
+def report(text: str) -> str:
+    """The instruction mix of a kernel's loops, as `python -m autoflash.render --sass` prints it."""
+    loops = hmma_loops(text)
+    if not loops:
+        return "no loop with tensor-core MMAs (HMMA): nothing to count per HMMA"
+    main = main_loop(loops)
+    out = ["main-loop instruction mix (static SASS, per warp and iteration; a proxy, not a timing):"]
+    for lp in loops:
+        role = "main loop" if lp is main else ("masked tiles (per key slice)" if lp.nested else "other loop")
+        where = f", template lines {lp.lines[0]}-{lp.lines[1]}" if lp.lines else ""
+        out.append(f"  {role} @0x{lp.header_addr:04x}{where}: {lp.total} instructions, "
+                   f"{lp.counts.get('HMMA', 0)} HMMA")
+        out.append("    " + "  ".join(f"{k} {v:.3g}" if isinstance(v, float) else f"{k} {v}"
+                                      for k, v in loop_row(lp).items()))
+        out.append("    " + "  ".join(f"{c} {lp.counts[c]}" for c in CLASSES if lp.counts.get(c)))
+    return "\n".join(out)
