@@ -152,7 +152,8 @@ def _blocks(insns: list[Insn]) -> tuple[list[tuple[int, int]], dict[int, list[in
     return blocks, succ
 
 
-def _natural_loops(n: int, succ: dict[int, list[int]]) -> list[set[int]]:
+def _dominators(n: int, succ: dict[int, list[int]]) -> tuple[dict[int, set[int]], dict[int, set[int]]]:
+    """Each block's dominators (block 0 is the entry) and its predecessors."""
     preds: dict[int, set[int]] = collections.defaultdict(set)
     for b, ss in succ.items():
         for x in ss:
@@ -168,6 +169,13 @@ def _natural_loops(n: int, succ: dict[int, list[int]]) -> list[set[int]]:
             new = (set.intersection(*ps) if ps else set()) | {b}
             if new != dom[b]:
                 dom[b], changed = new, True
+    return dom, preds
+
+
+def _loop_bodies(n: int, succ: dict[int, list[int]]) -> tuple[dict[int, set[int]], dict[int, set[int]]]:
+    """Natural loops by header (the blocks that reach a back edge b -> h, h dominating b, without
+    passing through h), and the dominators they were found with."""
+    dom, preds = _dominators(n, succ)
     loops: dict[int, set[int]] = {}
     for b, ss in succ.items():
         for h in ss:
@@ -179,7 +187,11 @@ def _natural_loops(n: int, succ: dict[int, list[int]]) -> list[set[int]]:
                             body.add(p)
                             stack.append(p)
                 loops.setdefault(h, set()).update(body)
-    return list(loops.values())
+    return loops, dom
+
+
+def _natural_loops(n: int, succ: dict[int, list[int]]) -> list[set[int]]:
+    return list(_loop_bodies(n, succ)[0].values())
 
 
 def hmma_loops(text: str) -> list[Loop]:
@@ -213,6 +225,53 @@ def main_loop(loops: list[Loop]) -> Loop:
         raise ValueError("no loop with tensor-core MMAs (HMMA) in this kernel")
     plain = [lp for lp in loops if not lp.nested]
     return (plain or loops)[-1]
+
+
+def iteration_counts(text: str, loop: Loop, hmma: int) -> dict[str, int] | None:
+    """Per-class counts along the longest path through one iteration of `loop` (its header to a
+    back edge) that issues exactly `hmma` HMMAs; None when no path does.
+
+    Where a loop's HMMAs sit in branches picked at run time (a block's head-dim slice, a warp's
+    share of a product), its body holds more HMMAs than one iteration issues, and counting the whole
+    body charges every iteration with all of them. Inner loops count once. Of the paths with the
+    same HMMA count the longest is taken, so other branches still count as if taken (a bound from
+    above, like the whole-body count)."""
+    if not isinstance(loop, Loop):
+        raise TypeError(f"iteration_counts: got {type(loop).__name__}, expected a Loop from hmma_loops")
+    insns = parse(text)
+    blocks, succ = _blocks(insns)
+    bodies, dom = _loop_bodies(len(blocks), succ)
+    heads = [h for h, body in bodies.items() if insns[blocks[min(body)][0]].addr == loop.header_addr]
+    if not heads:
+        raise ValueError(f"iteration_counts: got a loop at 0x{loop.header_addr:04x}, expected one that starts "
+                         f"at one of this listing's loops")
+    head = heads[0]
+    body = bodies[head]
+    counts = {b: collections.Counter(c for ins in insns[blocks[b][0]:blocks[b][1]]
+                                     if (c := classify(ins.op, ins.pred)) is not None) for b in body}
+    # Edges to a dominator are back edges: to the header they end the iteration, to an inner
+    # loop's header they are dropped (its body counts once). What is left is acyclic.
+    forward = {b: [s for s in succ[b] if s in body and s not in dom[b]] for b in body}
+    indegree = collections.Counter(s for b in body for s in forward[b])
+    order, ready = [], [head]
+    while ready:
+        b = ready.pop()
+        order.append(b)
+        for s in forward[b]:
+            indegree[s] -= 1
+            if not indegree[s]:
+                ready.append(s)
+    # best[b][k]: the longest path from the header through b with k HMMAs (k never decreases).
+    best: dict[int, dict[int, collections.Counter]] = {head: {counts[head]["HMMA"]: counts[head]}}
+    for b in order:
+        for s in forward[b]:
+            into = best.setdefault(s, {})
+            for k, c in best.get(b, {}).items():
+                k2, path = k + counts[s]["HMMA"], c + counts[s]
+                if k2 <= hmma and (k2 not in into or sum(path.values()) > sum(into[k2].values())):
+                    into[k2] = path
+    ends = [best[b][hmma] for b in body if head in succ[b] and b in best and hmma in best[b]]
+    return dict(max(ends, key=lambda c: sum(c.values()))) if ends else None
 
 
 def disassemble(cubin: Path | str, kernel: str | None = None) -> str:

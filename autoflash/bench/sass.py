@@ -1,0 +1,544 @@
+"""`python -m autoflash.bench sass`: a static SASS side-by-side of autoflash's default kernels and
+the FlashAttention-2 kernels that torch's CUDA wheel ships (torch SDPA's flash backend), forward and
+backward, bf16, head dims 64 and 128, causal off and on, for an A100 (sm_80) and an H100 (sm_80 and
+sm_90). Needs no GPU.
+
+    python -m autoflash.bench sass [--workdir DIR] [--out DIR] [--torch SPEC]
+
+The first run downloads the torch CUDA wheel from PyPI once (about 1 GB; only libtorch_cuda.so is
+kept, about 0.5 GB) and nvidia-cuda-cuobjdump (a few hundred KB), into --workdir (default
+~/.cache/autoflash/sass-compare). cuobjdump finds FlashAttention-2's kernels in libtorch_cuda.so and
+extracts their cubins; nvdisasm (from the pip-installed CUDA toolkit) disassembles both sides, and
+autoflash.kernels.sass counts the main loop's instructions, per warp and iteration.
+
+The counts are a static proxy, not timings: they cannot see latency hiding, stalls, bank conflicts
+or memory bandwidth, and branches inside a loop count as if taken on every iteration. The table
+goes to stdout and, with a JSON twin, to --out as <date>-sass-<template hash>.{txt,json}."""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import fractions
+import json
+import re
+import shutil
+import stat
+import subprocess
+import sys
+import textwrap
+import time
+import zipfile
+from pathlib import Path
+
+from autoflash.kernels import sass
+
+TARGETS = (("a100", "sm_80"), ("h100", "sm_80"), ("h100", "sm_90"))  # (GPU profile, arch compiled for)
+HEAD_DIMS = (64, 128)
+DTYPE = "bf16"
+
+CAVEAT = ("These are static SASS instruction counts, a proxy, not GPU time. They cannot tell latency hiding, "
+          "warp stalls, shared-memory bank conflicts or memory bandwidth, and a loop's branches count as if "
+          "taken on every iteration.")
+
+# FlashAttention-2's tiles as torch's copy launches them (aten/src/ATen/native/transformers/cuda/
+# flash_attn/flash_{fwd,bwd}_launch_template.h) for bf16 without dropout on compute capability 8.0
+# and 9.0. Forward, Flash_fwd_kernel_traits<d, kBlockM, kBlockN, kNWarps, Is_Q_in_regs,
+# Share_Q_K_smem>: d <= 64 128x128, d <= 128 128x64 (the 128x32 / 64x64 choice is for sm86/sm89).
+FA2_FWD_TRAITS = {64: (64, 128, 128, 4, 0, 0), 128: (128, 128, 64, 4, 0, 0)}
+# Backward, Flash_bwd_kernel_traits<d, kBlockM, kBlockN, kNWarps, AtomLayoutMSdP, AtomLayoutNdKV,
+# AtomLayoutMdQ, Is_V_in_regs, No_double_buffer>: run_mha_bwd_hdim{64,128} take the first with at
+# least 144 KB of opt-in shared memory per block (A100, H100), the second below.
+FA2_BWD_TRAITS = {64: ((64, 128, 128, 8, 4, 4, 4, 0, 0), (64, 64, 128, 8, 2, 4, 4, 1, 0)),
+                  128: ((128, 64, 128, 8, 2, 4, 2, 0, 0), (128, 64, 64, 8, 4, 2, 2, 1, 0))}
+FA2_BWD_BIG_SMEM = 144 * 1024
+# The kernels' bool template arguments, in order. The ones torch runs for SDPA without dropout,
+# window, ALiBi or softcap at sequence lengths that are multiples of the tiles and d = kHeadDim.
+FWD_FLAGS = ("Is_dropout", "Is_causal", "Is_local", "Has_alibi", "Is_even_MN", "Is_even_K", "Is_softcap",
+             "Return_softmax")
+BWD_FLAGS = ("Is_dropout", "Is_causal", "Is_local", "Has_alibi", "Is_even_MN", "Is_even_K", "Is_softcap")
+
+
+def _flags(names: tuple[str, ...], causal: bool) -> tuple[int, ...]:
+    on = {"Is_causal": int(causal), "Is_even_MN": 1, "Is_even_K": 1}
+    return tuple(on.get(n, 0) for n in names)
+
+
+# ---------------------------------------------------------------- FlashAttention-2's mangled names
+
+@dataclasses.dataclass(frozen=True)
+class FlashSymbol:
+    """One pytorch_flash kernel instantiation, read from its Itanium-mangled name."""
+
+    mangled: str
+    kernel: str  # e.g. flash_bwd_dq_dk_dv_loop_seqk_parallel_kernel
+    lead: tuple[int, ...]  # bools before the traits (flash_bwd_dot_do_o_kernel's Clear_dQaccum)
+    traits: tuple[int, ...]  # the traits' int and bool arguments, in order
+    elem: str  # bfloat16_t, half_t
+    flags: tuple[int, ...]  # the kernel's bools after the traits
+
+
+_NAME = re.compile(r"_ZN13pytorch_flash(\d+)")
+_ARGS = re.compile(r"I(?P<lead>(?:Lb[01]E)*)\d+Flash_(?:fwd|bwd)_kernel_traitsI(?P<traits>(?:L[ib]\d+E)+)"
+                   r"N7cutlass\d+(?P<elem>\w+?)E\d+Flash_kernel_traitsI(?:Li\d+E)+S\d*_EE(?P<flags>(?:Lb[01]E)*)EEv")
+_VALUE = re.compile(r"L[ib](\d+)E")
+
+
+def parse_symbol(mangled: str) -> FlashSymbol | None:
+    """The template arguments of a pytorch_flash kernel symbol; None for any other symbol."""
+    m = _NAME.match(mangled)
+    if not m:
+        return None
+    start = m.end()
+    kernel = mangled[start:start + int(m.group(1))]
+    a = _ARGS.match(mangled, start + len(kernel))
+    if not a:
+        return None
+    ints = lambda s: tuple(int(v) for v in _VALUE.findall(s))  # noqa: E731
+    return FlashSymbol(mangled, kernel, ints(a["lead"]), ints(a["traits"]), a["elem"], ints(a["flags"]))
+
+
+@dataclasses.dataclass(frozen=True)
+class Located:
+    elf: str  # the embedded cubin's name as cuobjdump -lelf lists it
+    arch: str
+    symbol: FlashSymbol
+
+
+def pick(index: list[Located], kernel: str, arch: str, traits: tuple[int, ...], flags: tuple[int, ...] | None = None,
+         lead: tuple[int, ...] = ()) -> Located:
+    """The bf16 instantiation of `kernel` with these template arguments for `arch` (the first copy:
+    the same instantiation sits in several translation units' cubins)."""
+    same = [x for x in index if x.arch == arch and x.symbol.kernel == kernel and x.symbol.elem == "bfloat16_t"]
+    for x in same:
+        if x.symbol.traits == traits and x.symbol.lead == lead and (flags is None or x.symbol.flags == flags):
+            return x
+    seen = sorted({(x.symbol.lead, x.symbol.traits, x.symbol.flags) for x in same if x.symbol.traits[0] == traits[0]})
+    raise ValueError(f"no {kernel} for {arch} bf16 with lead {lead}, traits {traits}, flags {flags} in "
+                     f"libtorch_cuda.so; got {seen or 'none at that head dim'}, expected the instantiations of "
+                     f"torch's launch templates (see FA2_FWD_TRAITS, FA2_BWD_TRAITS)")
+
+
+# ---------------------------------------------------------------- tools and the torch library
+
+def _pip_download(requirement: str, dest: Path) -> Path:
+    dest.mkdir(parents=True, exist_ok=True)
+    before = set(dest.glob("*.whl"))
+    subprocess.run([sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:", "--quiet",
+                    "--dest", str(dest), requirement], check=True)
+    new = sorted(set(dest.glob("*.whl")) - before) or sorted(dest.glob("*.whl"))
+    if not new:
+        raise RuntimeError(f"pip download {requirement!r} left no wheel in {dest}")
+    return new[-1]
+
+
+def cuobjdump(workdir: Path) -> Path:
+    """cuobjdump: the pip-installed toolkit's, else the one in workdir/bin, else from PyPI's
+    nvidia-cuda-cuobjdump wheel (unpacked into workdir)."""
+    from cuda.pathfinder import find_nvidia_binary_utility
+
+    found = find_nvidia_binary_utility("cuobjdump")
+    if found:
+        return Path(found)
+    exe = workdir / "bin" / "cuobjdump"
+    if exe.exists():
+        return exe
+    wheel = _pip_download("nvidia-cuda-cuobjdump", workdir / "tools")
+    with zipfile.ZipFile(wheel) as z:
+        member = next((n for n in z.namelist() if n.endswith("/bin/cuobjdump")), None)
+        if member is None:
+            raise RuntimeError(f"{wheel.name} holds no bin/cuobjdump")
+        exe.parent.mkdir(parents=True, exist_ok=True)
+        exe.write_bytes(z.read(member))
+    exe.chmod(exe.stat().st_mode | stat.S_IXUSR | stat.S_IXGRP | stat.S_IXOTH)
+    return exe
+
+
+def nvdisasm_version() -> str:
+    from cuda.pathfinder import find_nvidia_binary_utility
+
+    tool = find_nvidia_binary_utility("nvdisasm")
+    if not tool:
+        raise RuntimeError("nvdisasm not found: install it with `pip install 'cuda-toolkit[nvdisasm]'`")
+    out = subprocess.run([tool, "--version"], capture_output=True, text=True, check=True).stdout
+    m = re.search(r"V(\d+\.\d+\.\d+)", out)
+    return m.group(1) if m else out.strip().splitlines()[-1]
+
+
+@dataclasses.dataclass(frozen=True)
+class TorchLibrary:
+    path: Path
+    version: str  # torch.__version__ of the wheel, e.g. 2.14.1+cu130
+    cuda: str  # torch.version.cuda of the wheel
+
+
+def torch_library(workdir: Path, requirement: str = "torch") -> TorchLibrary:
+    """libtorch_cuda.so of torch's CUDA wheel, downloaded once into workdir/lib (the wheel itself is
+    deleted after the library and torch/version.py are taken out of it)."""
+    lib, info = workdir / "lib" / "libtorch_cuda.so", workdir / "lib" / "torch_version.txt"
+    if not (lib.exists() and info.exists()):
+        wheel = _pip_download(requirement, workdir / "wheel")
+        with zipfile.ZipFile(wheel) as z:
+            names = set(z.namelist())
+            if "torch/lib/libtorch_cuda.so" not in names:
+                raise ValueError(f"--torch: got {wheel.name}, without torch/lib/libtorch_cuda.so; expected a CUDA "
+                                 f"build of torch (PyPI's Linux x86-64 default)")
+            lib.parent.mkdir(parents=True, exist_ok=True)
+            with z.open("torch/lib/libtorch_cuda.so") as src, open(lib, "wb") as dst:
+                shutil.copyfileobj(src, dst, 1 << 24)
+            info.write_bytes(z.read("torch/version.py"))
+        wheel.unlink()
+    text = info.read_text()
+    version = re.search(r"__version__\s*=\s*'([^']+)'", text)
+    cuda = re.search(r"^cuda\b[^=]*=\s*'([^']+)'", text, re.M)
+    return TorchLibrary(lib, version.group(1) if version else "?", cuda.group(1) if cuda else "?")
+
+
+def flash_index(tool: Path, lib: Path) -> list[Located]:
+    """Every pytorch_flash kernel in the library with the embedded cubin that holds it. cuobjdump
+    -symbols lists the cubins' symbol tables in the order -lelf lists their names; the index is
+    cached beside the library (half a minute to build)."""
+    cache = lib.with_name("flash_index.json")
+    key = {"size": lib.stat().st_size, "mtime_ns": lib.stat().st_mtime_ns}
+    if cache.exists():
+        data = json.loads(cache.read_text())
+        if data.get("key") == key:
+            return [Located(e, a, parse_symbol(s)) for e, a, s in data["kernels"]]
+    listing = subprocess.run([str(tool), "-lelf", str(lib)], capture_output=True, text=True, check=True).stdout
+    names = [line.split(":", 1)[1].strip() for line in listing.splitlines() if line.startswith("ELF file")]
+    found, elf, arch = [], -1, None
+    with subprocess.Popen([str(tool), "-symbols", str(lib)], stdout=subprocess.PIPE, text=True) as proc:
+        for line in proc.stdout:
+            if line.startswith("Fatbin elf code"):
+                elf, arch = elf + 1, None
+            elif line.startswith("Fatbin"):  # a PTX entry: no functions of a cubin
+                arch = None
+            elif line.startswith("arch = "):
+                arch = line.split("=", 1)[1].strip()
+            elif arch and line.startswith("FUNC") and "_ZN13pytorch_flash" in line:
+                mangled = line.split()[-1]
+                if parse_symbol(mangled) is not None:
+                    found.append((names[elf], arch, mangled))
+    if proc.returncode or elf + 1 != len(names):
+        raise RuntimeError(f"cuobjdump -symbols listed {elf + 1} cubins where -lelf named {len(names)} "
+                           f"(exit status {proc.returncode}); cannot tell which cubin holds which kernel")
+    cache.write_text(json.dumps({"key": key, "kernels": found}))
+    return [Located(e, a, parse_symbol(s)) for e, a, s in found]
+
+
+class Fa2Cubins:
+    """Embedded cubins taken out of libtorch_cuda.so (once, into workdir/fa2), their disassembly
+    (workdir/sass) and ptxas resource usage."""
+
+    def __init__(self, tool: Path, lib: Path, workdir: Path):
+        self.tool, self.lib = tool, lib
+        self.cubins, self.listings = workdir / "fa2", workdir / "sass"
+        self._text: dict[str, dict[str, str]] = {}
+        self._usage: dict[str, dict[str, dict[str, int]]] = {}
+
+    def extract(self, elfs: set[str]) -> None:
+        missing = sorted(e for e in elfs if not (self.cubins / e).exists())
+        if missing:  # one pass over the 0.5 GB library for all of them
+            self.cubins.mkdir(parents=True, exist_ok=True)
+            subprocess.run([str(self.tool), "-xelf", ",".join(missing), str(self.lib.resolve())],
+                           cwd=self.cubins, check=True, capture_output=True)
+
+    def function(self, at: Located) -> str:
+        if at.elf not in self._text:
+            listing = self.listings / (at.elf + ".sass")
+            if not listing.exists():
+                self.listings.mkdir(parents=True, exist_ok=True)
+                listing.write_text(sass.disassemble(self.cubins / at.elf))
+            self._text[at.elf] = sass.functions(listing.read_text())
+        return self._text[at.elf][at.symbol.mangled]
+
+    def usage(self, at: Located) -> dict[str, int]:
+        """cuobjdump -res-usage of one function: REG, STACK, SHARED, LOCAL, ..."""
+        if at.elf not in self._usage:
+            out = subprocess.run([str(self.tool), "-res-usage", str(self.cubins / at.elf)],
+                                 capture_output=True, text=True, check=True).stdout
+            table, name = {}, None
+            for line in out.splitlines():
+                m = re.match(r"\s*Function (\S+):", line)
+                if m:
+                    name = m.group(1)
+                elif name:
+                    table[name] = {k: int(v) for k, v in re.findall(r"(\w+):(\d+)", line)}
+                    name = None
+            self._usage[at.elf] = table
+        return self._usage[at.elf][at.symbol.mangled]
+
+
+# ---------------------------------------------------------------- the kernels side by side
+
+@dataclasses.dataclass(frozen=True)
+class Kernel:
+    """One kernel of a row: its tile (per block) and what ptxas gave it."""
+
+    who: str  # "FA2" or "autoflash"
+    name: str
+    direction: str
+    head_dim: int  # padded head dim the MMAs run over
+    block_m: int  # forward: query rows per block; backward: query rows per step
+    block_n: int  # forward: keys per step; backward: keys per block
+    warps: int
+    stages: int
+    head_split: int
+    smem: int  # bytes of dynamic shared memory per block
+    registers: int
+    text: str  # nvdisasm listing of the function
+
+    @property
+    def tile(self) -> str:
+        split = f" h{self.head_split}" if self.head_split > 1 else ""
+        return f"{self.block_m}x{self.block_n} w{self.warps} s{self.stages}{split}"
+
+
+def mma_per_warp(k: Kernel) -> tuple[fractions.Fraction, fractions.Fraction]:
+    """(executed, useful) mma.m16n8k16 per warp and main-loop iteration, from the tile.
+
+    Each product of the loop (forward: S = Q K^T, O += P V; backward: S, dP = dO V^T, dV += P^T dO,
+    dK += dS^T Q, dQ += dS K) costs B = block_m * block_n * d / (16 * 8 * 16) MMAs per block. With
+    head_split h, S and dP are computed in full by each of the h blocks sharing a key block while
+    dV, dK, dQ are split: (2 + 3/h) B executed, 5 B / h useful."""
+    b = fractions.Fraction(k.block_m * k.block_n * k.head_dim, 16 * 8 * 16)
+    if k.direction == "fwd":
+        return 2 * b / k.warps, 2 * b / k.warps
+    return (2 + fractions.Fraction(3, k.head_split)) * b / k.warps, 5 * b / (k.head_split * k.warps)
+
+
+def measure(k: Kernel, profile) -> tuple[dict, list[str]]:
+    """One table row for kernel `k` on GPU `profile`, and notes on how its loop was counted."""
+    loop = sass.main_loop(sass.hmma_loops(k.text))
+    executed, useful = mma_per_warp(k)
+    static, notes, how = loop.counts.get("HMMA", 0), [], "loop"
+    counts = loop.counts
+    if static != executed:
+        # HMMAs in branches picked at run time (head slice, warp): one iteration runs fewer of them.
+        path = sass.iteration_counts(k.text, loop, int(executed)) if executed.denominator == 1 else None
+        if path is None:
+            notes.append(f"WARNING {k.name}: the main loop holds {static} HMMA, the tile implies {float(executed):g} "
+                         f"per warp and iteration, and no path through the loop issues that many; the whole loop "
+                         f"is counted")
+        else:
+            counts, how = path, f"path {int(executed)}/{static}"
+            notes.append(f"warning {k.name}: the main loop holds {static} HMMA but one iteration of a warp issues "
+                         f"{int(executed)} (tile: {k.tile}); the others sit in branches taken by other head slices "
+                         f"or warps. Counted: the longest path through the loop that issues {int(executed)}.")
+    row = sass.loop_row(sass.Loop(loop.header_addr, dict(counts), loop.lines, loop.nested))
+    blocks = profile.blocks_per_sm(k.smem, 32 * k.warps, k.registers)
+    out = {"who": k.who, "kernel": k.name, "tile": k.tile, "block_m": k.block_m, "block_n": k.block_n,
+           "warps": k.warps, "stages": k.stages, "head_split": k.head_split, "registers": k.registers,
+           "smem_bytes": k.smem, "blocks_per_sm": blocks, "warps_per_sm": blocks * k.warps, **row,
+           "static_HMMA": static, "counted": how, "counts": dict(counts)}
+    if k.direction == "bwd":
+        total = sum(counts.values())
+        out.update({"useful/iter": float(useful), "recomputed %": 100 * float(1 - useful / executed),
+                    "insns/useful": total / float(useful), "LDSM/useful": counts.get("LDSM", 0) / float(useful)})
+    return out, notes
+
+
+def fa2_kernels(index: list[Located], cubins: Fa2Cubins, arch: str, d: int, causal: bool, profile) -> dict[str, Kernel]:
+    """FA2's forward and backward (with its two helper kernels) for one configuration."""
+    fwd_traits = FA2_FWD_TRAITS[d]
+    big, small = FA2_BWD_TRAITS[d]
+    bwd_traits = big if profile.smem_per_block_optin >= FA2_BWD_BIG_SMEM else small
+    found = {
+        "fwd": pick(index, "flash_fwd_kernel", arch, fwd_traits, _flags(FWD_FLAGS, causal)),
+        "bwd": pick(index, "flash_bwd_dq_dk_dv_loop_seqk_parallel_kernel", arch, bwd_traits, _flags(BWD_FLAGS, causal)),
+        # Clear_dQaccum = true: the non-deterministic default, which zeroes dQaccum in this kernel.
+        "dot_do_o": pick(index, "flash_bwd_dot_do_o_kernel", arch, bwd_traits, (), lead=(1,)),
+        "convert_dq": pick(index, "flash_bwd_convert_dq_kernel", arch, bwd_traits, ()),
+    }
+    cubins.extract({x.elf for x in found.values()})
+    _, m, n, w, *_ = fwd_traits
+    # kernel_traits.h: kSmemSize = Q (kBlockM x d) + K and V (kBlockN x d each), 2-byte elements.
+    fwd = Kernel("FA2", "FA2 flash_fwd_kernel", "fwd", d, m, n, w, 1, 1, (m + 2 * n) * d * 2,
+                 cubins.usage(found["fwd"])["REG"], cubins.function(found["fwd"]))
+    _, m, n, w, _, _, _, v_in_regs, single = bwd_traits
+    # kSmemSize1colblock: Q (double-buffered unless No_double_buffer) and dO, K and V, dS and P.
+    qdo, kv, pds = m * d * 2 * (2 if single else 3), 2 * n * d * 2, m * n * 2
+    smem = qdo + (kv + 2 * pds if not v_in_regs else max(kv, kv // 2 + 2 * pds))
+    bwd = Kernel("FA2", "FA2 flash_bwd_dq_dk_dv_loop_seqk_parallel_kernel", "bwd", d, m, n, w, 1 if single else 2, 1,
+                 smem, cubins.usage(found["bwd"])["REG"], cubins.function(found["bwd"]))
+    helpers = {key: Kernel("FA2", f"FA2 flash_bwd_{key}_kernel", "helper", d, m, n, w, 1, 1, 0,
+                           cubins.usage(found[key])["REG"], cubins.function(found[key]))
+               for key in ("dot_do_o", "convert_dq")}
+    return {"fwd": fwd, "bwd": bwd, **helpers, "symbols": {k: v.symbol.mangled for k, v in found.items()}}
+
+
+def our_kernels(arch: str, d: int, causal: bool, profile) -> dict[str, Kernel]:
+    from autoflash.kernels.compiler import compile_config, parse_ptxas_report
+    from autoflash.kernels.defaults import default_backward_config, default_config
+
+    out = {}
+    for key, cfg in (("fwd", default_config(d, DTYPE, causal, profile)),
+                     ("bwd", default_backward_config(d, DTYPE, causal, profile))):
+        compiled = compile_config(cfg, arch)
+        functions = sass.functions(sass.disassemble(compiled.cubin_path))
+        out[key] = Kernel("autoflash", cfg.name, cfg.direction, cfg.head_dim_padded, cfg.block_m, cfg.block_n,
+                          cfg.num_warps, cfg.num_stages, cfg.head_split, cfg.smem_bytes,
+                          compiled.resources.registers, functions[cfg.name])
+        if cfg.direction == "bwd":
+            delta = f"{cfg.name}_delta"
+            out["delta"] = dataclasses.replace(out[key], name=delta, direction="helper", text=functions[delta],
+                                               registers=parse_ptxas_report(compiled.log, delta).registers)
+    return out
+
+
+def instruction_total(text: str) -> int:
+    """Static instructions of a whole function, without the NOP padding after its end."""
+    return sum(1 for i in sass.parse(text) if i.op != "NOP" and sass.classify(i.op, i.pred) is not None)
+
+
+# ---------------------------------------------------------------- tables
+
+FWD_COLUMNS = (("config", "config"), ("kernel", "kernel"), ("tile (m x n, warps, stages)", "tile"),
+               ("regs", "registers"), ("smem KB", "smem KB"), ("blocks(warps)/SM", "occupancy"),
+               ("HMMA/iter", "HMMA/iter"), ("insns/HMMA", "insns/HMMA"), ("LDSM/HMMA", "LDSM/HMMA"),
+               ("int/HMMA", "int/HMMA"), ("FP+MUFU/HMMA", "FP+MUFU/HMMA"), ("LDGSTS/HMMA", "LDGSTS/HMMA"),
+               ("LDL+STL/iter", "spill/iter"), ("BAR/iter", "BAR/iter"))
+BWD_COLUMNS = FWD_COLUMNS[:6] + (
+    ("HMMA/iter", "HMMA/iter"), ("useful/iter", "useful/iter"), ("recomputed %", "recomputed %"),
+    ("insns/useful", "insns/useful"), ("LDSM/useful", "LDSM/useful")) + FWD_COLUMNS[7:] + (("counted", "counted"),)
+HELPER_COLUMNS = (("config", "config"), ("kernel", "kernel"), ("regs", "registers"), ("insns", "insns"))
+
+
+def _cell(v) -> str:
+    if isinstance(v, float):
+        return "-" if v != v else (f"{v:.0f}" if v == int(v) and abs(v) >= 10 else f"{v:.3g}" if v < 10 else f"{v:.1f}")
+    return str(v)
+
+
+def table(rows: list[dict], columns) -> str:
+    """Rows as a text table: numbers right-aligned, words left-aligned."""
+    cells = [[h for h, _ in columns]] + [[_cell(r.get(key, "")) for _, key in columns] for r in rows]
+    widths = [max(len(row[i]) for row in cells) for i in range(len(columns))]
+    numeric = [all(isinstance(r.get(key), (int, float)) for r in rows) for _, key in columns]
+    lines = [" | ".join(c.rjust(w) if num else c.ljust(w) for c, w, num in zip(row, widths, numeric)).rstrip()
+             for row in cells]
+    lines.insert(1, "-+-".join("-" * w for w in widths))
+    return "\n".join(lines)
+
+
+def source() -> str:
+    """autoflash's version, and the git commit of its checkout when it is one, with the tracked files
+    that differ from it (the figures are of the files on disk)."""
+    import autoflash
+
+    here = Path(autoflash.__file__).resolve().parent.parent
+    try:
+        git = lambda *a: subprocess.run(["git", *a], cwd=here, capture_output=True, text=True,  # noqa: E731
+                                        check=True).stdout
+        commit, changed = git("rev-parse", "--short", "HEAD").strip(), git("diff", "--name-only", "HEAD").split()
+    except (OSError, subprocess.CalledProcessError):  # an installed package: no checkout to name
+        return autoflash.__version__
+    if not changed:
+        return f"{autoflash.__version__}, git {commit}"
+    more = f" and {len(changed) - 6} more" if len(changed) > 6 else ""
+    return f"{autoflash.__version__}, git {commit} with uncommitted changes to {', '.join(changed[:6])}{more}"
+
+
+def collect(workdir: Path, requirement: str, log=print) -> dict:
+    """Every row of the report, with the versions that made it."""
+    from autoflash.kernels.compiler import nvrtc_version
+    from autoflash.kernels.codegen import template_hash
+    from autoflash.kernels.gpus import get_profile
+
+    library = torch_library(workdir, requirement)
+    tool = cuobjdump(workdir)
+    log(f"torch {library.version} (CUDA {library.cuda}): {library.path}; indexing its FlashAttention kernels")
+    index = flash_index(tool, library.path)
+    cubins = Fa2Cubins(tool, library.path, workdir)
+    report = {"torch": library.version, "torch_cuda": library.cuda, "autoflash": source(), "nvrtc": nvrtc_version(),
+              "nvdisasm": nvdisasm_version(), "template_hash": template_hash(), "caveat": CAVEAT,
+              "forward": [], "backward": [], "helpers": [], "notes": [], "fa2_symbols": {}}
+    for gpu, arch in TARGETS:
+        profile = get_profile(gpu)
+        for d in HEAD_DIMS:
+            for causal in (False, True):
+                config = f"{gpu} {arch} d{d}{' causal' if causal else ''}"
+                fa2, ours = fa2_kernels(index, cubins, arch, d, causal, profile), our_kernels(arch, d, causal, profile)
+                report["fa2_symbols"][config] = fa2["symbols"]
+                for direction, key in (("fwd", "forward"), ("bwd", "backward")):
+                    for k in (fa2[direction], ours[direction]):
+                        row, notes = measure(k, profile)
+                        row.update(config=config, gpu=gpu, arch=arch, head_dim=d, causal=causal,
+                                   occupancy=f"{row['blocks_per_sm']}({row['warps_per_sm']})",
+                                   **{"smem KB": round(k.smem / 1024, 1)})
+                        report[key].append(row)
+                        report["notes"] += [f"{config}: {n}" for n in notes]
+                for k in (fa2["dot_do_o"], fa2["convert_dq"], ours["delta"]):
+                    report["helpers"].append({"config": config, "kernel": k.name, "registers": k.registers,
+                                              "insns": instruction_total(k.text)})
+    return report
+
+
+LEGEND = """\
+FA2 kernels (bool template arguments: dropout, window, ALiBi, softcap off; Is_even_MN and Is_even_K on, as torch
+runs them at sequence lengths that are multiples of the tiles): forward flash_fwd_kernel with
+Flash_fwd_kernel_traits<64,128,128,4> and <128,128,64,4>; backward flash_bwd_dq_dk_dv_loop_seqk_parallel_kernel
+with Flash_bwd_kernel_traits<64,128,128,8,4,4,4,false,false> and <128,64,128,8,2,4,2,false,false>, torch's choice
+with >= 144 KB of shared memory per block (A100, H100). FA2 smem from kernel_traits.h (kSmemSize,
+kSmemSize1colblock); FA2's backward double-buffers Q (s2), not dO. h100 sm_80 rows: sm_80 code, H100 limits.
+Columns: HMMA = mma.m16n8k16; int = integer/address + MOV + uniform; LDL+STL = spill traffic in the loop;
+blocks(warps)/SM from shared memory, registers and threads on the row's GPU. Backward: useful = the MMAs of S, dP,
+dV, dK, dQ once each (5 B / h per block, B = block_m * block_n * d / 2048); recomputed % = 1 - useful / executed
+(autoflash's head_split h recomputes S and dP in each of its h blocks). counted: 'loop' = every instruction of the
+loop body once; 'path E/S' = the longest path through one iteration that issues the E HMMAs the tile implies,
+where the body holds S (branches picked by head slice or warp)."""
+HELPERS = """\
+BACKWARD helper kernels: static instructions of the whole function (FA2: dot(dO, O), which also zeroes dQaccum,
+and dQaccum -> dQ; autoflash: delta = rowsum(dO * O); autoflash zeroes dq_accum and converts dQ with torch ops)
+"""
+
+
+def render(report: dict, command: str, date: str) -> str:
+    head = [
+        "Static SASS side-by-side: FlashAttention-2 in torch's CUDA wheel (torch SDPA's flash backend) vs autoflash's",
+        f"default configs, {DTYPE}, per warp and main-loop iteration (autoflash.kernels.sass.main_loop).",
+        f"command:    {command}",
+        f"date:       {date}",
+        f"torch:      {report['torch']} (CUDA {report['torch_cuda']}), libtorch_cuda.so from the PyPI wheel",
+        f"autoflash:  {report['autoflash']}    template hash: {report['template_hash']}",
+        f"NVRTC:      {report['nvrtc']}    nvdisasm: {report['nvdisasm']}",
+        "",
+        textwrap.fill(CAVEAT, 115),
+        "",
+        LEGEND,
+    ]
+    parts = ["\n".join(head), "FORWARD\n" + table(report["forward"], FWD_COLUMNS),
+             "BACKWARD (dK, dV, dQ kernel)\n" + table(report["backward"], BWD_COLUMNS),
+             HELPERS + table(report["helpers"], HELPER_COLUMNS)]
+    if report["notes"]:
+        parts.append("NOTES\n" + "\n".join(textwrap.fill(n, 115, subsequent_indent="  ") for n in report["notes"]))
+    return "\n\n".join(parts) + "\n"
+
+
+def make_parser() -> argparse.ArgumentParser:
+    from autoflash.kernels.compiler import cache_dir
+
+    p = argparse.ArgumentParser(prog="python -m autoflash.bench sass", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--workdir", type=Path, default=cache_dir() / "sass-compare",
+                   help="where the downloaded library, cuobjdump and extracted cubins are kept "
+                   "(default: %(default)s)")
+    p.add_argument("--out", type=Path, default=Path("bench/results/static"),
+                   help="directory for <date>-sass-<template hash>.{txt,json} (default: %(default)s)")
+    p.add_argument("--torch", default="torch", metavar="SPEC",
+                   help="the pip requirement of the wheel to download on the first run (default: torch)")
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = make_parser().parse_args(argv)
+    command = " ".join(["python -m autoflash.bench sass", *(sys.argv[2:] if argv is None else argv)])
+    report = collect(args.workdir.expanduser(), args.torch, log=lambda s: print(s, file=sys.stderr))
+    date = time.strftime("%Y-%m-%d")
+    text = render(report, command, time.strftime("%Y-%m-%dT%H:%M:%S%z"))
+    print(text, end="")
+    args.out.mkdir(parents=True, exist_ok=True)
+    stem = args.out / f"{date}-sass-{report['template_hash'][:8]}"
+    stem.with_suffix(".txt").write_text(text)
+    stem.with_suffix(".json").write_text(json.dumps({"command": command, "date": date, **report}, indent=1) + "\n")
+    print(f"wrote {stem}.txt and .json", file=sys.stderr)
+    return 0
