@@ -21,7 +21,7 @@ ARCH_PROFILES = {"sm_80": get_profile("a100"), "sm_90": get_profile("h100")}
 TC_TILES = ((64, 64, 4, 1), (128, 64, 8, 2), (64, 80, 2, 3), (128, 32, 4, 2))
 SIMT_TILES = ((32, 32, 4, 2), (16, 16, 4, 1), (64, 48, 4, 2))
 # backward (block_m, block_n, num_warps, num_stages, head_split)
-BWD_TILES = ((32, 64, 4, 2, 1), (16, 128, 8, 1, 2))
+BWD_TILES = ((32, 64, 4, 2, 1), (64, 128, 8, 1, 2))
 BWD_SIMT_TILES = ((32, 32, 4, 2, 1), (16, 64, 4, 1, 1))
 STATIC_SMEM_LIMIT = 48 * 1024  # the most a kernel may declare statically
 

@@ -47,8 +47,9 @@ def test_frozen():
         (dict(direction="dq"), ValueError, "direction: got 'dq'"),
         (dict(direction="bwd", dtype="fp32", block_n=256), ValueError, "fp32 SIMT backward"),
         (dict(direction="bwd", dtype="fp32", block_n=16, head_split=2), ValueError, "the fp32 backward takes 1"),
-        (dict(direction="bwd", block_n=64, num_warps=8), ValueError, "block_n divisible by 16 \\* num_warps = 128"),
-        (dict(direction="bwd", block_m=48, block_n=128, num_warps=2), ValueError, "3 query tiles"),
+        (dict(direction="bwd", block_m=16, block_n=16, num_warps=8), ValueError, "no warp layout of 8 warps for dK, dV"),
+        (dict(direction="bwd", block_m=48, block_n=128, num_warps=2), ValueError, "no warp layout of 2 warps"),
+        (dict(direction="bwd", head_dim=96, head_split=2), ValueError, "each slice must be a whole number of 64"),
         # Br not divisible by the warps' rows: 8 warps x 16 rows = 128
         (dict(block_m=64, num_warps=8), ValueError, "block_m divisible by 16 \\* num_warps = 128"),
         # SIMT: 128 threads over 64 rows is fine, over 256 rows is not
@@ -87,7 +88,11 @@ def test_backward_names_and_smem():
     assert KernelConfig.from_name(cfg.name) == cfg
     row = 128 * 2
     assert cfg.smem_layout == {"k": 128 * row, "v": 128 * row, "q": 2 * 64 * row, "dout": 2 * 64 * row,
-                               "ds": 64 * 128 * 2, "lse": 2 * 64 * 4, "delta": 2 * 64 * 4}
+                               "ds": 64 * 128 * 2, "p": 64 * 128 * 2, "lse": 2 * 64 * 4, "delta": 2 * 64 * 4}
+    # FA2's 2D tiling, by counting: S/dP 2 x 4 warps (32 x 32 each), dK/dV 2 x 4 (64 keys x 32 columns),
+    # dQ 2 x 4; each at the fewest ldmatrix per MMA its registers allow
+    lay = cfg.backward_layout
+    assert (lay.s, lay.kv, lay.q, lay.kv_offset, lay.q_offset) == ((2, 4), (2, 4), (2, 4), True, True)
 
 
 def test_check_fits():

@@ -30,6 +30,99 @@ def _require_int(field: str, value: Any) -> None:
         raise TypeError(f"KernelConfig.{field}: got {value!r} ({type(value).__name__}), expected an int")
 
 
+def _offsettable(chunks: int) -> bool:
+    """A runtime offset of this many 16-byte chunks keeps swizzled ldmatrix addresses one XOR and one
+    add (TileLane.column): a power of two up to 8, or whole 8-chunk blocks."""
+    return chunks > 0 and (chunks % 8 == 0 or 8 % chunks == 0)
+
+
+def _ldsm_per_mma(rows: int, cols: int) -> float:
+    """ldmatrix.x4 per mma.m16n8k16 for a warp tile rows x cols with both operands from shared
+    memory: per k16 step rows/16 A loads and cols/16 B loads feed (rows/16) * (cols/8) MMAs."""
+    a, b = rows // 16, cols // 16
+    return (a + b) / (2 * a * b)
+
+
+def _split(warps: int, m: int, n: int, limit: int, *, m_cols: bool | None = None,
+           n_cols: bool | None = None) -> tuple[int, int, bool] | None:
+    """(warps along m, warps along n, n by offset) for an m x n product, with the fewest ldmatrix
+    per MMA among the splits whose fp32 accumulators per warp stay within `limit` elements.
+
+    Where a dimension is the column dimension of a shared-memory tile (m_cols / n_cols not None),
+    a warp's share starts at a run-time column: for whole-8-chunk tiles (the flag) with an
+    offsettable chunk count per warp that is one XOR and one add (TileLane.column). Otherwise the m
+    split is refused, and the n split interleaves: warp w takes the 16-column pairs p with
+    p % warps_n == w, read at compile-time columns under a warp-uniform branch."""
+    best = None
+    for wm in (w for w in (1, 2, 4, 8, 16) if warps % w == 0):
+        wn = warps // wm
+        if m % (16 * wm) or n % 16:
+            continue
+        tm = m // wm
+        if wm > 1 and m_cols is not None and not (m_cols and _offsettable(tm // 8)):
+            continue
+        offset = n % (16 * wn) == 0 and (wn == 1 or n_cols is None or (n_cols and _offsettable(n // wn // 8)))
+        if not offset and (n_cols is None or (n // 16) < wn):
+            continue  # interleaving is for head-dim columns, and every warp needs a pair
+        tn = n // wn if offset else 16 * -(-(n // 16) // wn)
+        if tm * tn > limit:
+            continue
+        key = (_ldsm_per_mma(tm, tn), not offset, -tm)
+        if best is None or key < best[0]:
+            best = (key, (wm, wn, offset))
+    return None if best is None else best[1]
+
+
+@dataclasses.dataclass(frozen=True)
+class BackwardLayout:
+    """Warp layouts of the tensor-core backward (FlashAttention-2's 2D tiling, chosen by counting).
+
+    s:  (warps along queries, warps along keys) for S = Q K^T and dP = dO V^T
+    kv: (warps along keys, warps along the head dim) for dV += P^T dO and dK += dS^T Q
+    q:  (warps along queries, warps along the head dim) for dQ = dS K
+    kv_offset, q_offset: whether the head-dim share of a warp is a contiguous run of columns
+    (else interleaved 16-column pairs, see _split).
+    Each is the split with the fewest ldmatrix per MMA whose fp32 accumulators fit: a warp's tiles
+    of dK (= dV) and S (= dP) hold at most 3072 elements together (dK, dV, S, dP: 192 registers a
+    thread), each at most 2048. FlashAttention-2's sm80 choices sit at that bound: d = 64 with
+    128 x 128 tiles, d = 128 with 64 x 128 (csrc/flash_attn/src/flash_bwd_launch_template.h)."""
+
+    s: tuple[int, int]
+    kv: tuple[int, int]
+    q: tuple[int, int]
+    kv_offset: bool
+    q_offset: bool
+
+
+_ACC_LIMIT, _ACC_TOTAL = 2048, 3072  # fp32 accumulator elements per warp (32 threads)
+
+
+def _backward_layout(block_m: int, block_n: int, d_slice: int, warps: int) -> BackwardLayout:
+    d_cols = d_slice % 64 == 0      # head-dim columns: whole 8-chunk blocks (16-bit elements)
+    key_cols = block_n % 64 == 0    # keys are the columns of the P and dS tiles
+    kv = _split(warps, block_n, d_slice, _ACC_LIMIT, m_cols=key_cols, n_cols=d_cols)
+    if kv is None:
+        raise ValueError(
+            f"KernelConfig (backward): no warp layout of {warps} warps for dK, dV of {block_n} keys x {d_slice} "
+            f"head-dim columns: expected warp tiles of whole 16 x 16 blocks with at most {_ACC_LIMIT} fp32 "
+            f"accumulators each (block_n a multiple of 16 per warp along the keys; more warps or fewer keys)"
+        )
+    kv_elems = (block_n // kv[0]) * (d_slice // kv[1] if kv[2] else 16 * -(-(d_slice // 16) // kv[1]))
+    s = _split(warps, block_m, block_n, min(_ACC_LIMIT, _ACC_TOTAL - kv_elems))
+    if s is None:
+        raise ValueError(
+            f"KernelConfig (backward): no warp layout of {warps} warps for S, dP of {block_m} queries x {block_n} "
+            f"keys fits the registers left beside dK, dV; use a smaller block_m"
+        )
+    q = _split(warps, block_m, d_slice, _ACC_LIMIT, n_cols=d_cols)
+    if q is None:
+        raise ValueError(
+            f"KernelConfig (backward): no warp layout of {warps} warps for dQ of {block_m} queries x {d_slice} "
+            f"head-dim columns; use block_m a multiple of 16"
+        )
+    return BackwardLayout(s[:2], kv[:2], q[:2], kv[2], q[2])
+
+
 @dataclasses.dataclass(frozen=True)
 class KernelConfig:
     """A fully resolved kernel: tile shape Br x Bc (block_m x block_n), warps, pipeline depth.
@@ -115,27 +208,23 @@ class KernelConfig:
             if self.head_split != 1:
                 raise ValueError(f"KernelConfig.head_split: got {self.head_split}; the fp32 backward takes 1")
             return
-        keys = MMA_M * self.num_warps
-        if self.block_n % keys:
+        slice_cols = self.head_dim_padded // self.head_split
+        if self.head_dim_padded % self.head_split or (self.head_split > 1 and not _offsettable(slice_cols // 8)):
             raise ValueError(
-                f"KernelConfig.block_n: got {self.block_n} with {self.num_warps} warps; the backward needs "
-                f"block_n divisible by 16 * num_warps = {keys} (each warp owns 16k keys)"
+                f"KernelConfig.head_split: got {self.head_split} for head_dim {self.head_dim}; each slice must be "
+                f"a whole number of 64-column blocks or a power-of-two number of 8-column chunks dividing 64 "
+                f"(padded head dim {self.head_dim_padded})"
             )
-        pairs = self.head_dim_padded // MMA_K
-        if pairs % self.head_split:
-            raise ValueError(
-                f"KernelConfig.head_split: got {self.head_split} for head_dim {self.head_dim}; expected a divisor "
-                f"of its {pairs} column pairs of 16"
-            )
-        m_tiles = self.block_m // MMA_M
-        warps_q = min(self.num_warps, m_tiles)
-        if self.num_warps % warps_q or m_tiles % warps_q:
-            raise ValueError(
-                f"KernelConfig (backward): block_m={self.block_m} gives {m_tiles} query tiles of 16, which "
-                f"{self.num_warps} warps cannot share evenly for dQ; expected a count dividing or divided by num_warps"
-            )
+        self.backward_layout  # raises ValueError when no warp layout fits these tiles
 
     # ---- derived facts (all pure functions of the fields) ----
+    @property
+    def backward_layout(self) -> "BackwardLayout":
+        """Tensor-core backward: how the warps share each product (see BackwardLayout)."""
+        if self.direction != "bwd" or not self.tensor_cores:
+            raise ValueError(f"{self.name}: only the tensor-core backward has a warp layout")
+        return _backward_layout(self.block_m, self.block_n, self.head_dim_padded // self.head_split, self.num_warps)
+
     @property
     def name(self) -> str:
         causal = "_causal" if self.causal else ""
@@ -183,6 +272,7 @@ class KernelConfig:
                 "q": self.num_stages * self.block_m * row,
                 "dout": self.num_stages * self.block_m * row,
                 "ds": self.block_m * self.block_n * self.elem_bytes,
+                **({"p": self.block_m * self.block_n * self.elem_bytes} if self.tensor_cores else {}),
                 "lse": self.num_stages * self.block_m * 4,
                 "delta": self.num_stages * self.block_m * 4,
             }

@@ -88,13 +88,14 @@ def _first_fitting(candidates, profile: GpuProfile, what: str) -> KernelConfig:
 def _backward_candidates(head_dim: int, dtype: str):
     """(block_m, block_n, num_warps, head_split) for the backward, in order of preference.
 
-    FA2's sm80 backward keeps 128 keys per block with 8 warps where shared memory allows, else 64
-    (csrc/flash_attn/src/flash_bwd_launch_template.h). Here each warp owns 16 of the block's keys
-    and holds their dK, dV rows for the whole head dim in registers, so ptxas sets the rest: past
-    d = 64 the head dim is split over 2 or 4 blocks (head_split) and the query step shrinks to 32
-    or 16 rows; these choices compile without spills on sm_80 and sm_90 (tests/test_compile.py).
-    Head dims whose 16-column pairs the preferred splits do not divide (136, 144, 176, 208, 224, 240, ...)
-    fall back to a split of 2 or none: correct, but ptxas spills there (a gap for the backward retile)."""
+    Tensor cores: FlashAttention-2's sm80 tiles (csrc/flash_attn/src/flash_bwd_launch_template.h:
+    d <= 64 128 x 128 with 8 warps, d <= 128 64 x 128 or 128 x 64, larger d 64 x 64) in its 2D warp
+    tiling (KernelConfig.backward_layout), never a head_split (no recomputed MMA). The first choice
+    of each range compiles without spills on sm_80 and sm_90 (tests/test_compile.py) except where
+    noted: d = 40, 48 take 64 x 128, d = 104, 112 take 64 x 64, d = 168 takes 32 x 32; d = 128 takes
+    128 x 64 rather than 64 x 128, which spills outside its main loop on both archs. d = 232 and 240
+    still spill a few bytes on sm_80 (a gap for tuning). Smaller tiles follow for GPUs with less
+    shared memory."""
     if dtype == "fp32":  # SIMT: 4 threads share a key row up to d = 128, then 8 (registers)
         for warps in (4, 2):  # 2 warps: half the keys per block, for head dims like 152 on 99 KB GPUs
             for tpr in ((4, 2, 1) if head_dim <= 128 else (8, 4, 2)):
@@ -103,17 +104,19 @@ def _backward_candidates(head_dim: int, dtype: str):
                         yield block_m, 32 * warps // tpr, warps, 1
         return
     if head_dim <= 64:
-        prefs = [(32, 1)]
+        if head_dim not in (40, 48):
+            yield 128, 128, 8, 1
+        yield 64, 128, 8, 1
     elif head_dim <= 128:
-        prefs = [(32, 2), (16, 1)]
-    elif head_dim <= 160:
-        prefs = [(16, 2), (16, 4)]
-    else:
-        prefs = [(16, 4), (16, 8)]
-    prefs += [p for p in ((16, 2), (16, 1)) if p not in prefs]
-    for block_n, warps in ((128, 8), (64, 4)):
-        for block_m, split in prefs:
-            yield block_m, block_n, warps, split
+        if head_dim not in (104, 112):
+            yield 128, 64, 8, 1
+        yield 64, 64, 8, 1
+    if head_dim != 168:
+        yield 32, 64, 8, 1
+    yield 64, 64, 4, 1
+    yield 32, 64, 4, 1
+    yield 32, 32, 4, 1
+    yield 16, 32, 2, 1
 
 
 @functools.lru_cache(maxsize=None)

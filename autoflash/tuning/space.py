@@ -23,14 +23,15 @@ FORWARD_KNOBS = {
     "num_stages": (1, 2, 3),
 }
 BACKWARD_KNOBS = {
-    "block_m": (16, 32, 48, 64),
-    "block_n": (32, 64, 96, 128, 192, 256),
+    "block_m": (16, 32, 64, 128),
+    "block_n": (32, 64, 128),
     "num_warps": (2, 4, 8),
     "num_stages": (1, 2),
-    "head_split": (1, 2, 4, 8),
+    "head_split": (1, 2, 4),
 }
-# Rows of the tile each warp owns (forward: query rows; backward: keys). FA2 gives a warp 16 rows
-# (128 x 8 warps, 64 x 4); 32 and 48 trade registers for fewer warps.
+# Query rows of the forward's tile each warp owns. FA2 gives a warp 16 or 32 rows (128 x 8 warps,
+# 128 x 4); 48 trades registers for fewer warps. (The backward's warp tiles come from
+# KernelConfig.backward_layout.)
 ROWS_PER_WARP = (16, 32, 48)
 # ptxas allots at most 255 registers a thread; tiles whose fp32 accumulators alone take more than
 # this many are certain to spill and are dropped before compiling.
@@ -44,22 +45,29 @@ def knobs(key: ProblemKey) -> dict[str, tuple[int, ...]]:
 def accumulator_registers(config: KernelConfig) -> int | None:
     """fp32 accumulator registers per thread of a tensor-core tile (None for the SIMT path).
 
-    Forward: a warp's O (rows x d) and S (rows x block_n). Backward: a warp's dK and dV (keys x its
-    head-dim slice) and S, dP (keys x block_m). 32 threads share a warp's accumulators."""
+    Forward: a warp's O (rows x d) and S (rows x block_n). Backward: a warp's tiles of dK and dV
+    (keys x head dim) and of S and dP (queries x keys), from KernelConfig.backward_layout. 32
+    threads share a warp's accumulators."""
     if not config.tensor_cores:
         return None
     if config.direction == "fwd":
         rows = config.block_m // config.num_warps
         return rows * (config.head_dim_padded + config.block_n) // 32
-    keys = config.block_n // config.num_warps
-    return keys * 2 * (config.head_dim_padded // config.head_split + config.block_m) // 32
+    lay = config.backward_layout
+    d_slice = config.head_dim_padded // config.head_split
+    kv_cols = d_slice // lay.kv[1] if lay.kv_offset else 16 * -(-(d_slice // 16) // lay.kv[1])
+    kv = (config.block_n // lay.kv[0]) * kv_cols
+    s = (config.block_m // lay.s[0]) * (config.block_n // lay.s[1])
+    return 2 * (kv + s) // 32
 
 
 def _plausible(config: KernelConfig) -> bool:
     """The filter of the comprehension: a sensible warp layout and accumulators that can fit."""
     if not config.tensor_cores:
         return True
-    rows = (config.block_n if config.direction == "bwd" else config.block_m) // config.num_warps
+    if config.direction == "bwd":  # the layout already keeps accumulators within 192 registers
+        return True
+    rows = config.block_m // config.num_warps
     return rows in ROWS_PER_WARP and accumulator_registers(config) <= ACCUMULATOR_REGISTER_LIMIT
 
 

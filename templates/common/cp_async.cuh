@@ -20,6 +20,14 @@ __device__ __forceinline__ void cp_async_16_full(void* smem_dst, const void* gme
   asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" :: "r"(smem_u32(smem_dst)), "l"(gmem_src));
 }
 
+// Copies 4 bytes (an fp32 row statistic), or writes 4 zero bytes when !valid. .ca: 4-byte copies
+// go through L1 (.cg takes only 16).
+__device__ __forceinline__ void cp_async_4(void* smem_dst, const void* gmem_src, bool valid) {
+  const int src_bytes = valid ? 4 : 0;
+  asm volatile("cp.async.ca.shared.global [%0], [%1], 4, %2;\n"
+               :: "r"(smem_u32(smem_dst)), "l"(gmem_src), "r"(src_bytes));
+}
+
 // Closes the current group of copies; an empty group is legal and keeps the group count uniform.
 __device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::); }
 

@@ -54,6 +54,16 @@ struct TileLane {
     t.a8 += bytes; t.a4 += bytes; t.a2 += bytes;
     return t;
   }
+  // The same lane's view with chunk `chunk0` (known only at run time: a warp's share of the
+  // columns) as chunk 0. The tile must be all 8-wide blocks, and chunk0 a multiple of the chunks
+  // read past it when those are fewer than 8 (a power of two), so the offset's low bits never meet
+  // theirs: the swizzle XOR and the block offset then apply to the base once.
+  __device__ __forceinline__ TileLane column(int chunk0) const {
+    static_assert(CHUNKS % 8 == 0, "run-time column offsets need a tile of 8-chunk blocks");
+    TileLane t = *this;
+    t.a8 = (a8 ^ ((chunk0 & 7) << 4)) + ROWS * (chunk0 & ~7) * 16;
+    return t;
+  }
   // Address of even chunk `chunk` (plus the sub-chunk) of row `row + row_add`. Both arguments are
   // compile-time constants; row_add is a multiple of 8, which leaves the swizzle unchanged.
   __device__ __forceinline__ uint32_t at(int chunk, int row_add) const {

@@ -201,10 +201,10 @@ void release_barrier(Worker& w) {
 
 void land(Worker& w, Fiber& f, std::vector<Copy>& group) {
   for (const Copy& c : group) {
-    if (c.valid) std::memcpy(c.dst, c.src, 16);
-    else std::memset(c.dst, 0, 16);
+    if (c.valid) std::memcpy(c.dst, c.src, c.bytes);
+    else std::memset(c.dst, 0, c.bytes);
 #if EMU_SANITIZE
-    mark_landed(size_t(c.dst - w.window), f);
+    mark_landed(size_t(c.dst - w.window), c.bytes, f);
 #else
     (void)w; (void)f;
 #endif
@@ -364,21 +364,21 @@ void mma_16816(float (&d)[4], const uint32_t (&a)[4], uint32_t b0, uint32_t b1, 
   for (int i = 0; i < 4; ++i) d[i] = f.of[i];
 }
 
-void cp_async_16(void* dst, const void* src, bool valid) {
+void cp_async(void* dst, const void* src, int bytes, bool valid) {
   Worker& w = *tw;
   const void* pc = __builtin_return_address(0);
-  const size_t off = window_offset(dst, 16, pc, "cp.async destination");
+  const size_t off = window_offset(dst, bytes, pc, "cp.async destination");
   if (off == SIZE_MAX) return;
 #if EMU_SANITIZE
-  if (off % 16) report("misaligned", pc, fmt("cp.async destination at shared offset %zu (not a multiple of 16)", off));
+  if (off % bytes) report("misaligned", pc, fmt("cp.async destination at shared offset %zu (not a multiple of %d)", off, bytes));
   if (valid) {
-    if (reinterpret_cast<uintptr_t>(src) % 16) report("misaligned", pc, "cp.async source address not a multiple of 16");
-    else global_access(src, 16, false, pc);
+    if (reinterpret_cast<uintptr_t>(src) % bytes) report("misaligned", pc, fmt("cp.async source address not a multiple of %d", bytes));
+    else global_access(src, bytes, false, pc);
   }
-  shared_access(off, 16, true, pc, "cp.async");
-  mark_pending(off);
+  shared_access(off, bytes, true, pc, "cp.async");
+  mark_pending(off, bytes);
 #endif
-  w.cur->open.push_back({w.window + off, static_cast<const unsigned char*>(src), valid});
+  w.cur->open.push_back({w.window + off, static_cast<const unsigned char*>(src), valid, static_cast<unsigned char>(bytes)});
 }
 
 void cp_async_commit() {

@@ -18,7 +18,7 @@ void syncwarp(unsigned mask);
 float shfl_xor(float x, int offset, unsigned mask);
 void ldmatrix_x4(uint32_t (&r)[4], uint32_t smem_addr, bool trans);
 void mma_16816(float (&d)[4], const uint32_t (&a)[4], uint32_t b0, uint32_t b1, bool bf16);
-void cp_async_16(void* smem_dst, const void* gmem_src, bool valid);
+void cp_async(void* smem_dst, const void* gmem_src, int bytes, bool valid);  // bytes: 4, 8 or 16
 void cp_async_commit();
 void cp_async_wait(int pending);
 float atomic_add(float* address, float value);

@@ -5,8 +5,9 @@
 #include "common/types.cuh"
 
 __forceinline__ uint32_t smem_u32(const void* p) { return __cvta_generic_to_shared(p); }
-__forceinline__ void cp_async_16(void* smem_dst, const void* gmem_src, bool valid) { emu::cp_async_16(smem_dst, gmem_src, valid); }
-__forceinline__ void cp_async_16_full(void* smem_dst, const void* gmem_src) { emu::cp_async_16(smem_dst, gmem_src, true); }
+__forceinline__ void cp_async_16(void* smem_dst, const void* gmem_src, bool valid) { emu::cp_async(smem_dst, gmem_src, 16, valid); }
+__forceinline__ void cp_async_16_full(void* smem_dst, const void* gmem_src) { emu::cp_async(smem_dst, gmem_src, 16, true); }
+__forceinline__ void cp_async_4(void* smem_dst, const void* gmem_src, bool valid) { emu::cp_async(smem_dst, gmem_src, 4, valid); }
 __forceinline__ void cp_async_commit() { emu::cp_async_commit(); }
 template <int N>
 __forceinline__ void cp_async_wait() { emu::cp_async_wait(N); }

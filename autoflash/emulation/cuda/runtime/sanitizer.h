@@ -112,13 +112,13 @@ void shared_access(size_t off, size_t size, bool write, const void* pc, const ch
   }
 }
 
-void mark_pending(size_t off) {  // a cp.async into [off, off + 16) is in flight
+void mark_pending(size_t off, size_t bytes) {  // a cp.async into [off, off + bytes) is in flight
   Worker& w = *tw;
-  for (size_t i = off; i < off + 16; ++i) w.shadow[i].st = 1;
+  for (size_t i = off; i < off + bytes; ++i) w.shadow[i].st = 1;
 }
-void mark_landed(size_t off, const Fiber& f) {
+void mark_landed(size_t off, size_t bytes, const Fiber& f) {
   Worker& w = *tw;
-  for (size_t i = off; i < off + 16; ++i) {
+  for (size_t i = off; i < off + bytes; ++i) {
     Shadow& s = w.shadow[i];
     s.st = 2; s.wT = int16_t(f.tid); s.wB = w.bar_epoch; s.wW = w.warps[f.warp].epoch; s.rB = -1;
   }

@@ -33,7 +33,7 @@ const char* op_name(Op op) {
   }
 }
 
-struct Copy { unsigned char* dst; const unsigned char* src; bool valid; };
+struct Copy { unsigned char* dst; const unsigned char* src; bool valid; unsigned char bytes; };
 
 struct Fiber {
   Context ctx;
