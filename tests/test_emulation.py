@@ -176,29 +176,32 @@ def _template_line(template: str, text: str) -> int:
 #        whether the results still meet the accuracy rule or None)
 MUTATIONS = {
     # K rows up to seqlen_k inclusive: the mask hides the extra row, so the result stays right
-    "out-of-bounds": ("out-of-bounds", "fwd", "load_rows<BLOCK_N>(smem.k[t], k_base, k_sn, t * BLOCK_N, seqlen_k, tid)",
-                      "load_rows<BLOCK_N>(smem.k[t], k_base, k_sn, t * BLOCK_N, seqlen_k + 1, tid)", [],
-                      "load_rows<BLOCK_N>(smem.k[t]", True),
+    "out-of-bounds": ("out-of-bounds", "fwd", "k_copy.copy_any(smem.k[t], (n_tiles - 1 - t) * BLOCK_N, seqlen_k);",
+                      "k_copy.copy_any(smem.k[t], (n_tiles - 1 - t) * BLOCK_N, seqlen_k + 1);", [],
+                      "k_copy.copy_any(smem.k[t]", True),
     "race": ("race", "fwd", "  __syncthreads();\n\n  // -- coalesced store", "\n\n  // -- coalesced store", [],
              None, False),
     "misaligned": ("misaligned", "fwd", "ldmatrix_x4(a[mt], q_lane.at(2 * s, mt * 16));",
                    "ldmatrix_x4(a[mt], q_lane.at(2 * s, mt * 16) + 4);", [], "ldmatrix_x4(a[mt], q_lane", False),
-    "uninitialized": ("uninitialized", "fwd", "    cp_async_wait<IN_FLIGHT>();\n    __syncthreads();  // K_j",
-                      "    cp_async_wait<IN_FLIGHT + 1>();\n    __syncthreads();  // K_j", ["--causal"], None, False),
+    # the steady-state loop reads its tile's V before the copy landed (133 keys: a masked tile, then one)
+    "uninitialized": ("uninitialized", "fwd", "cp_async_wait<IN_FLIGHT>();\n        __syncthreads();  // this tile's V",
+                      "cp_async_wait<IN_FLIGHT + 2>();\n        __syncthreads();  // this tile's V", [], None, False),
     "barrier": ("barrier", "fwd", "  __syncthreads();\n\n  // -- coalesced store",
                 "  if (tid >= 32) __syncthreads();\n\n  // -- coalesced store", ["--causal"], None, None),
     # an overflowing product that decides nothing: only the UBSan checks see it
     "undefined": ("undefined", "fwd", "  const int m_start = m_block * BLOCK_M;",
                   "  const int m_start = m_block * BLOCK_M;\n"
                   "  if (seqlen_q * seqlen_k * seqlen_k * seqlen_k * seqlen_q == 7) return;", [], None, True),
-    "race-bwd": ("race", "bwd", "__syncthreads();  // every warp's dS is staged", "// (barrier removed)", ["--causal"],
+    "race-bwd": ("race", "bwd", "__syncthreads();  // P and dS complete", "// (barrier removed)", ["--causal"],
                  None, None),
-    "out-of-bounds-bwd": ("out-of-bounds", "bwd", "load_rows<BLOCK_M>(smem.q[slot], q_base, q_sm, m0, seqlen_q, tid);",
-                          "load_rows<BLOCK_M>(smem.q[slot], q_base, q_sm, m0, seqlen_q + 1, tid);", [],
+    "out-of-bounds-bwd": ("out-of-bounds", "bwd",
+                          "load_rows<BLOCK_M>(smem.q[slot], rows(q, q_sb, q_sh), q_sm, m0, seqlen_q, tid);",
+                          "load_rows<BLOCK_M>(smem.q[slot], rows(q, q_sb, q_sh), q_sm, m0, seqlen_q + 1, tid);", [],
                           "load_rows<BLOCK_M>(smem.q[slot]", None),
     # one past the end of smem.lse[slot]: the memory is the block's own (smem.delta), the index is not
-    "array-bounds-bwd": ("out-of-bounds", "bwd", "scale_log2, -smem.lse[slot][col]));",
-                         "scale_log2, -smem.lse[slot][col + 1]));", [], "scale_log2, -smem.lse[slot][col]));", None),
+    "array-bounds-bwd": ("out-of-bounds", "bwd", "const float lse_log2 = smem.lse[slot][row] * 1.4426950408889634f;",
+                         "const float lse_log2 = smem.lse[slot][row + 1] * 1.4426950408889634f;", [],
+                         "const float lse_log2 = smem.lse[slot][row]", None),
 }
 
 

@@ -92,10 +92,9 @@ def _backward_candidates(head_dim: int, dtype: str):
     d <= 64 128 x 128 with 8 warps, d <= 128 64 x 128 or 128 x 64, larger d 64 x 64) in its 2D warp
     tiling (KernelConfig.backward_layout), never a head_split (no recomputed MMA). The first choice
     of each range compiles without spills on sm_80 and sm_90 (tests/test_compile.py) except where
-    noted: d = 40, 48 take 64 x 128, d = 104, 112 take 64 x 64, d = 168 takes 32 x 32; d = 128 takes
-    128 x 64 rather than 64 x 128, which spills outside its main loop on both archs. d = 232 and 240
-    still spill a few bytes on sm_80 (a gap for tuning). Smaller tiles follow for GPUs with less
-    shared memory."""
+    noted: d = 40, 48 take 64 x 128, d = 104, 112 take 64 x 64; d = 128 takes 128 x 64 (0.475
+    ldmatrix per MMA) rather than FA2's 64 x 128 (0.45), which ptxas spills a few bytes of outside
+    its main loop on one arch or the other. Smaller tiles follow for GPUs with less shared memory."""
     if dtype == "fp32":  # SIMT: 4 threads share a key row up to d = 128, then 8 (registers)
         for warps in (4, 2):  # 2 warps: half the keys per block, for head dims like 152 on 99 KB GPUs
             for tpr in ((4, 2, 1) if head_dim <= 128 else (8, 4, 2)):
@@ -111,8 +110,7 @@ def _backward_candidates(head_dim: int, dtype: str):
         if head_dim not in (104, 112):
             yield 128, 64, 8, 1
         yield 64, 64, 8, 1
-    if head_dim != 168:
-        yield 32, 64, 8, 1
+    yield 32, 64, 8, 1
     yield 64, 64, 4, 1
     yield 32, 64, 4, 1
     yield 32, 32, 4, 1
