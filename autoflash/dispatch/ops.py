@@ -13,7 +13,9 @@ types to build each op's schema.
 """
 import torch
 
+from autoflash.dispatch.selection import select_config
 from autoflash.kernels.checks import DTYPE_NAMES, is_chunked_layout
+from autoflash.kernels.launch import flash_backward, flash_forward, profile_for
 from autoflash.reference.forward import attention_ref
 
 
@@ -24,23 +26,16 @@ def chunked(t: torch.Tensor) -> torch.Tensor:
 
 def selected_config(q: torch.Tensor, direction: str, is_causal: bool, seqlen_k: int):
     """The KernelConfig for a call on q's CUDA device, or the emulated GPU (tuned table, else heuristic)."""
-    from autoflash.kernels.launch import profile_for
-    from autoflash.dispatch.selection import select_config
-
     profile = profile_for(q, "autoflash.attention")
     return select_config(profile, direction, DTYPE_NAMES[q.dtype], q.shape[-1], is_causal, seqlen_k).config
 
 
 def _forward_kernels(q, k, v, is_causal, scale):
-    from autoflash.kernels.launch import flash_forward
-
     q, k, v = chunked(q), chunked(k), chunked(v)
     return flash_forward(q, k, v, causal=is_causal, scale=scale, config=selected_config(q, "fwd", is_causal, k.shape[2]))
 
 
 def _backward_kernels(dout, q, k, v, out, lse, is_causal, scale):
-    from autoflash.kernels.launch import flash_backward
-
     q, k, v, out, dout = (chunked(t) for t in (q, k, v, out, dout))
     return flash_backward(dout, q, k, v, out, lse, causal=is_causal, scale=scale,
                           config=selected_config(q, "bwd", is_causal, k.shape[2]),

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import math
 import os
 import warnings
@@ -152,7 +153,75 @@ def _probe_device(device_index: int) -> str:
 def plan(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, enable_gqa=False, *,
          device_check: bool = True) -> Plan:
     """Validates a call as SDPA would and decides its path (see Plan). `device_check=False` skips
-    the CUDA-device requirement (explain(..., gpu=NAME) plans for a GPU that is not here)."""
+    the CUDA-device requirement (explain(..., gpu=NAME) plans for a GPU that is not here).
+
+    A model calls with a handful of signatures over and over, so a valid call's Plan is remembered
+    per _plan_key (its metadata and the global state the decision reads); bad input is never
+    remembered and raises afresh, with the same message, on every call."""
+    # Under torch.compile the shapes may be symbolic: nothing to key on, and the trace runs once.
+    cache_key = None if torch.compiler.is_compiling() else \
+        _plan_key(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa, device_check)
+    if cache_key is not None:
+        try:
+            cached = _plans.get(cache_key)
+        except TypeError:  # symbolic sizes outside a dynamo trace (a fake-tensor pass) do not hash
+            cache_key = cached = None
+        if cached is not None:
+            return cached
+    decided = _decide(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa, device_check)
+    if cache_key is not None:
+        _remember(cache_key, decided)
+    return decided
+
+
+# ------------------------------------------------------------------ the plan cache
+PLAN_CACHE_MAX = 1024  # signatures remembered; a model uses a few, decoding one per key length
+_plans: dict[tuple, Plan] = {}
+
+
+def _plan_key(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa, device_check) -> tuple | None:
+    """Everything _decide reads, as a hashable key; None for a call that is not cached.
+
+    Uncached: non-tensors, flags that are not bools, a scale or dropout_p that is a bool or no
+    number, a scale that is not positive. Validation refuses these or they take a fallback anyway;
+    they pay the full planning, and cannot be answered by a valid call's entry (1 == True and
+    0.0 == -0.0 as dict keys, with different outcomes)."""
+    if not (isinstance(query, torch.Tensor) and isinstance(key, torch.Tensor) and isinstance(value, torch.Tensor)):
+        return None
+    if not ((is_causal is True or is_causal is False) and (enable_gqa is True or enable_gqa is False)
+            and (device_check is True or device_check is False)):
+        return None
+    if isinstance(dropout_p, bool) or not isinstance(dropout_p, (float, int)):
+        return None
+    if scale is not None and (isinstance(scale, bool) or not isinstance(scale, (float, int)) or not scale > 0):
+        return None
+    if attn_mask is None:
+        mask = None
+    elif isinstance(attn_mask, torch.Tensor):
+        mask = (attn_mask.shape, attn_mask.stride(), attn_mask.dtype, attn_mask.device)
+    else:
+        return None
+    # The emulated GPU matters only where plan() consults it: CPU tensors, devices checked.
+    emulated = _emulated_gpu() if device_check and query.is_cpu else ""
+    # Strides: no rule reads them today; keyed so that a layout rule added to _decide is never served stale.
+    return (query.shape, key.shape, value.shape, query.stride(), key.stride(), value.stride(),
+            query.dtype, key.dtype, value.dtype, query.device, key.device, value.device,
+            mask, dropout_p, is_causal, scale, enable_gqa, device_check, emulated)
+
+
+def _remember(cache_key: tuple, decided: Plan) -> None:
+    if len(_plans) >= PLAN_CACHE_MAX:
+        _plans.clear()  # all at once: a dict has no cheap thread-safe LRU, and a refill is what a miss costs
+    _plans[cache_key] = decided
+
+
+def clear_plan_cache() -> None:
+    """Forget remembered plans (tests; nothing else needs it: the key covers what a plan reads)."""
+    _plans.clear()
+
+
+def _decide(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa, device_check) -> Plan:
+    """plan() without the cache: validation, then the first reason the kernels cannot run the call."""
     _validate(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa)
     e, ev = query.shape[-1], value.shape[-1]
     sc = 1.0 / math.sqrt(e) if scale is None else float(scale)
@@ -245,15 +314,23 @@ def attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, attn_
 def _eager(q, k, v, is_causal: bool, scale: float) -> torch.Tensor:
     """The same kernels and configs as the custom op, through an autograd.Function: eagerly it costs
     a few microseconds less per call than the op's dispatch (python -m autoflash.bench dispatch)."""
-    from autoflash.kernels.function import FlashAttentionFunction
-    from autoflash.dispatch.ops import chunked, selected_config
-
+    FlashAttentionFunction, chunked, selected_config = _kernel_entry()
     q, k, v = chunked(q), chunked(k), chunked(v)
     fwd = selected_config(q, "fwd", is_causal, k.shape[2])
     needs_grad = torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad)
     bwd = selected_config(q, "bwd", is_causal, k.shape[2]) if needs_grad else None
     return FlashAttentionFunction.apply(q, k, v, is_causal, scale, fwd, bwd,
                                         torch.are_deterministic_algorithms_enabled())
+
+
+@functools.lru_cache(maxsize=1)
+def _kernel_entry():
+    """What _eager calls, imported on the first kernel call (a fallback-only program never loads the
+    kernels' modules) and then held: an import statement costs ~0.5 us a call even when loaded."""
+    from autoflash.dispatch.ops import chunked, selected_config
+    from autoflash.kernels.function import FlashAttentionFunction
+
+    return FlashAttentionFunction, chunked, selected_config
 
 
 @contextlib.contextmanager

@@ -8,12 +8,18 @@ Lookup order, first hit wins:
 2. the shipped table, tuned/<gpu>.json;
 3. the built-in heuristics (autoflash/kernels/defaults.py: FlashAttention-2's published tile choices).
 A table for another GPU, another template hash or with a bad schema is skipped with one warning
-naming the file and the mismatch."""
+naming the file and the mismatch.
+
+Selections are remembered per call signature and per state of the table files on disk (inode,
+mtime, size): a table re-tuned by another process is picked up, at most TABLE_RECHECK_S seconds
+later, with no clear_cache()."""
 from __future__ import annotations
 
 import dataclasses
 import functools
 import os
+import sys
+import time
 import warnings
 from pathlib import Path
 
@@ -31,16 +37,23 @@ class Selection:
     origin: str  # "tuned table <path>" or HEURISTIC
 
 
+USER_DIR_ENV = "AUTOFLASH_TUNED_DIR"
+# How stale a table on disk may be seen. A stat costs ~1 us a file (2-core host), as much as a
+# cached selection: the files are looked at once per interval, not on every call.
+TABLE_RECHECK_S = 1.0
+SELECTION_CACHE_MAX = 4096
+
+
 def table_folders() -> tuple[tuple[str, Path], ...]:
     """(label, folder) in lookup order: the user's folder, then the shipped one."""
-    return _folders(os.environ.get("AUTOFLASH_TUNED_DIR"))
+    return _folders(os.environ.get(USER_DIR_ENV))
 
 
 @functools.lru_cache(maxsize=8)
 def _folders(user: str | None) -> tuple[tuple[str, Path], ...]:
     from autoflash.kernels.resources import tuned_dir, user_tuned_dir
 
-    folders = [("$AUTOFLASH_TUNED_DIR", Path(user)) if user else ("per-user", user_tuned_dir())]
+    folders = [(f"${USER_DIR_ENV}", Path(user)) if user else ("per-user", user_tuned_dir())]
     try:
         folders.append(("shipped", tuned_dir()))
     except FileNotFoundError:  # a stripped install without tuned/: heuristics only
@@ -48,9 +61,10 @@ def _folders(user: str | None) -> tuple[tuple[str, Path], ...]:
     return tuple(folders)
 
 
-@functools.lru_cache(maxsize=None)
-def _tables(gpu: str, template_hash: str, folders: tuple[tuple[str, Path], ...]):
-    """The valid tables for `gpu`, in lookup order; each bad one is warned about once (cached)."""
+@functools.lru_cache(maxsize=16)
+def _tables(gpu: str, template_hash: str, folders: tuple[tuple[str, Path], ...], files: tuple):
+    """The valid tables for `gpu`, in lookup order; each bad one is warned about once per state of
+    the files on disk (`files`, _files_state: part of the cache key, not read here)."""
     from autoflash.tuning.table import TableError, load_table, table_path
 
     found = []
@@ -65,13 +79,12 @@ def _tables(gpu: str, template_hash: str, folders: tuple[tuple[str, Path], ...])
     return tuple(found)
 
 
-@functools.lru_cache(maxsize=4096)
 def _select(profile: GpuProfile, direction: str, dtype: str, head_dim: int, causal: bool, bucket: str,
-            template_hash: str, folders: tuple[tuple[str, Path], ...]) -> Selection:
+            template_hash: str, folders: tuple[tuple[str, Path], ...], files: tuple) -> Selection:
     from autoflash.tuning.space import default_for
 
     key = ProblemKey(profile.name, direction, dtype, head_dim, causal, bucket)
-    for path, table in _tables(profile.name, template_hash, folders):
+    for path, table in _tables(profile.name, template_hash, folders, files):
         entry = table.get(key)
         # A table measured on the full part may name a tile a cut-down variant cannot hold.
         if entry is not None and entry.winner.config.smem_bytes <= profile.smem_per_block_optin:
@@ -81,15 +94,67 @@ def _select(profile: GpuProfile, direction: str, dtype: str, head_dim: int, caus
 
 def select_config(profile: GpuProfile, direction: str, dtype: str, head_dim: int, causal: bool,
                   seqlen_k: int) -> Selection:
-    """The config for one call; cached on its arguments (and on the folders and templates in use)."""
-    from autoflash.kernels.codegen import template_hash
+    """The config for one call; cached on its arguments, the templates, the table folders in use and
+    the state of their files (re-read at most every TABLE_RECHECK_S seconds)."""
+    bucket = seqlen_bucket(seqlen_k)  # before the cache: a bad seqlen_k raises on every call
+    user = os.environ.get(USER_DIR_ENV)
+    files = _files_state(profile.name, user)
+    # The user folder's setting stands for the folders (they are a function of it until clear_cache()),
+    # which spares hashing Paths on every call.
+    templates = _template_hash()
+    key = (profile, direction, dtype, head_dim, causal, bucket, templates, user, files)
+    selection = _selections.get(key)
+    if selection is None:  # a miss, or arguments _select refuses: it raises, and nothing is remembered
+        selection = _select(profile, direction, dtype, head_dim, causal, bucket, templates, _folders(user), files)
+        if len(_selections) >= SELECTION_CACHE_MAX:
+            _selections.clear()  # all at once: thread-safe, and a refill costs what a miss does
+        _selections[key] = selection
+    return selection
 
-    return _select(profile, direction, dtype, head_dim, causal, seqlen_bucket(seqlen_k), template_hash(),
-                   table_folders())
+
+def _template_hash() -> str:
+    """codegen.template_hash(), importing codegen (and jinja2) on first use only: an import statement
+    in select_config would cost ~0.5 us a call even with the module loaded."""
+    codegen = sys.modules.get("autoflash.kernels.codegen")
+    if codegen is None:
+        import autoflash.kernels.codegen as codegen
+    return codegen.template_hash()
+
+
+_clock = time.monotonic  # a name of its own, for tests to move
+_selections: dict[tuple, Selection] = {}
+_checked: dict[tuple[str, str | None], tuple[float, tuple]] = {}  # (gpu, user folder) -> (when, files)
+
+
+def _files_state(gpu: str, user: str | None) -> tuple:
+    """(inode, mtime, size) of `gpu`'s table in each folder (None where there is none), looked at
+    again once TABLE_RECHECK_S has passed since the last look."""
+    now = _clock()
+    seen = _checked.get((gpu, user))
+    if seen is not None and now - seen[0] < TABLE_RECHECK_S:
+        return seen[1]
+    from autoflash.tuning.table import table_path
+
+    state = tuple(_file_state(table_path(folder, gpu)) for _label, folder in _folders(user))
+    if len(_checked) >= 64:
+        _checked.clear()
+    _checked[(gpu, user)] = (now, state)
+    return state
+
+
+def _file_state(path: Path) -> tuple[int, int, int] | None:
+    """A file's identity and version: a replaced file (new inode) or a rewritten one (mtime, size) differs."""
+    try:
+        st = os.stat(path)
+    except OSError:  # missing (or unreadable: _tables reports what it can when it loads)
+        return None
+    return st.st_ino, st.st_mtime_ns, st.st_size
 
 
 def clear_cache() -> None:
-    """Forget loaded tables and selections (after a tune wrote a new table in this process)."""
+    """Forget folders, loaded tables and selections, and look at the table files again on the next
+    call (the folders' own settings, e.g. a replaced tuned_dir(), are otherwise read once)."""
     _folders.cache_clear()
     _tables.cache_clear()
-    _select.cache_clear()
+    _selections.clear()
+    _checked.clear()

@@ -3,8 +3,11 @@ cubins through CuPy and launches on torch's current stream into torch-allocated 
 inside autoflash.emulate() take the same path to the host emulator."""
 from __future__ import annotations
 
+import ctypes
 import functools
 import math
+import struct
+import threading
 
 import torch
 
@@ -76,26 +79,96 @@ def _prepare(q, k, v, causal, scale, what: str):
     return dtype, check_scale(scale, q.shape[-1]), profile
 
 
-def _call(fn, grid, threads: int, smem: int, device: torch.device, args, names: tuple[str, ...] = ()) -> None:
+class KernelParams:
+    """A kernel's parameter list: `pointers` tensors first (their device addresses), then scalars in
+    struct codes ("q" long long, "i" int, "f" float), packed by one struct call into a buffer with
+    native alignment, the C ABI's: every parameter's bytes sit at the offset the kernel reads them
+    from. Per launch that is ~1 us, where numpy scalars cost ~0.2 us each (27 per backward launch).
+
+    Each thread packs into a buffer of its own, kept: a launch copies the parameters when it is
+    issued (cuLaunchKernel; the emulator before it runs), so the next launch may overwrite them,
+    and the pointers cupy is handed into the buffer are made once."""
+
+    def __init__(self, pointers: int, scalars: str):
+        if set(scalars) - set("qif"):
+            raise ValueError(f"kernel scalars: got {scalars!r}, expected struct codes from 'qif', one a parameter")
+        codes = "P" * pointers + scalars
+        self.pointers = pointers
+        self.struct = struct.Struct("@" + codes)
+        # (offset, size) of each parameter: where the prefix ending with it ends, less its size
+        self.spans = tuple((struct.calcsize("@" + codes[:i + 1]) - struct.calcsize(c), struct.calcsize(c))
+                           for i, c in enumerate(codes))
+        self._local = threading.local()
+
+    def pack(self, tensors: tuple, scalars: tuple) -> ctypes.Array:
+        """This thread's buffer, holding the tensors' pointers and the scalars."""
+        if len(tensors) != self.pointers:
+            raise ValueError(f"kernel tensors: got {len(tensors)}, expected {self.pointers}")
+        buf = getattr(self._local, "buf", None)
+        if buf is None:
+            buf = self._local.buf = ctypes.create_string_buffer(self.struct.size)
+        try:
+            self.struct.pack_into(buf, 0, *[t.data_ptr() for t in tensors], *scalars)
+        except (struct.error, OverflowError) as e:  # a value the parameter's C type cannot hold
+            raise ValueError(f"kernel scalars: got {scalars}, expected values their int64/int32/float32 "
+                             f"parameters hold ({e})") from None
+        return buf
+
+    def cupy_args(self) -> tuple:
+        """One cupy CPointer per parameter, into this thread's buffer (pack() first)."""
+        args = getattr(self._local, "args", None)
+        if args is None:
+            c_pointer, base = _cupy()[1], ctypes.addressof(self._local.buf)
+            args = self._local.args = tuple(c_pointer(base + offset) for offset, _ in self.spans)
+        return args
+
+    def emulator_args(self, tensors: tuple, buf: ctypes.Array) -> tuple:
+        """The tensors themselves (the sanitizer maps their storage) and each scalar's packed bytes:
+        the very bytes a GPU launch passes."""
+        raw = memoryview(buf).cast("B")
+        return (*tensors, *(raw[offset:offset + size] for offset, size in self.spans[self.pointers:]))
+
+
+# The templates' signatures (templates/flash_fwd.cu.j2, flash_bwd.cu.j2), in order:
+FWD_PARAMS = KernelParams(5, "q" * 12 + "iii" + "f")  # q k v o lse; 4 x 3 strides; seqlen_q seqlen_k group; scale_log2
+DELTA_PARAMS = KernelParams(3, "q" * 6 + "i")  # o dout delta; 2 x 3 strides; seqlen_q
+BWD_PARAMS = KernelParams(9, "q" * 18 + "iii" + "ff" + "i")  # q k v dout lse delta dq_accum dk dv; 6 x 3 strides;
+#                                                            seqlen_q seqlen_k group; scale scale_log2; n_block0
+
+
+def _call(fn, grid, threads: int, smem: int, device: torch.device, params: KernelParams, tensors: tuple,
+          scalars: tuple, names: tuple[str, ...] = ()) -> None:
     """One launch: on a GPU on torch's current stream of `device`, no synchronisation; on the CPU on
-    the emulator, synchronously. Tensors in `args` are passed as pointers (`names` label them in
-    sanitizer findings)."""
+    the emulator, synchronously. `tensors` are passed as their device pointers (`names` label them in
+    sanitizer findings), `scalars` as `params` types them."""
+    buf = params.pack(tensors, scalars)
     if device.type == "cpu":
-        fn(grid, (threads, 1, 1), args, shared_mem=smem, names=names)
+        fn(grid, (threads, 1, 1), params.emulator_args(tensors, buf), shared_mem=smem, names=names)
         return
-    import cupy
-    import numpy as np
-
-    args = tuple(np.uint64(a.data_ptr()) if isinstance(a, torch.Tensor) else a for a in args)
-    stream = cupy.cuda.ExternalStream(torch.cuda.current_stream(device).cuda_stream, device.index)
+    cupy = _cupy()[0]
+    stream = _stream(torch.cuda.current_stream(device).cuda_stream, device.index)
     with cupy.cuda.Device(device.index):
-        fn(grid, (threads, 1, 1), args, shared_mem=smem, stream=stream)
+        fn(grid, (threads, 1, 1), params.cupy_args(), shared_mem=smem, stream=stream)
 
 
-def _strides(t: torch.Tensor) -> list:
-    import numpy as np
+@functools.lru_cache(maxsize=1)
+def _cupy():
+    """cupy, and its CPointer: an argument cupy passes to the kernel as is, a pointer to the
+    parameter's bytes. Looked up once: an import statement costs ~0.5 us a call even when loaded."""
+    import cupy
+    from cupy.cuda.function import CPointer
 
-    return [np.int64(s) for s in t.stride()[:3]]
+    return cupy, CPointer
+
+
+@functools.lru_cache(maxsize=64)
+def _stream(handle: int, device_index: int):
+    """A cupy view of torch's stream `handle`; it holds the handle only, so one serves every launch."""
+    return _cupy()[0].cuda.ExternalStream(handle, device_index)
+
+
+def _strides(t: torch.Tensor) -> tuple[int, ...]:
+    return t.stride()[:3]
 
 
 def flash_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool = False,
@@ -108,8 +181,6 @@ def flash_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: 
     contiguous last dim. `causal` is top-left aligned as SDPA's is_causal; scale defaults to
     1/sqrt(head_dim). Returns (out like q, lse (batch, heads_q, seqlen_q) fp32).
     """
-    import numpy as np
-
     dtype, scale, profile = _prepare(q, k, v, causal, scale, "flash_forward")
     b, hq, lq, d = q.shape
     hkv, lk = k.shape[1], k.shape[2]
@@ -119,10 +190,9 @@ def flash_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: 
     out = torch.empty_like(q)
     lse = torch.empty((b, hq, lq), dtype=torch.float32, device=q.device)
     fn = kernel_functions(config, profile, q)[config.name]
-    args = (q, k, v, out, lse, *_strides(q), *_strides(k), *_strides(v),
-            *_strides(out), np.int32(lq), np.int32(lk), np.int32(hq // hkv), np.float32(scale * LOG2E))
-    _call(fn, (math.ceil(lq / config.block_m), hq, b), config.threads, config.smem_bytes, q.device, args,
-          ("q", "k", "v", "out", "lse"))
+    scalars = (*_strides(q), *_strides(k), *_strides(v), *_strides(out), lq, lk, hq // hkv, scale * LOG2E)
+    _call(fn, (math.ceil(lq / config.block_m), hq, b), config.threads, config.smem_bytes, q.device, FWD_PARAMS,
+          (q, k, v, out, lse), scalars, ("q", "k", "v", "out", "lse"))
     return out, lse
 
 
@@ -137,8 +207,6 @@ def flash_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torc
     run to run (slower: each launch has only batch x heads blocks). With GQA each block writes its
     query head's dK, dV and the heads that share a K/V head are summed in fp32 afterwards.
     """
-    import numpy as np
-
     dtype, scale, profile = _prepare(q, k, v, causal, scale, "flash_backward")
     if not isinstance(deterministic, bool):
         raise TypeError(f"deterministic: got {deterministic!r}, expected a bool")
@@ -158,7 +226,7 @@ def flash_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torc
 
     delta = torch.empty((b, hq, lq), dtype=torch.float32, device=q.device)
     _call(fns[f"{config.name}_delta"], (math.ceil(lq / DELTA_ROWS_PER_BLOCK), hq, b), 32 * DELTA_ROWS_PER_BLOCK, 0,
-          q.device, (out, dout, delta, *_strides(out), *_strides(dout), np.int32(lq)), ("out", "dout", "delta"))
+          q.device, DELTA_PARAMS, (out, dout, delta), (*_strides(out), *_strides(dout), lq), ("out", "dout", "delta"))
 
     dq_accum = torch.zeros((b, hq, lq, d), dtype=torch.float32, device=q.device)
     if group == 1:
@@ -167,12 +235,12 @@ def flash_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torc
         dk_x = torch.empty((b, hq, lk, d), dtype=q.dtype, device=q.device)
         dv_x = torch.empty_like(dk_x)
     n_blocks, split = math.ceil(lk / config.block_n), config.head_split
-    common = (q, k, v, dout, lse, delta, dq_accum, dk_x, dv_x,
-              *_strides(q), *_strides(k), *_strides(v), *_strides(dout), *_strides(dk_x), *_strides(dv_x),
-              np.int32(lq), np.int32(lk), np.int32(group), np.float32(scale), np.float32(scale * LOG2E))
+    tensors = (q, k, v, dout, lse, delta, dq_accum, dk_x, dv_x)
+    common = (*_strides(q), *_strides(k), *_strides(v), *_strides(dout), *_strides(dk_x), *_strides(dv_x),
+              lq, lk, group, scale, scale * LOG2E)
     for n_block0, blocks in ([(j, 1) for j in range(n_blocks)] if deterministic else [(0, n_blocks)]):
-        _call(fns[config.name], (blocks * split, hq, b), config.threads, config.smem_bytes, q.device,
-              (*common, np.int32(n_block0)), ("q", "k", "v", "dout", "lse", "delta", "dq_accum", "dk", "dv"))
+        _call(fns[config.name], (blocks * split, hq, b), config.threads, config.smem_bytes, q.device, BWD_PARAMS,
+              tensors, (*common, n_block0), ("q", "k", "v", "dout", "lse", "delta", "dq_accum", "dk", "dv"))
 
     dq = torch.empty_like(q).copy_(dq_accum)
     if group == 1:
