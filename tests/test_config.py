@@ -50,6 +50,10 @@ def test_frozen():
         (dict(direction="bwd", block_m=16, block_n=16, num_warps=8), ValueError, "no warp layout of 8 warps for dK, dV"),
         (dict(direction="bwd", block_m=48, block_n=128, num_warps=2), ValueError, "no warp layout of 2 warps"),
         (dict(direction="bwd", head_dim=96, head_split=2), ValueError, "each slice must be a whole number of 64"),
+        (dict(dq="pass"), ValueError, "only the tensor-core backward has a separate dQ pass"),
+        (dict(direction="bwd", dtype="fp32", block_n=32, dq="pass"), ValueError, "only the tensor-core backward"),
+        (dict(direction="bwd", block_m=32, dq="pass"), ValueError, "block_m divisible by 64"),
+        (dict(direction="bwd", dq="atomics"), ValueError, "KernelConfig.dq: got 'atomics'"),
         # Br not divisible by the warps' rows: 8 warps x 16 rows = 128
         (dict(block_m=64, num_warps=8), ValueError, "block_m divisible by 16 \\* num_warps = 128"),
         # SIMT: 128 threads over 64 rows is fine, over 256 rows is not
@@ -93,6 +97,16 @@ def test_backward_names_and_smem():
     # dQ 2 x 4; each at the fewest ldmatrix per MMA its registers allow
     lay = cfg.backward_layout
     assert (lay.s, lay.kv, lay.q, lay.kv_offset, lay.q_offset) == ((2, 4), (2, 4), (2, 4), True, True)
+
+
+def test_dq_pass_is_a_switch_in_the_name():
+    cfg = KernelConfig(64, "bf16", 128, 128, num_warps=8, num_stages=2, direction="bwd", dq="pass")
+    assert cfg.name == "bwd_hd64_bf16_m128n128w8s2_dqpass"
+    assert KernelConfig.from_name(cfg.name) == cfg and KernelConfig.from_dict(cfg.to_dict()) == cfg
+    assert cfg.symbols == (cfg.name, f"{cfg.name}_delta", f"{cfg.name}_dq")
+    # its Q, dO and K/V stages live in the dK/dV kernel's shared memory: two stages fit here, one at d=128
+    assert cfg.dq_pass_stages == 2
+    assert KernelConfig(128, "bf16", 128, 64, num_warps=8, num_stages=1, direction="bwd", dq="pass").dq_pass_stages == 1
 
 
 def test_check_fits():

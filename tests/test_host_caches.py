@@ -339,7 +339,7 @@ def _c_code(param: str) -> str:
     return {"long long": "q", "int": "i", "float": "f"}[param.rsplit(" ", 1)[0]]
 
 
-@pytest.mark.parametrize("direction", ["fwd", "bwd"])
+@pytest.mark.parametrize("direction", ["fwd", "bwd", "bwd-dqpass"])
 def test_the_packing_follows_the_templates_signatures(direction):
     """launch.py's parameter lists against the kernels' own, from the rendered source: a parameter
     added to a template and not to launch.py would shift every one after it."""
@@ -350,9 +350,13 @@ def test_the_packing_follows_the_templates_signatures(direction):
 
     make = default_config if direction == "fwd" else default_backward_config
     config = make(64, "bf16", True, H100)
+    if direction == "bwd-dqpass":
+        config = config.replace(dq="pass")
     source = render(config)
     expected = {config.name: launch.FWD_PARAMS} if direction == "fwd" else \
         {config.name: launch.BWD_PARAMS, f"{config.name}_delta": launch.DELTA_PARAMS}
+    if direction == "bwd-dqpass":
+        expected[f"{config.name}_dq"] = launch.DQ_PARAMS
     assert set(expected) == set(config.symbols)
     for name, params in expected.items():
         declared = re.search(r"\n" + re.escape(name) + r"\(([^)]*)\)\s*\{", source).group(1)

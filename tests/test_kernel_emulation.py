@@ -43,6 +43,10 @@ BWD_CASES = [
      1, 2, 1, 40, 70, "bshd"),
     (KernelConfig(128, "fp16", 32, 64, num_warps=4, num_stages=1, direction="bwd", head_split=4), 1, 2, 2, 33, 50, "bhsd"),
     (KernelConfig(40, "fp16", 48, 32, num_warps=2, num_stages=2, direction="bwd"), 1, 2, 1, 61, 95, "bshd"),
+    # dQ by its own pass (no atomics): GQA, causal, a head dim of interleaved pairs
+    (KernelConfig(96, "bf16", 64, 64, num_warps=4, num_stages=2, causal=True, direction="bwd", dq="pass"),
+     1, 4, 2, 70, 91, "bshd"),
+    (KernelConfig(128, "fp16", 128, 64, num_warps=8, num_stages=1, direction="bwd", dq="pass"), 1, 2, 1, 130, 77, "bhsd"),
     (KernelConfig(72, "fp32", 32, 32, num_warps=2, num_stages=2, causal=True, direction="bwd"), 1, 2, 1, 50, 83, "bshd"),
     (KernelConfig(256, "fp32", 16, 16, num_warps=4, num_stages=1, direction="bwd"), 1, 1, 1, 21, 40, "bhsd"),
 ]

@@ -9,6 +9,7 @@ from typing import Any
 
 DTYPES = ("fp16", "bf16", "fp32")
 DIRECTIONS = ("fwd", "bwd")
+DQ_MODES = ("atomic", "pass")
 ELEM_BYTES = {"fp16": 2, "bf16": 2, "fp32": 4}
 HEAD_DIM_MIN, HEAD_DIM_MAX, HEAD_DIM_STEP = 32, 256, 8
 MAX_THREADS_PER_BLOCK = 1024
@@ -17,7 +18,8 @@ MMA_K = 16  # its k extent: tensor-core head dims are padded up to a multiple of
 
 _NAME_RE = re.compile(
     r"^(?P<direction>fwd|bwd)_hd(?P<head_dim>\d+)_(?P<dtype>fp16|bf16|fp32)(?P<causal>_causal)?"
-    r"_m(?P<block_m>\d+)n(?P<block_n>\d+)w(?P<num_warps>\d+)s(?P<num_stages>\d+)(?:h(?P<head_split>\d+))?$"
+    r"_m(?P<block_m>\d+)n(?P<block_n>\d+)w(?P<num_warps>\d+)s(?P<num_stages>\d+)(?:h(?P<head_split>\d+))?"
+    r"(?P<dq_pass>_dqpass)?$"
 )
 
 
@@ -146,6 +148,7 @@ class KernelConfig:
     causal: bool = False
     direction: str = "fwd"
     head_split: int = 1  # backward: blocks sharing one key block, each owning a slice of the head dim
+    dq: str = "atomic"  # backward: dQ by fp32 atomics in the dK/dV kernel, or by a separate pass
 
     def __post_init__(self) -> None:
         for f in ("head_dim", "block_m", "block_n", "num_warps", "num_stages", "head_split"):
@@ -172,6 +175,11 @@ class KernelConfig:
             raise ValueError(f"KernelConfig.num_stages: got {self.num_stages}, expected 1..4")
         if self.head_split not in (1, 2, 4, 8):
             raise ValueError(f"KernelConfig.head_split: got {self.head_split}, expected 1, 2, 4 or 8")
+        if self.dq not in DQ_MODES:
+            raise ValueError(f"KernelConfig.dq: got {self.dq!r}, expected one of {DQ_MODES}")
+        if self.dq == "pass" and (self.direction != "bwd" or not self.tensor_cores):
+            raise ValueError(f"KernelConfig.dq: got 'pass' for {self.direction} {self.dtype}; only the tensor-core "
+                             f"backward has a separate dQ pass (expected 'atomic')")
         if self.direction == "bwd":
             self._validate_backward()
         elif self.head_split != 1:
@@ -216,6 +224,19 @@ class KernelConfig:
                 f"(padded head dim {self.head_dim_padded})"
             )
         self.backward_layout  # raises ValueError when no warp layout fits these tiles
+        if self.dq == "pass":
+            rows = MMA_M * self.num_warps
+            if self.block_m % rows or self.head_split != 1:
+                raise ValueError(
+                    f"KernelConfig (dQ pass): got block_m={self.block_m}, {self.num_warps} warps, head_split "
+                    f"{self.head_split}; the pass gives each warp block_m / num_warps query rows, expected a multiple "
+                    f"of 16 (block_m divisible by {rows}) and head_split 1"
+                )
+            if self.dq_pass_stages == 0:
+                raise ValueError(
+                    f"KernelConfig (dQ pass): Q, dO and one K, V stage of {self.name} need more shared memory than "
+                    f"the dK/dV kernel's {self.smem_bytes} bytes; use block_n <= block_m"
+                )
 
     # ---- derived facts (all pure functions of the fields) ----
     @property
@@ -229,6 +250,7 @@ class KernelConfig:
     def name(self) -> str:
         causal = "_causal" if self.causal else ""
         split = f"h{self.head_split}" if self.head_split > 1 else ""
+        split += "_dqpass" if self.dq == "pass" else ""
         return (
             f"{self.direction}_hd{self.head_dim}_{self.dtype}{causal}"
             f"_m{self.block_m}n{self.block_n}w{self.num_warps}s{self.num_stages}{split}"
@@ -236,8 +258,22 @@ class KernelConfig:
 
     @property
     def symbols(self) -> tuple[str, ...]:
-        """The kernels its source defines: the config's name, and for the backward its delta kernel."""
-        return (self.name,) + ((f"{self.name}_delta",) if self.direction == "bwd" else ())
+        """The kernels its source defines: the config's name, and for the backward its delta kernel
+        (and its dQ pass when dq is "pass")."""
+        if self.direction != "bwd":
+            return (self.name,)
+        return (self.name, f"{self.name}_delta") + ((f"{self.name}_dq",) if self.dq == "pass" else ())
+
+    @property
+    def dq_pass_stages(self) -> int:
+        """dQ pass: K/V pipeline stages that fit beside its Q and dO tiles in the dK/dV kernel's
+        shared memory (the launch gives both kernels that much): num_stages if they fit, else fewer;
+        0 if not even one does."""
+        row = self.head_dim_padded * self.elem_bytes
+        for stages in range(self.num_stages, 0, -1):
+            if 2 * self.block_m * row + 2 * stages * self.block_n * row <= self.smem_bytes:
+                return stages
+        return 0
 
     @property
     def tensor_cores(self) -> bool:
@@ -303,7 +339,8 @@ class KernelConfig:
         g = m.groupdict()
         ints = {k: int(g[k]) for k in ("head_dim", "block_m", "block_n", "num_warps", "num_stages")}
         ints["head_split"] = int(g["head_split"] or 1)
-        return cls(direction=g["direction"], dtype=g["dtype"], causal=bool(g["causal"]), **ints)
+        return cls(direction=g["direction"], dtype=g["dtype"], causal=bool(g["causal"]),
+                   dq="pass" if g["dq_pass"] else "atomic", **ints)
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)

@@ -62,12 +62,13 @@ def default_config(head_dim: int, dtype: str, causal: bool, profile: GpuProfile)
 def _first_fitting(candidates, profile: GpuProfile, what: str) -> KernelConfig:
     """The first candidate (KernelConfig fields) that is valid and fits the profile's shared memory.
     Of its pipeline depths (2, then 1 stage) the deeper one is taken unless the shallower one lets
-    more blocks share an SM (counting registers as if the kernel took all 255 it may): FlashAttention-2 runs d = 128 at 64 KB so that two blocks (8 warps) are
-    resident on an A100; a second stage (96 KB) would leave one."""
+    more blocks share an SM (counting registers as if the kernel took all 255 it may):
+    FlashAttention-2 runs d = 128 at 64 KB so that two blocks (8 warps) are resident on an A100; a
+    second stage (96 KB) would leave one. A candidate may restrict its depths ("stages")."""
     tried = []
     for fields in candidates:
         fitting = []
-        for stages in (2, 1):
+        for stages in fields.pop("stages", (2, 1)):
             try:
                 cfg = KernelConfig(**fields, num_stages=stages)
             except ValueError:  # e.g. a head_split that does not divide this head dim
@@ -85,16 +86,16 @@ def _first_fitting(candidates, profile: GpuProfile, what: str) -> KernelConfig:
     )
 
 
-def _backward_candidates(head_dim: int, dtype: str):
+def _backward_candidates(head_dim: int, dtype: str, arch: str):
     """(block_m, block_n, num_warps, head_split) for the backward, in order of preference.
 
     Tensor cores: FlashAttention-2's sm80 tiles (csrc/flash_attn/src/flash_bwd_launch_template.h:
     d <= 64 128 x 128 with 8 warps, d <= 128 64 x 128 or 128 x 64, larger d 64 x 64) in its 2D warp
     tiling (KernelConfig.backward_layout), never a head_split (no recomputed MMA). The first choice
     of each range compiles without spills on sm_80 and sm_90 (tests/test_compile.py) except where
-    noted: d = 40, 48 take 64 x 128, d = 104, 112 take 64 x 64; d = 128 takes 128 x 64 (0.475
-    ldmatrix per MMA) rather than FA2's 64 x 128 (0.45), which ptxas spills a few bytes of outside
-    its main loop on one arch or the other. Smaller tiles follow for GPUs with less shared memory."""
+    noted: d = 40, 48 take 64 x 128, d = 104, 112 take 64 x 64, and d = 128 runs FA2's 64 x 128 with
+    one stage on sm_80 (two spill there). Smaller tiles follow for GPUs with less shared memory.
+    Yields (block_m, block_n, num_warps, head_split[, allowed stage counts])."""
     if dtype == "fp32":  # SIMT: 4 threads share a key row up to d = 128, then 8 (registers)
         for warps in (4, 2):  # 2 warps: half the keys per block, for head dims like 152 on 99 KB GPUs
             for tpr in ((4, 2, 1) if head_dim <= 128 else (8, 4, 2)):
@@ -107,6 +108,8 @@ def _backward_candidates(head_dim: int, dtype: str):
             yield 128, 128, 8, 1
         yield 64, 128, 8, 1
     elif head_dim <= 128:
+        if head_dim == 128:  # FA2's 64 x 128: one stage on sm_80, where two spill
+            yield 64, 128, 8, 1, (1,) if arch == "sm_80" else (2, 1)
         if head_dim not in (104, 112):
             yield 128, 64, 8, 1
         yield 64, 64, 8, 1
@@ -119,9 +122,10 @@ def _backward_candidates(head_dim: int, dtype: str):
 
 @functools.lru_cache(maxsize=None)
 def default_backward_config(head_dim: int, dtype: str, causal: bool, profile: GpuProfile) -> KernelConfig:
-    """The built-in backward config: the first preferred tile that fits the profile's shared memory,
-    two Q/dO stages when they fit, else one."""
+    """The built-in backward config for the profile's arch: the first preferred tile that fits its
+    shared memory, with the stage count _first_fitting picks among those the candidate allows."""
     return _first_fitting(
         (dict(head_dim=head_dim, dtype=dtype, block_m=m, block_n=n, num_warps=w, causal=causal, direction="bwd",
-              head_split=h) for m, n, w, h in _backward_candidates(head_dim, dtype)),
+              head_split=h, **({"stages": stages[0]} if stages else {}))
+         for m, n, w, h, *stages in _backward_candidates(head_dim, dtype, profile.arch)),
         profile, f"the backward at head_dim={head_dim} {dtype}")

@@ -40,7 +40,9 @@ def load_functions(config: KernelConfig, arch: str, device_index: int) -> dict:
     with cupy.cuda.Device(device_index):
         module = cupy.RawModule(path=str(compiled.cubin_path))
         fns = {n: module.get_function(n) for n in config.symbols}
-        fns[config.name].max_dynamic_shared_size_bytes = config.smem_bytes
+        for name in config.symbols:  # the dQ pass runs in the dK/dV kernel's shared memory too
+            if not name.endswith("_delta"):
+                fns[name].max_dynamic_shared_size_bytes = config.smem_bytes
     fns["_module"] = module  # keeps the module alive as long as its functions
     return fns
 
@@ -134,6 +136,8 @@ FWD_PARAMS = KernelParams(5, "q" * 12 + "iii" + "f")  # q k v o lse; 4 x 3 strid
 DELTA_PARAMS = KernelParams(3, "q" * 6 + "i")  # o dout delta; 2 x 3 strides; seqlen_q
 BWD_PARAMS = KernelParams(9, "q" * 18 + "iii" + "ff" + "i")  # q k v dout lse delta dq_accum dk dv; 6 x 3 strides;
 #                                                            seqlen_q seqlen_k group; scale scale_log2; n_block0
+DQ_PARAMS = KernelParams(7, "q" * 15 + "iii" + "ff")  # q k v dout lse delta dq; 5 x 3 strides;
+#                                                    seqlen_q seqlen_k group; scale scale_log2 (the dQ pass)
 
 
 def _call(fn, grid, threads: int, smem: int, device: torch.device, params: KernelParams, tensors: tuple,
@@ -202,10 +206,12 @@ def flash_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torc
     """FlashAttention backward: (dq, dk, dv) like (q, k, v), from the forward's out and lse
     (fp16/bf16 on tensor cores, fp32 on the SIMT path).
 
-    dQ is added into an fp32 buffer with atomics; with `deterministic=True` the key blocks run one
-    launch at a time, so the additions happen in a fixed order and the gradients are bit-identical
-    run to run (slower: each launch has only batch x heads blocks). With GQA each block writes its
-    query head's dK, dV and the heads that share a K/V head are summed in fp32 afterwards.
+    dQ is added into an fp32 buffer with atomics (config.dq "atomic"); with `deterministic=True` the
+    key blocks run one launch at a time, so the additions happen in a fixed order and the gradients
+    are bit-identical run to run (slower: each launch has only batch x heads blocks). With config.dq
+    "pass" a second kernel computes dQ per query block (no atomics, deterministic as it is). With GQA
+    each block writes its query head's dK, dV and the heads that share a K/V head are summed in fp32
+    afterwards.
     """
     dtype, scale, profile = _prepare(q, k, v, causal, scale, "flash_backward")
     if not isinstance(deterministic, bool):
@@ -228,7 +234,9 @@ def flash_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torc
     _call(fns[f"{config.name}_delta"], (math.ceil(lq / DELTA_ROWS_PER_BLOCK), hq, b), 32 * DELTA_ROWS_PER_BLOCK, 0,
           q.device, DELTA_PARAMS, (out, dout, delta), (*_strides(out), *_strides(dout), lq), ("out", "dout", "delta"))
 
-    dq_accum = torch.zeros((b, hq, lq, d), dtype=torch.float32, device=q.device)
+    dq_pass = config.dq == "pass"
+    # With the dQ pass the dK/dV kernel never touches dq_accum: a one-element stand-in takes its place.
+    dq_accum = torch.zeros((1,) if dq_pass else (b, hq, lq, d), dtype=torch.float32, device=q.device)
     if group == 1:
         dk_x, dv_x = torch.empty_like(k), torch.empty_like(v)
     else:  # per query head, summed below
@@ -238,11 +246,19 @@ def flash_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torc
     tensors = (q, k, v, dout, lse, delta, dq_accum, dk_x, dv_x)
     common = (*_strides(q), *_strides(k), *_strides(v), *_strides(dout), *_strides(dk_x), *_strides(dv_x),
               lq, lk, group, scale, scale * LOG2E)
-    for n_block0, blocks in ([(j, 1) for j in range(n_blocks)] if deterministic else [(0, n_blocks)]):
+    serial = deterministic and not dq_pass  # only the atomics need the fixed order
+    for n_block0, blocks in ([(j, 1) for j in range(n_blocks)] if serial else [(0, n_blocks)]):
         _call(fns[config.name], (blocks * split, hq, b), config.threads, config.smem_bytes, q.device, BWD_PARAMS,
               tensors, (*common, n_block0), ("q", "k", "v", "dout", "lse", "delta", "dq_accum", "dk", "dv"))
 
-    dq = torch.empty_like(q).copy_(dq_accum)
+    if dq_pass:
+        dq = torch.empty_like(q)
+        _call(fns[f"{config.name}_dq"], (math.ceil(lq / config.block_m), hq, b), config.threads, config.smem_bytes,
+              q.device, DQ_PARAMS, (q, k, v, dout, lse, delta, dq),
+              (*_strides(q), *_strides(k), *_strides(v), *_strides(dout), *_strides(dq), lq, lk, group, scale,
+               scale * LOG2E), ("q", "k", "v", "dout", "lse", "delta", "dq"))
+    else:
+        dq = torch.empty_like(q).copy_(dq_accum)
     if group == 1:
         return dq, dk_x, dv_x
     dk = torch.empty_like(k).copy_(dk_x.view(b, hkv, group, lk, d).sum(2, dtype=torch.float32))
