@@ -54,6 +54,8 @@ def test_frozen():
         (dict(direction="bwd", dtype="fp32", block_n=32, dq="pass"), ValueError, "only the tensor-core backward"),
         (dict(direction="bwd", block_m=32, dq="pass"), ValueError, "block_m divisible by 64"),
         (dict(direction="bwd", dq="atomics"), ValueError, "KernelConfig.dq: got 'atomics'"),
+        (dict(v_in_regs=True), ValueError, "only the tensor-core backward keeps V in registers"),
+        (dict(direction="bwd", v_in_regs=1), TypeError, "KernelConfig.v_in_regs: got 1"),
         # Br not divisible by the warps' rows: 8 warps x 16 rows = 128
         (dict(block_m=64, num_warps=8), ValueError, "block_m divisible by 16 \\* num_warps = 128"),
         # SIMT: 128 threads over 64 rows is fine, over 256 rows is not
@@ -104,6 +106,8 @@ def test_dq_pass_is_a_switch_in_the_name():
     assert cfg.name == "bwd_hd64_bf16_m128n128w8s2_dqpass"
     assert KernelConfig.from_name(cfg.name) == cfg and KernelConfig.from_dict(cfg.to_dict()) == cfg
     assert cfg.symbols == (cfg.name, f"{cfg.name}_delta", f"{cfg.name}_dq")
+    both = cfg.replace(v_in_regs=True)
+    assert both.name == "bwd_hd64_bf16_m128n128w8s2_dqpass_vregs" and KernelConfig.from_name(both.name) == both
     # its Q, dO and K/V stages live in the dK/dV kernel's shared memory: two stages fit here, one at d=128
     assert cfg.dq_pass_stages == 2
     assert KernelConfig(128, "bf16", 128, 64, num_warps=8, num_stages=1, direction="bwd", dq="pass").dq_pass_stages == 1

@@ -44,6 +44,7 @@ def test_backward_matches_reference(target, d, dtype, causal, head_kind, pair):
     KernelConfig(128, "bf16", 64, 128, num_warps=8, num_stages=2, causal=True, direction="bwd", head_split=4),
     KernelConfig(40, "fp16", 48, 32, num_warps=2, num_stages=2, direction="bwd"),
     KernelConfig(64, "bf16", 128, 128, num_warps=8, num_stages=2, causal=True, direction="bwd", dq="pass"),
+    KernelConfig(128, "fp16", 64, 64, num_warps=8, num_stages=1, direction="bwd", v_in_regs=True),
 ], ids=lambda c: c.name)
 def test_explicit_backward_configs(target, config):
     lq, lk = (301, 517) if target == "gpu" else (131, 217)

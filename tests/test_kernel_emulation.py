@@ -47,6 +47,9 @@ BWD_CASES = [
     (KernelConfig(96, "bf16", 64, 64, num_warps=4, num_stages=2, causal=True, direction="bwd", dq="pass"),
      1, 4, 2, 70, 91, "bshd"),
     (KernelConfig(128, "fp16", 128, 64, num_warps=8, num_stages=1, direction="bwd", dq="pass"), 1, 2, 1, 130, 77, "bhsd"),
+    # V's fragments held in registers for dP
+    (KernelConfig(64, "bf16", 64, 64, num_warps=4, num_stages=2, causal=True, direction="bwd", v_in_regs=True),
+     1, 2, 1, 100, 130, "bshd"),
     (KernelConfig(72, "fp32", 32, 32, num_warps=2, num_stages=2, causal=True, direction="bwd"), 1, 2, 1, 50, 83, "bshd"),
     (KernelConfig(256, "fp32", 16, 16, num_warps=4, num_stages=1, direction="bwd"), 1, 1, 1, 21, 40, "bhsd"),
 ]

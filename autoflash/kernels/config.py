@@ -19,7 +19,7 @@ MMA_K = 16  # its k extent: tensor-core head dims are padded up to a multiple of
 _NAME_RE = re.compile(
     r"^(?P<direction>fwd|bwd)_hd(?P<head_dim>\d+)_(?P<dtype>fp16|bf16|fp32)(?P<causal>_causal)?"
     r"_m(?P<block_m>\d+)n(?P<block_n>\d+)w(?P<num_warps>\d+)s(?P<num_stages>\d+)(?:h(?P<head_split>\d+))?"
-    r"(?P<dq_pass>_dqpass)?$"
+    r"(?P<dq_pass>_dqpass)?(?P<v_in_regs>_vregs)?$"
 )
 
 
@@ -149,6 +149,7 @@ class KernelConfig:
     direction: str = "fwd"
     head_split: int = 1  # backward: blocks sharing one key block, each owning a slice of the head dim
     dq: str = "atomic"  # backward: dQ by fp32 atomics in the dK/dV kernel, or by a separate pass
+    v_in_regs: bool = False  # backward: each warp keeps its keys' V fragments in registers for dP
 
     def __post_init__(self) -> None:
         for f in ("head_dim", "block_m", "block_n", "num_warps", "num_stages", "head_split"):
@@ -175,6 +176,11 @@ class KernelConfig:
             raise ValueError(f"KernelConfig.num_stages: got {self.num_stages}, expected 1..4")
         if self.head_split not in (1, 2, 4, 8):
             raise ValueError(f"KernelConfig.head_split: got {self.head_split}, expected 1, 2, 4 or 8")
+        if not isinstance(self.v_in_regs, bool):
+            raise TypeError(f"KernelConfig.v_in_regs: got {self.v_in_regs!r}, expected a bool")
+        if self.v_in_regs and (self.direction != "bwd" or not self.tensor_cores):
+            raise ValueError(f"KernelConfig.v_in_regs: got True for {self.direction} {self.dtype}; only the "
+                             f"tensor-core backward keeps V in registers (expected False)")
         if self.dq not in DQ_MODES:
             raise ValueError(f"KernelConfig.dq: got {self.dq!r}, expected one of {DQ_MODES}")
         if self.dq == "pass" and (self.direction != "bwd" or not self.tensor_cores):
@@ -250,7 +256,7 @@ class KernelConfig:
     def name(self) -> str:
         causal = "_causal" if self.causal else ""
         split = f"h{self.head_split}" if self.head_split > 1 else ""
-        split += "_dqpass" if self.dq == "pass" else ""
+        split += ("_dqpass" if self.dq == "pass" else "") + ("_vregs" if self.v_in_regs else "")
         return (
             f"{self.direction}_hd{self.head_dim}_{self.dtype}{causal}"
             f"_m{self.block_m}n{self.block_n}w{self.num_warps}s{self.num_stages}{split}"
@@ -340,7 +346,7 @@ class KernelConfig:
         ints = {k: int(g[k]) for k in ("head_dim", "block_m", "block_n", "num_warps", "num_stages")}
         ints["head_split"] = int(g["head_split"] or 1)
         return cls(direction=g["direction"], dtype=g["dtype"], causal=bool(g["causal"]),
-                   dq="pass" if g["dq_pass"] else "atomic", **ints)
+                   dq="pass" if g["dq_pass"] else "atomic", v_in_regs=bool(g["v_in_regs"]), **ints)
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)

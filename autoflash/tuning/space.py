@@ -29,6 +29,7 @@ BACKWARD_KNOBS = {
     "num_stages": (1, 2),
     "head_split": (1, 2, 4),
     "dq": ("atomic", "pass"),  # dQ by atomics in the dK/dV kernel, or a second kernel without them
+    "v_in_regs": (False, True),  # V's fragments held in registers (spill-pruned where they do not fit)
 }
 # Query rows of the forward's tile each warp owns. FA2 gives a warp 16 or 32 rows (128 x 8 warps,
 # 128 x 4); 48 trades registers for fewer warps. (The backward's warp tiles come from
