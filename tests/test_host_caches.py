@@ -34,18 +34,23 @@ def _fresh(monkeypatch):
     dispatch._warned.clear()
 
 
-@pytest.fixture
-def decisions(monkeypatch):
-    """Counts the uncached planning runs (_decide) behind plan()."""
+def _count_calls(monkeypatch, module, name: str) -> list:
+    """Replaces module.name by a wrapper that records each call's arguments; returns the record."""
     calls = []
-    real = dispatch._decide
+    real = getattr(module, name)
 
     def counting(*args):
         calls.append(args)
         return real(*args)
 
-    monkeypatch.setattr(dispatch, "_decide", counting)
+    monkeypatch.setattr(module, name, counting)
     return calls
+
+
+@pytest.fixture
+def decisions(monkeypatch):
+    """Counts the uncached planning runs (_decide) behind plan()."""
+    return _count_calls(monkeypatch, dispatch, "_decide")
 
 
 def _qkv(shape=(1, 2, 16, 64), dtype=torch.bfloat16, device="cpu"):
@@ -197,15 +202,7 @@ def tables(tmp_path, monkeypatch):
 @pytest.fixture
 def selections(monkeypatch):
     """Counts the uncached selections (_select)."""
-    calls = []
-    real = selection._select
-
-    def counting(*args):
-        calls.append(args)
-        return real(*args)
-
-    monkeypatch.setattr(selection, "_select", counting)
-    return calls
+    return _count_calls(monkeypatch, selection, "_select")
 
 
 def _cfg(m, n, w, causal=True):
