@@ -1,7 +1,8 @@
 """A built kernel library loaded with ctypes, used the way the GPU path uses a cupy.RawModule:
 `load_functions(config, sanitize)` gives {symbol: function}, and a function is called as
-fn(grid, block, args, shared_mem=...), args being torch tensors (passed as pointers) and numpy
-scalars of the kernel's parameter types. CPU tensors' memory is used in place: no copies."""
+fn(grid, block, args, shared_mem=...), args being torch tensors (passed as pointers) and each
+scalar parameter's bytes (launch.KernelParams packs them, as for a GPU launch; numpy scalars of the
+parameter's type also do). CPU tensors' memory is used in place: no copies."""
 from __future__ import annotations
 
 import ctypes
