@@ -107,7 +107,8 @@ def _backward_layout(block_m: int, block_n: int, d_slice: int, warps: int) -> Ba
         raise ValueError(
             f"KernelConfig (backward): no warp layout of {warps} warps for dK, dV of {block_n} keys x {d_slice} "
             f"head-dim columns: expected warp tiles of whole 16 x 16 blocks with at most {_ACC_LIMIT} fp32 "
-            f"accumulators each (block_n a multiple of 16 per warp along the keys; more warps or fewer keys)"
+            f"accumulators each, the keys split among warps only when block_n is a multiple of 64 (they are "
+            f"the P and dS tiles' columns); use more warps, fewer keys or block_n 64 / 128"
         )
     kv_elems = (block_n // kv[0]) * (d_slice // kv[1] if kv[2] else 16 * -(-(d_slice // 16) // kv[1]))
     s = _split(warps, block_m, block_n, min(_ACC_LIMIT, _ACC_TOTAL - kv_elems))
