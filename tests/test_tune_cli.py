@@ -100,6 +100,15 @@ def test_bad_space_option_is_rejected():
     assert proc.returncode == 2 and "expected KNOB=V1,V2" in proc.stderr
 
 
+def test_a_simulated_tune_prints_no_warnings(tmp_path):
+    # Optuna warned on every ask() with a heartbeat storage, and at the storage's creation about its
+    # experimental and deprecated arguments: the lines landed inside the progress bar.
+    proc = _tune(*SMALL, "--causal", "off", "--backend", "simulated", "--out", str(tmp_path), "--budget", "6",
+                 env={**os.environ, "PYTHONWARNINGS": "default"})
+    output = proc.stdout + proc.stderr
+    assert not re.search(r"Warning\b", output), output
+
+
 def test_tune_writes_a_valid_table_and_plot(tmp_path):
     proc = _tune(*SMALL, "--causal", "off", "--backend", "simulated", "--out", str(tmp_path), "--budget", "6",
                  "--plot", "--record-timings", str(tmp_path / "timings.json"))

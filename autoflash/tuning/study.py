@@ -28,6 +28,8 @@ from autoflash.kernels.config import KernelConfig
 from autoflash.tuning.problem import ProblemKey
 from autoflash.tuning.space import Candidate, knobs, param_values
 
+# Optuna's UserWarning from Study.ask() when the storage has a heartbeat (optuna/study/study.py).
+HEARTBEAT_WARNING = r"Heartbeat of storage is supposed to be used with Study\.optimize"
 SAMPLERS = ("tpe", "random", "grid", "bruteforce")
 HOST = socket.gethostname()
 ORPHAN_AGE_S = 300  # a RUNNING trial with no owner recorded after this long is taken as abandoned
@@ -69,9 +71,13 @@ def make_storage(url: str):
 
     for attempt in range(5):
         try:
-            return optuna.storages.RDBStorage(
-                url, heartbeat_interval=60, grace_period=240,
-                failed_trial_callback=optuna.storages.RetryHeartbeatStaleTrialCallback(max_retry=1))
+            # Heartbeats and the retry callback are marked experimental; they are what resuming
+            # after a crash rests on, so they are used on purpose and their notices not shown.
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore", optuna.exceptions.ExperimentalWarning)
+                return optuna.storages.RDBStorage(
+                    url, heartbeat_interval=60, grace_period=240,
+                    heartbeat_stale_trial_callback=optuna.storages.RetryHeartbeatStaleTrialCallback(max_retry=1))
         except sqlalchemy.exc.IntegrityError:
             # Two processes creating the tables of a fresh database at once: one loses the race
             # (optuna/optuna#1092); the tables exist by now, so connect again.
@@ -286,6 +292,11 @@ class KeyStudy:
         while not self._stop.is_set():
             with self._lock, warnings.catch_warnings():
                 warnings.simplefilter("ignore", optuna.exceptions.ExperimentalWarning)
+                # ask/tell with a heartbeat storage is what this loop does on purpose: it runs the
+                # heartbeat thread itself (below) and fails stale trials itself (here), which is all
+                # Study.optimize would add. Optuna warns on every ask() regardless; that one
+                # warning, and only it, is silenced.
+                warnings.filterwarnings("ignore", message=HEARTBEAT_WARNING, category=UserWarning)
                 fail_stale_trials(self.study)  # other processes' dead trials (RDB heartbeats)
                 if self._done():
                     self._stop.set()

@@ -129,6 +129,14 @@ class Worker:
         if self.proc is not None and self.proc.poll() is None:
             self.proc.kill()
             self.proc.wait()
+        self._release()
+
+    def _release(self) -> None:
+        """Closes our ends of a finished process's pipes (else each restart leaks two files)."""
+        if self.proc is not None:
+            for pipe in (self.proc.stdin, self.proc.stdout):
+                with contextlib.suppress(OSError):
+                    pipe.close()
 
     def start(self) -> dict:
         """Starts (or restarts) the process and returns its device description; raises RuntimeError
@@ -179,6 +187,7 @@ class Worker:
                 self.proc.wait(timeout=10)
             except subprocess.TimeoutExpired:
                 self._kill()
+        self._release()
         self._log.close()
 
 
