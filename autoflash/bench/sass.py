@@ -158,7 +158,7 @@ def nvdisasm_version() -> str:
 
     tool = find_nvidia_binary_utility("nvdisasm")
     if not tool:
-        raise RuntimeError("nvdisasm not found: install it with `pip install 'cuda-toolkit[nvdisasm]'`")
+        raise RuntimeError("nvdisasm not found: install it with `pip install 'nvidia-cuda-nvdisasm>=13.0,<14'`")
     out = subprocess.run([tool, "--version"], capture_output=True, text=True, check=True).stdout
     m = re.search(r"V(\d+\.\d+\.\d+)", out)
     return m.group(1) if m else out.strip().splitlines()[-1]

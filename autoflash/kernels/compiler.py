@@ -104,7 +104,7 @@ def cuda_include_dir() -> str:
     path = find_nvidia_header_directory("cudart")
     if not path:
         raise RuntimeError(
-            "CUDA headers not found: install them with `pip install 'cuda-toolkit[nvrtc,cudart]'`"
+            "CUDA headers not found: install them with `pip install 'nvidia-cuda-runtime>=13.0,<14'`"
         )
     return path
 
@@ -198,5 +198,5 @@ def disassemble(compiled: Compiled) -> str:
 
     tool = find_nvidia_binary_utility("nvdisasm")
     if not tool:
-        raise RuntimeError("nvdisasm not found: install it with `pip install 'cuda-toolkit[nvdisasm]'`")
+        raise RuntimeError("nvdisasm not found: install it with `pip install 'nvidia-cuda-nvdisasm>=13.0,<14'`")
     return subprocess.run([tool, str(compiled.cubin_path)], capture_output=True, text=True, check=True).stdout

@@ -280,7 +280,7 @@ def disassemble(cubin: Path | str, kernel: str | None = None) -> str:
 
     tool = find_nvidia_binary_utility("nvdisasm")
     if not tool:
-        raise RuntimeError("nvdisasm not found: install it with `pip install 'cuda-toolkit[nvdisasm]'`")
+        raise RuntimeError("nvdisasm not found: install it with `pip install 'nvidia-cuda-nvdisasm>=13.0,<14'`")
     text = subprocess.run([tool, "-c", "-g", str(cubin)], capture_output=True, text=True, check=True).stdout
     if kernel is None:
         return text
