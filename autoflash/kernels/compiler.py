@@ -16,7 +16,9 @@ from autoflash.kernels.config import KernelConfig
 from autoflash.kernels.resources import templates_dir
 
 _ARCH_RE = re.compile(r"^sm_\d{2,3}[af]?$")
-BASE_OPTIONS = ("-std=c++17", "--ptxas-options=-v", "-lineinfo")
+# -default-device: functions without an execution-space annotation (the kernels' lambdas) are
+# device code. NVRTC 13.5 assumes it; 13.0, which a CUDA 13.0 build of torch pins, refuses them.
+BASE_OPTIONS = ("-std=c++17", "-default-device", "--ptxas-options=-v", "-lineinfo")
 
 
 class CompileError(RuntimeError):
