@@ -18,7 +18,8 @@ EPILOG = """examples:
 The source goes to stdout (or -o FILE); the resource report goes to stderr when the source is on
 stdout. --sass adds what the kernel compiles to: the instruction mix of its main loop per warp and
 iteration (HMMA, LDSM, cp.async, integer/address work, spills, barriers), read statically from the
-SASS with nvdisasm. A proxy for speed, not a measurement. GPU names: a100, a10g, l4, l40s, rtx3090, rtx4090, h100, h200 (or an arch like sm_90)."""
+SASS with nvdisasm. A proxy for speed, not a measurement. GPU names: a100, a10g, a6000, l4, l40s,
+rtx3090, rtx4090, rtx6000-ada, rtx5090, h100, h100-pcie, h200, b200 (or an arch like sm_90)."""
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -76,9 +77,12 @@ def _config(args, parser) -> KernelConfig:
 def report(config: KernelConfig, gpu: str) -> str:
     """Compiles `config` for a GPU profile (or a bare arch) and describes the resources it uses."""
     from autoflash.kernels.compiler import compile_config
-    from autoflash.kernels.gpus import PROFILES, arch_for
+    from autoflash.kernels.gpus import arch_for, get_profile
 
-    profile = PROFILES.get(gpu.lower())
+    try:  # a profile key or a device name; a bare arch ("sm_90") has no profile
+        profile = get_profile(gpu)
+    except ValueError:
+        profile = None
     arch = arch_for(gpu)
     res = compile_config(config, arch).resources
     lines = [

@@ -32,7 +32,7 @@ def shape_arg(text: str) -> tuple[int, ...]:
 
 
 def _parser() -> argparse.ArgumentParser:
-    from autoflash.kernels.gpus import PROFILES
+    from autoflash.kernels.gpus import PROFILES, profile_arg
 
     p = argparse.ArgumentParser(prog="python -m autoflash.selfcheck", description=__doc__, epilog=EPILOG,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -43,8 +43,9 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--backward", action="store_true", help="also check dq, dk, dv")
     p.add_argument("--deterministic", action="store_true", help="the bit-reproducible backward")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--emulate", metavar="GPU", choices=sorted(PROFILES),
-                   help=f"run on the CPU as this GPU would ({', '.join(sorted(PROFILES))}); no GPU needed")
+    p.add_argument("--emulate", metavar="GPU", type=profile_arg,
+                   help=f"run on the CPU as this GPU would ({', '.join(sorted(PROFILES))}, or a device name torch "
+                   "reports); no GPU needed")
     p.add_argument("--sanitize", action="store_true", help="with --emulate: check every access and barrier")
     p.add_argument("--config", metavar="NAME", help="a kernel name, e.g. fwd_hd128_bf16_causal_m128n64w8s2 "
                    "(a bwd_... name checks the backward); dtype, head dim and causal follow from it")

@@ -37,7 +37,7 @@ import sys
 from pathlib import Path
 
 from autoflash.kernels.config import DIRECTIONS, DTYPES, HEAD_DIM_MAX, HEAD_DIM_MIN, HEAD_DIM_STEP
-from autoflash.kernels.gpus import PROFILES
+from autoflash.kernels.gpus import PROFILES, profile_arg
 from autoflash.tuning.problem import BUCKET_LABELS, SEQLEN_BUCKETS
 from autoflash.tuning.study import SAMPLERS, Settings
 
@@ -87,8 +87,9 @@ def make_parser() -> argparse.ArgumentParser:
                                 formatter_class=argparse.RawDescriptionHelpFormatter,
                                 epilog=f"Seqlen buckets ({buckets}); shapes keep batch*seqlen = 16k tokens and "
                                        "heads*head_dim = 2048.")
-    p.add_argument("--gpu", required=True, type=str.lower, choices=sorted(PROFILES), metavar="NAME",
-                   help=f"GPU profile to tune for: {', '.join(sorted(PROFILES))}")
+    p.add_argument("--gpu", required=True, type=profile_arg, metavar="NAME",
+                   help=f"GPU profile to tune for: {', '.join(sorted(PROFILES))}, or the device name torch "
+                   "reports for one (e.g. 'NVIDIA H100 80GB HBM3')")
     p.add_argument("--dry-run", action="store_true",
                    help="enumerate and prune the space (compiles for the GPU's arch; no GPU needed), print it, exit")
     g = p.add_argument_group("problem keys")

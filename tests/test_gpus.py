@@ -2,6 +2,8 @@
 from __future__ import annotations
 
 import dataclasses
+import re
+from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
@@ -11,13 +13,17 @@ from autoflash.kernels.gpus import PROFILES, GpuProfile, arch_for, detect, get_p
 
 KB = 1024
 REQUIRED = ("a100", "a10g", "l4", "l40s", "rtx3090", "rtx4090", "h100", "h200")
+NEW = ("a6000", "rtx6000-ada", "rtx5090", "b200")
 # Programming-guide limits per compute capability: smem/SM, smem/block opt-in, threads/SM.
 CC_LIMITS = {
     (8, 0): (167936, 166912, 2048),
     (8, 6): (102400, 101376, 1536),
     (8, 9): (102400, 101376, 1536),
     (9, 0): (233472, 232448, 2048),
+    (10, 0): (233472, 232448, 2048),  # 228 / 227 KB, 64 warps
+    (12, 0): (102400, 101376, 1536),  # 100 / 99 KB, 48 warps (the RTX 5090 reports 102400)
 }
+REPO = Path(__file__).resolve().parents[1]
 
 
 def props(name, major, minor, sms, **extra):
@@ -34,7 +40,27 @@ def full_props(name, major, minor, sms):
 # ---- the table ----------------------------------------------------------------------------------
 
 def test_required_profiles_present():
-    assert set(REQUIRED) <= set(PROFILES)
+    assert set(REQUIRED) | set(NEW) <= set(PROFILES)
+
+
+@pytest.mark.parametrize("key, cc, arch", [
+    ("a6000", (8, 6), "sm_86"), ("rtx6000-ada", (8, 9), "sm_89"), ("rtx5090", (12, 0), "sm_120"),
+    ("b200", (10, 0), "sm_100"),
+])
+def test_new_profiles_are_sane(key, cc, arch):
+    p = PROFILES[key]
+    assert p.compute_capability == cc and p.arch == arch and arch_for(key) == arch
+    for field in ("sm_count", "smem_per_sm", "smem_per_block_optin", "regs_per_sm", "max_threads_per_sm",
+                  "peak_tflops_fp16", "peak_tflops_bf16", "mem_bandwidth_gbs"):
+        assert getattr(p, field) > 0, field
+    assert p.smem_per_block_optin <= p.smem_per_sm
+    assert p.smem_per_block_optin + gpus.SMEM_RESERVED_PER_BLOCK == p.smem_per_sm
+    assert p.peak_tflops_fp16 == p.peak_tflops_bf16
+    # the d128 bf16 forward default fits at least one block per SM
+    from autoflash.kernels.defaults import default_config
+
+    cfg = default_config(128, "bf16", False, p)
+    assert p.blocks_per_sm(cfg.smem_bytes, cfg.threads) >= 1
 
 
 @pytest.mark.parametrize("key", sorted(PROFILES))
@@ -70,6 +96,10 @@ def test_profiles_are_frozen():
         ("a10g", 80, 600.0, 70.0),
         ("rtx3090", 82, 936.0, 71.0),
         ("rtx4090", 128, 1008.0, 165.2),
+        ("a6000", 84, 768.0, 154.8),
+        ("rtx6000-ada", 142, 960.0, 364.2),
+        ("rtx5090", 170, 1792.0, 209.5),
+        ("b200", 148, 7700.0, 2250.0),
     ],
 )
 def test_datasheet_numbers(key, sms, bandwidth, fp16):
@@ -78,9 +108,19 @@ def test_datasheet_numbers(key, sms, bandwidth, fp16):
 
 
 def test_geforce_uses_fp32_accumulate_rate():
-    # The FP16-accumulate headline would be twice these: 142 and 330.3 TFLOPS.
+    # The FP16-accumulate headline would be twice these: 142, 330.3 and 419 TFLOPS.
     assert PROFILES["rtx3090"].peak_tflops_fp16 < 100
     assert PROFILES["rtx4090"].peak_tflops_fp16 < 200
+    assert PROFILES["rtx5090"].peak_tflops_fp16 < 300
+
+
+def test_workstation_parts_run_fp32_accumulate_at_full_rate():
+    # Same silicon as the GeForce part, per SM: the A6000 (GA102) twice the RTX 3090's rate per SM,
+    # the RTX 6000 Ada (AD102) about the L40S's, not half of it.
+    per_sm = {k: PROFILES[k].peak_tflops_fp16 / PROFILES[k].sm_count
+              for k in ("a6000", "rtx3090", "rtx6000-ada", "l40s")}
+    assert per_sm["a6000"] > 1.5 * per_sm["rtx3090"]
+    assert abs(per_sm["rtx6000-ada"] / per_sm["l40s"] - 1) < 0.05
 
 
 # ---- get_profile --------------------------------------------------------------------------------
@@ -90,13 +130,68 @@ def test_get_profile_case_insensitive(name):
     assert get_profile(name) is PROFILES["h100"]
 
 
-def test_get_profile_unknown_lists_names():
+@pytest.mark.parametrize("name", ["v100", "NVIDIA GeForce RTX 5090 D", "Tesla V100-SXM2-16GB", "", "sm_90"])
+def test_get_profile_unknown_lists_names(name):
     with pytest.raises(ValueError) as info:
-        get_profile("v100")
+        get_profile(name)
     msg = str(info.value)
-    assert "'v100'" in msg
-    for key in REQUIRED:
-        assert key in msg
+    assert repr(name) in msg
+    listed = re.search(r"\[(.*?)\]", msg).group(1)
+    assert sorted(k.strip(" '") for k in listed.split(",")) == sorted(PROFILES)
+
+
+# What torch.cuda.get_device_name() reports on each part -> (profile, compute capability).
+DEVICE_NAMES = [
+    ("NVIDIA H100 80GB HBM3", "h100", (9, 0)),
+    ("NVIDIA H100 PCIe", "h100-pcie", (9, 0)),
+    ("NVIDIA H200", "h200", (9, 0)),
+    ("NVIDIA A100-SXM4-80GB", "a100", (8, 0)),
+    ("NVIDIA A100-SXM4-40GB", "a100", (8, 0)),
+    ("NVIDIA A100-PCIE-40GB", "a100", (8, 0)),
+    ("NVIDIA A100 80GB PCIe", "a100", (8, 0)),
+    ("NVIDIA GeForce RTX 3090", "rtx3090", (8, 6)),
+    ("NVIDIA GeForce RTX 4090", "rtx4090", (8, 9)),
+    ("NVIDIA GeForce RTX 5090", "rtx5090", (12, 0)),
+    ("NVIDIA RTX 6000 Ada Generation", "rtx6000-ada", (8, 9)),
+    ("NVIDIA RTX A6000", "a6000", (8, 6)),
+    ("NVIDIA B200", "b200", (10, 0)),
+    ("NVIDIA L4", "l4", (8, 9)),
+    ("NVIDIA L40S", "l40s", (8, 9)),
+    ("NVIDIA A10G", "a10g", (8, 6)),
+]
+
+
+@pytest.mark.parametrize("name, key, cc", DEVICE_NAMES)
+def test_device_names_map_to_profiles(name, key, cc):
+    # one mapping for names given by hand and for the running device
+    assert get_profile(name).name == key
+    assert get_profile(name.upper()).name == get_profile(f"  {name.lower()} ").name == key
+    assert arch_for(name) == PROFILES[key].arch
+    running = profile_from_properties(props(name, *cc, PROFILES[key].sm_count))
+    assert running.known and running == get_profile(name)
+
+
+def test_device_name_variants_keep_their_overrides():
+    assert get_profile("NVIDIA A100-SXM4-80GB") is PROFILES["a100"]
+    assert get_profile("NVIDIA A100-SXM4-40GB").mem_bandwidth_gbs == 1555.0
+    assert get_profile("NVIDIA A100 80GB PCIe").mem_bandwidth_gbs == 1935.0
+    assert get_profile("NVIDIA H100 PCIe") is PROFILES["h100-pcie"]
+
+
+@pytest.mark.parametrize("name, cc", [
+    ("NVIDIA GeForce RTX 5090 D", (12, 0)), ("NVIDIA GeForce RTX 5090 D v2", (12, 0)),
+    ("NVIDIA GeForce RTX 5090 Laptop GPU", (12, 0)), ("NVIDIA GB200", (10, 0)),
+    ("NVIDIA RTX PRO 6000 Blackwell Workstation Edition", (12, 0)), ("Quadro RTX 6000", (8, 9)),
+    ("NVIDIA RTX 5000 Ada Generation", (8, 9)), ("NVIDIA RTX A5000", (8, 6)), ("NVIDIA H100 NVL", (9, 0)),
+    ("NVIDIA H200 NVL", (9, 0)), ("NVIDIA L40", (8, 9)), ("NVIDIA A10", (8, 6)),
+    ("NVIDIA GeForce RTX 4090 D", (8, 9)),
+])
+def test_similar_device_names_are_not_profiles(name, cc):
+    with pytest.raises(ValueError, match="expected a profile name"):
+        get_profile(name)
+    with pytest.raises(ValueError):
+        arch_for(name)
+    assert not profile_from_properties(full_props(name, *cc, 100)).known
 
 
 def test_get_profile_rejects_non_str():
@@ -211,8 +306,9 @@ def test_unknown_capability_without_attributes_errors():
 
 
 def test_blackwell_arch_string():
-    p = profile_from_properties(props("NVIDIA B200", 10, 0, 148))
-    assert p.arch == "sm_100" and not p.known
+    assert profile_from_properties(props("NVIDIA B200", 10, 0, 148)) == PROFILES["b200"]
+    p = profile_from_properties(full_props("NVIDIA RTX PRO 6000 Blackwell Server Edition", 12, 0, 188))
+    assert p.arch == "sm_120" and not p.known and p.smem_per_block_optin == 101376
 
 
 def test_cc75_rejected():
@@ -294,3 +390,73 @@ def test_every_head_dim_has_forward_and_backward_defaults(profile):
                 for cfg in (default_config(d, dtype, causal, p), default_backward_config(d, dtype, causal, p)):
                     assert (cfg.head_dim, cfg.dtype, cfg.causal) == (d, dtype, causal)
                     assert cfg.smem_bytes <= p.smem_per_block_optin, cfg.name
+
+
+# ---- the new profiles compile, and the lists of names stay complete ----------------------------
+
+@pytest.mark.parametrize("key", NEW)
+def test_new_profile_defaults_compile_for_its_arch(key):
+    """NVRTC builds the d64 bf16 forward and backward defaults for the profile's arch (no cache: a
+    real compile); on sm_86 and sm_89, as on sm_80 and sm_90 (tests/test_compile.py), without spills."""
+    from autoflash.kernels.compiler import compile_config
+    from autoflash.kernels.defaults import default_backward_config, default_config
+
+    p = PROFILES[key]
+    for cfg in (default_config(64, "bf16", False, p), default_backward_config(64, "bf16", False, p)):
+        assert cfg.smem_bytes <= p.smem_per_block_optin
+        compiled = compile_config(cfg, p.arch, use_cache=False)
+        assert compiled.cubin and 0 < compiled.resources.registers <= 255
+        if p.arch in ("sm_86", "sm_89"):
+            assert not compiled.resources.spills, (cfg.name, compiled.resources)
+
+
+@pytest.mark.parametrize("key", ["b200", "rtx5090"])
+def test_blackwell_d64_and_d128_forward_defaults_have_no_spills(key):
+    # ptxas for sm_100 and sm_120 spills the 128 x 128 tile at d = 64 (and 128 x 64 causal at d = 128
+    # on sm_100) that sm_80/sm_90 take: defaults.py gives Blackwell the next shape
+    from autoflash.kernels.compiler import compile_config
+    from autoflash.kernels.defaults import default_config
+
+    p = PROFILES[key]
+    for d, causal in ((64, False), (64, True), (128, True)):
+        cfg = default_config(d, "bf16", causal, p)
+        assert not compile_config(cfg, p.arch).resources.spills, cfg.name
+
+
+_ROW = re.compile(r"^  (\w+)\s+(\d+)\s+([\d.]+)$")
+
+
+@pytest.mark.parametrize("key", NEW)
+def test_new_profile_tune_dry_run(key, capsys):
+    """`python -m autoflash.tune --gpu KEY --dry-run` over a narrowed d64 bf16 forward space: every
+    candidate is compiled for the profile's arch and the survivors fit its shared memory."""
+    from autoflash.kernels.defaults import default_config
+    from autoflash.tune import main
+
+    assert main(["--gpu", key, "--dry-run", "--head-dims", "64", "--dtypes", "bf16", "--directions", "fwd",
+                 "--causal", "off", "--space", "num_stages=2", "--space", "num_warps=4", "--space", "block_m=64",
+                 "--no-progress", "--show-rejected"]) == 0
+    out = capsys.readouterr().out
+    default = default_config(64, "bf16", False, PROFILES[key]).name
+    assert f"{key} fwd bf16 d64 full (default {default})" in out
+    m = re.search(r"(\d+) of (\d+) candidates survive", out)
+    rows = [_ROW.match(line).groups() for line in out.splitlines() if _ROW.match(line)]
+    assert m and int(m.group(1)) == len(rows) > 0
+    for name, regs, kib in rows:
+        assert (name.startswith("fwd_hd64_bf16_m64") or name == default) and 0 < int(regs) <= 255
+        assert float(kib) * 1024 <= PROFILES[key].smem_per_block_optin
+    assert "needs the GPU" in out
+
+
+def test_readme_lists_every_profile():
+    text = " ".join((REPO / "README.md").read_text().split())
+    m = re.search(r"GPU profiles \(`autoflash/kernels/gpus.py`\): (.*?), each with its sources", text)
+    assert m, "README's GPU profile list not found"
+    assert sorted(t.strip() for t in m.group(1).split(",")) == sorted(PROFILES)
+
+
+def test_render_help_lists_every_profile():
+    from autoflash.render import EPILOG
+
+    m = re.search(r"GPU names: (.*?) \(or an arch", " ".join(EPILOG.split()))
+    assert m and sorted(t.strip() for t in m.group(1).split(",")) == sorted(PROFILES)

@@ -36,7 +36,7 @@ def test_emulated_selfcheck_runs_without_a_gpu(capsys):
     (["--emulate", "h100", "--config", "fwd_hd64_bf16_m64n64"], "--config: kernel name"),
     (["--emulate", "h100", "--config", "fwd_hd64_bf16_m64n64w4s2", "--shape", "1,1,1,8,8,128"], "has head_dim 64"),
     (["--emulate", "h100", "--config", "fwd_hd64_bf16_m64n64w4s2", "--dtype", "fp16"], "is bf16; --dtype gives fp16"),
-    (["--emulate", "h1000"], "invalid choice: 'h1000'"),
+    (["--emulate", "h1000"], "get_profile: got 'h1000', expected a profile name"),
 ])
 def test_emulate_argument_errors(argv, message, capsys):
     with pytest.raises(SystemExit) as info:

@@ -19,12 +19,13 @@ from pathlib import Path
 
 
 def make_parser() -> argparse.ArgumentParser:
-    from autoflash.kernels.gpus import PROFILES
+    from autoflash.kernels.gpus import PROFILES, profile_arg
     from autoflash.selfcheck import shape_arg
 
     p = argparse.ArgumentParser(prog="python -m autoflash.bench emulator", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--gpu", default="a100", choices=sorted(PROFILES), help="the GPU emulated (default a100)")
+    p.add_argument("--gpu", default="a100", type=profile_arg,
+                   help=f"the GPU emulated: a profile {sorted(PROFILES)} or a device name torch reports (default a100)")
     p.add_argument("--shape", type=shape_arg, default=(1, 2, 2, 128, 128, 128), help="b,hq,hkv,lq,lk,d")
     p.add_argument("--dtype", choices=("fp16", "bf16", "fp32"), default="bf16")
     p.add_argument("--causal", action="store_true")

@@ -11,7 +11,7 @@ from autoflash.kernels.gpus import GpuProfile
 _BIG_SMEM = 160 * 1024
 
 
-def _candidates(head_dim: int, dtype: str, causal: bool, big_smem: bool):
+def _candidates(head_dim: int, dtype: str, causal: bool, big_smem: bool, arch: str):
     """Tile shapes in order of preference: (block_m, block_n, num_warps)."""
     if dtype == "fp32":
         # SIMT path: 4 warps; as many threads per row as the head dim allows keeps O in registers.
@@ -24,15 +24,16 @@ def _candidates(head_dim: int, dtype: str, causal: bool, big_smem: bool):
     # FA2 csrc/flash_attn/src/flash_fwd_launch_template.h (sm80): d<=64 128x128 (4 warps),
     # d<=128 128x64 (4 warps, 32 query rows each), d<=256 128x64 (8 warps) or 64x64 (4 warps) with
     # less shared memory; sm86/sm89 at d=128: 128x32 non-causal, 64x64 causal. Ours compile to
-    # these without spills on sm_80 and sm_90 (tests/test_compile.py) except where noted: d = 40, 56
+    # these without spills on sm_80 and sm_90 (tests/test_compile.py) except where noted: d = 40, 48, 56
     # at 128x128 and d = 104, 112 at 128x64 with 4 warps spill, so they take the next shape.
+    blackwell = arch in ("sm_100", "sm_120")  # ptxas for these spills 128 x 128 at d = 64
     if head_dim <= 64:
-        if head_dim not in (40, 56):  # d = 40 spills at 128 x 128 with NVRTC 13.0 (sm_80)
+        if head_dim not in (40, 48, 56) and not blackwell:  # d = 40 (NVRTC 13.0, sm_80), 48 (sm_86/89) spill
             yield 128, 128, 4
         yield 128, 64, 4
     elif head_dim <= 128:
         if big_smem:
-            if head_dim not in (104, 112):
+            if head_dim not in (104, 112) and not (blackwell and causal):  # spills on sm_100
                 yield 128, 64, 4
             yield 128, 64, 8
         elif causal:
@@ -55,7 +56,7 @@ def default_config(head_dim: int, dtype: str, causal: bool, profile: GpuProfile)
     big = profile.smem_per_block_optin >= _BIG_SMEM
     return _first_fitting(
         (dict(head_dim=head_dim, dtype=dtype, block_m=m, block_n=n, num_warps=w, causal=causal)
-         for m, n, w in _candidates(head_dim, dtype, causal, big)),
+         for m, n, w in _candidates(head_dim, dtype, causal, big, profile.arch)),
         profile, f"head_dim={head_dim} {dtype}")
 
 

@@ -43,7 +43,14 @@ MIN_COMPUTE_CAPABILITY = (8, 0)  # the kernels use mma.sync bf16 and cp.async: A
 # Compute Capability": (smem per SM, max smem per block with opt-in, 32-bit regs per SM, threads
 # per SM). Every profile below takes its limits from here. A profile synthesised for an unknown
 # device uses the device's own properties and falls back to this table only for an attribute its
-# torch build does not expose; the 8.7, 10.0 and 12.0 rows exist only for that fallback.
+# torch build does not expose; the 8.7 row exists only for that fallback.
+# 10.0 and 12.0: the guide's table (CUDA 13.x, "Memory Information per Compute Capability", as
+# quoted; the page itself was not opened) gives 228 / 227 KB and 100 / 99 KB. The Blackwell Tuning
+# Guide ("Occupancy") agrees on 228 / 227 KB and 99 KB per block, and gives 64 warps per SM on 10.0
+# and 48 on 12.0. Its "shared memory capacity per SM is 128KB" for 12.0 is the unified L1/shared
+# array (the RTX Blackwell whitepaper's "128 KB of L1/Shared Memory" per SM), not the shared-memory
+# limit: an RTX 5090 reports 102,400 bytes of shared memory per multiprocessor (deviceQuery), as
+# the table says, and CUTLASS's sm120_smem_capacity_bytes is 101,376 (99 KB).
 _KB = 1024
 _CC_LIMITS: dict[tuple[int, int], tuple[int, int, int, int]] = {
     (8, 0): (164 * _KB, 163 * _KB, 65536, 2048),  # A100
@@ -96,11 +103,40 @@ PROFILES: dict[str, GpuProfile] = {p.name: p for p in (
     # NVIDIA H200 Tensor Core GPU datasheet, SXM column: 4.8 TB/s, 1,979 TF FP16/BF16 sparse ->
     # 989.4 dense; the same GH100 configuration as H100 SXM5, so 132 SMs.
     _profile("h200", "NVIDIA H200 SXM 141GB", (9, 0), 132, 989.4, 989.4, 4800.0),
+    # The four below were checked against the NVIDIA documents as they are quoted (tables copied
+    # out by several independent readers) in stored public material; the PDFs themselves were not
+    # opened. A figure NVIDIA does not publish says so.
+    # NVIDIA Ampere GA102 GPU architecture whitepaper (v2), Table 3, RTX A6000 column: 84 SMs,
+    # 768 GB/s; FP16 and BF16 tensor 154.8 TF dense with FP32 accumulate (309.6 sparse). The
+    # professional part runs FP32 accumulate at the full rate, unlike the RTX 3090.
+    _profile("a6000", "NVIDIA RTX A6000 48GB", (8, 6), 84, 154.8, 154.8, 768.0),
+    # NVIDIA RTX 6000 Ada Generation datasheet: 18,176 CUDA cores and 568 Tensor Cores (142 SMs at
+    # 128 and 4 per SM), 960 GB/s, "Tensor Performance" 1,457 TF, which is FP8 with sparsity. FP16
+    # and BF16 dense with FP32 accumulate, at full rate on this professional part: NVIDIA's RTX
+    # Blackwell PRO GPU architecture whitepaper, Table 4, is quoted as 364 dense / 728 sparse for
+    # this card; the decimal, 364.2 (= 1,457 / 2 for sparsity / 2 for FP8 -> FP16, 364.25), is
+    # the figure secondary sources give, not read in an NVIDIA table.
+    _profile("rtx6000-ada", "NVIDIA RTX 6000 Ada Generation 48GB", (8, 9), 142, 364.2, 364.2, 960.0),
+    # NVIDIA RTX Blackwell GPU architecture whitepaper (GB202), Table 3 / Appendix A, RTX 5090:
+    # 170 SMs, 1,792 GB/s; FP16 and BF16 tensor 209.5 TF dense with FP32 accumulate (419 sparse;
+    # FP16 with FP16 accumulate is 419 dense). The card reports 170 SMs (deviceQuery, torch).
+    _profile("rtx5090", "NVIDIA GeForce RTX 5090 32GB", (12, 0), 170, 209.5, 209.5, 1792.0),
+    # NVIDIA Blackwell datasheet, "Individual Blackwell GPU Specifications", HGX B200 column:
+    # FP16/BF16 tensor 4.5 PF with sparsity (the sheet's footnote) -> 2,250 TF dense; 180 GB HBM3e
+    # at 7.7 TB/s (the DGX B200 page's 64 TB/s for 8 GPUs would be 8 TB/s; this is the per-GPU row).
+    # NVIDIA publishes no SM count for B200: 148 is what the device reports (torch
+    # multi_processor_count at compute capability 10.0, as recorded in public Inductor-generated
+    # kernels), not an NVIDIA figure. NVIDIA gives no rate for the warp-level mma.sync these kernels
+    # issue on sm_100, so efficiencies measured against this Tensor Core peak may read low.
+    _profile("b200", "NVIDIA B200 SXM 180GB", (10, 0), 148, 2250.0, 2250.0, 7700.0),
 )}
 
-# Device names (as torch reports them, upper-cased) -> profile key, plus fields that differ for
-# that variant. First match wins. NVL, Ti, "D" and laptop parts fall through on purpose: their
-# SM counts and clocks differ enough that they should be measured, not assumed.
+# Device names (as torch.cuda.get_device_name() reports them, upper-cased) -> profile key, plus
+# fields that differ for that variant. First match wins. The one mapping serves the running device
+# (profile_from_properties, which also checks the compute capability) and names given by hand
+# (get_profile, arch_for). NVL, Ti, "D" and laptop parts, GB200 (its own clocks and limits) and the
+# RTX PRO 6000 Blackwell fall through on purpose: their SM counts and clocks differ enough that
+# they should be measured, not assumed.
 _NAME_RULES: tuple[tuple[re.Pattern[str], str, dict[str, Any]], ...] = tuple(
     (re.compile(pattern), key, overrides) for pattern, key, overrides in (
         (r"\bH100\b.*\bPCIE\b", "h100-pcie", {}),
@@ -117,6 +153,10 @@ _NAME_RULES: tuple[tuple[re.Pattern[str], str, dict[str, Any]], ...] = tuple(
         (r"\bL40S\b", "l40s", {}),
         (r"\bRTX 3090\b(?!\s*TI\b)", "rtx3090", {}),
         (r"\bRTX 4090\b(?!\s*(?:TI|D|LAPTOP)\b)", "rtx4090", {}),
+        (r"\bA6000\b", "a6000", {}),  # "NVIDIA RTX A6000"
+        (r"\bRTX 6000 ADA\b", "rtx6000-ada", {}),  # "NVIDIA RTX 6000 Ada Generation"; not Quadro RTX 6000
+        (r"\bRTX 5090\b(?!\s*(?:D|LAPTOP)\b)", "rtx5090", {}),
+        (r"\bB200\b", "b200", {}),  # "NVIDIA B200"; GB200 does not match
     )
 )
 
@@ -128,14 +168,47 @@ NVRTC_ARCHS: tuple[str, ...] = (
 )
 
 
+def _match_name(device_name: str, cc: tuple[int, int] | None = None) -> GpuProfile | None:
+    """The built-in profile for a device name as torch reports it (None when no rule matches, or
+    when `cc` is given and differs from the profile's), with the variant's overrides applied."""
+    upper = device_name.upper()
+    for pattern, key, overrides in _NAME_RULES:
+        if pattern.search(upper) and (cc is None or PROFILES[key].compute_capability == cc):
+            return dataclasses.replace(PROFILES[key], **overrides) if overrides else PROFILES[key]
+    return None
+
+
+def _lookup(name: str) -> GpuProfile | None:
+    key = name.strip().lower()
+    return PROFILES[key] if key in PROFILES else _match_name(name.strip())
+
+
 def get_profile(name: str) -> GpuProfile:
-    """The built-in profile called `name` (case-insensitive), e.g. "h100"."""
+    """The built-in profile called `name`: a profile key (case-insensitive), e.g. "h100", or a device
+    name as torch.cuda.get_device_name() reports it, e.g. "NVIDIA H100 80GB HBM3" (-> "h100") or
+    "NVIDIA A100-SXM4-40GB" (-> "a100" with that variant's memory bandwidth)."""
     if not isinstance(name, str):
         raise TypeError(f"get_profile: got {name!r} ({type(name).__name__}), expected a str")
-    key = name.strip().lower()
-    if key not in PROFILES:
-        raise ValueError(f"get_profile: got {name!r}, expected one of {sorted(PROFILES)}")
-    return PROFILES[key]
+    profile = _lookup(name)
+    if profile is None:
+        raise ValueError(
+            f"get_profile: got {name!r}, expected a profile name {sorted(PROFILES)} or the device name "
+            f"torch reports for one of those parts (e.g. 'NVIDIA H100 80GB HBM3')"
+        )
+    return profile
+
+
+def profile_arg(value: str) -> str:
+    """argparse type for a --gpu option: `value` (a profile key or a device name as torch reports
+    it, kept as given so a device variant keeps its numbers) once get_profile accepts it; argparse
+    shows get_profile's error otherwise."""
+    import argparse
+
+    try:
+        get_profile(value)
+    except (TypeError, ValueError) as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+    return value
 
 
 def _slug(device_name: str) -> str:
@@ -172,11 +245,10 @@ def profile_from_properties(props: Any) -> GpuProfile:
             f"autoflash needs compute capability 8.0 or newer; got {cc[0]}.{cc[1]} for {device_name}"
         )
     sm_count = int(props.multi_processor_count)
-    upper = device_name.upper()
-    for pattern, key, overrides in _NAME_RULES:
-        if pattern.search(upper) and PROFILES[key].compute_capability == cc:
-            # Cut-down or binned parts report fewer SMs; the grid-size heuristics must see the truth.
-            return dataclasses.replace(PROFILES[key], sm_count=sm_count, **overrides)
+    known = _match_name(device_name, cc)
+    if known is not None:
+        # Cut-down or binned parts report fewer SMs; the grid-size heuristics must see the truth.
+        return dataclasses.replace(known, sm_count=sm_count)
     return GpuProfile(
         name=_slug(device_name),
         description=device_name,
@@ -208,15 +280,17 @@ def detect(device: Any = None) -> GpuProfile:
 
 
 def arch_for(name_or_arch: str) -> str:
-    """The NVRTC --gpu-architecture for a profile name ("a100") or an arch string ("sm_90a")."""
+    """The NVRTC --gpu-architecture for a profile name ("a100"), a device name as torch reports it
+    ("NVIDIA B200") or an arch string ("sm_90a")."""
     if not isinstance(name_or_arch, str):
         raise TypeError(f"arch_for: got {name_or_arch!r} ({type(name_or_arch).__name__}), expected a str")
     key = name_or_arch.strip().lower()
-    if key in PROFILES:
-        return PROFILES[key].arch
     if key in NVRTC_ARCHS:
         return key
+    profile = _lookup(name_or_arch)
+    if profile is not None:
+        return profile.arch
     raise ValueError(
-        f"arch_for: got {name_or_arch!r}, expected a profile name {sorted(PROFILES)} or an "
-        f"architecture {list(NVRTC_ARCHS)}"
+        f"arch_for: got {name_or_arch!r}, expected a profile name {sorted(PROFILES)} (or the device name "
+        f"torch reports for one) or an architecture {list(NVRTC_ARCHS)}"
     )

@@ -28,7 +28,7 @@ import sys
 from pathlib import Path
 
 from autoflash.kernels.config import DIRECTIONS
-from autoflash.kernels.gpus import PROFILES
+from autoflash.kernels.gpus import PROFILES, profile_arg
 from autoflash.tuning.problem import BUCKET_LABELS
 from autoflash.tune import CAUSAL_MODES, _head_dims, _list, _restriction
 from autoflash.tuning.study import SAMPLERS, KeyStudy, Settings, is_measured
@@ -118,8 +118,8 @@ def make_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m autoflash.tuning.efficiency", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     directions = lambda t: list(DIRECTIONS) if t == "all" else _list(str, DIRECTIONS)(t)  # noqa: E731
-    p.add_argument("--gpu", type=str.lower, choices=sorted(PROFILES), default="h100", metavar="NAME",
-                   help=f"GPU profile: {', '.join(sorted(PROFILES))} (default h100)")
+    p.add_argument("--gpu", type=profile_arg, default="h100", metavar="NAME",
+                   help=f"GPU profile: {', '.join(sorted(PROFILES))}, or a device name torch reports (default h100)")
     p.add_argument("--directions", type=directions, default=list(DIRECTIONS), help="fwd,bwd (default) or a subset")
     p.add_argument("--dtypes", type=_list(str, ("fp16", "bf16", "fp32")), default=["fp16", "bf16"])
     p.add_argument("--head-dims", type=_head_dims, default=[64, 128])
