@@ -154,12 +154,7 @@ def cuobjdump(workdir: Path) -> Path:
 
 
 def nvdisasm_version() -> str:
-    from cuda.pathfinder import find_nvidia_binary_utility
-
-    tool = find_nvidia_binary_utility("nvdisasm")
-    if not tool:
-        raise RuntimeError("nvdisasm not found: install it with `pip install 'nvidia-cuda-nvdisasm>=13.0,<14'`")
-    out = subprocess.run([tool, "--version"], capture_output=True, text=True, check=True).stdout
+    out = subprocess.run([sass.nvdisasm(), "--version"], capture_output=True, text=True, check=True).stdout
     m = re.search(r"V(\d+\.\d+\.\d+)", out)
     return m.group(1) if m else out.strip().splitlines()[-1]
 

@@ -196,9 +196,6 @@ def disassemble(compiled: Compiled) -> str:
     """SASS of a compiled kernel, by nvdisasm from the pip-installed toolkit (no GPU needed)."""
     import subprocess
 
-    from cuda.pathfinder import find_nvidia_binary_utility
+    from autoflash.kernels.sass import nvdisasm
 
-    tool = find_nvidia_binary_utility("nvdisasm")
-    if not tool:
-        raise RuntimeError("nvdisasm not found: install it with `pip install 'nvidia-cuda-nvdisasm>=13.0,<14'`")
-    return subprocess.run([tool, str(compiled.cubin_path)], capture_output=True, text=True, check=True).stdout
+    return subprocess.run([nvdisasm(), str(compiled.cubin_path)], capture_output=True, text=True, check=True).stdout

@@ -45,6 +45,12 @@ def _ldsm_per_mma(rows: int, cols: int) -> float:
     return (a + b) / (2 * a * b)
 
 
+def _share(n: int, warps: int, offset: bool) -> int:
+    """Columns of n each of `warps` warps holds: a contiguous n / warps, or whole 16-column pairs
+    dealt round robin (the most any warp gets)."""
+    return n // warps if offset else 16 * -(-(n // 16) // warps)
+
+
 def _split(warps: int, m: int, n: int, limit: int, *, m_cols: bool | None = None,
            n_cols: bool | None = None) -> tuple[int, int, bool] | None:
     """(warps along m, warps along n, n by offset) for an m x n product, with the fewest ldmatrix
@@ -66,7 +72,7 @@ def _split(warps: int, m: int, n: int, limit: int, *, m_cols: bool | None = None
         offset = n % (16 * wn) == 0 and (wn == 1 or n_cols is None or (n_cols and _offsettable(n // wn // 8)))
         if not offset and (n_cols is None or (n // 16) < wn):
             continue  # interleaving is for head-dim columns, and every warp needs a pair
-        tn = n // wn if offset else 16 * -(-(n // 16) // wn)
+        tn = _share(n, wn, offset)
         if tm * tn > limit:
             continue
         key = (_ldsm_per_mma(tm, tn), not offset, -tm)
@@ -94,6 +100,8 @@ class BackwardLayout:
     q: tuple[int, int]
     kv_offset: bool
     q_offset: bool
+    kv_elements: int  # fp32 accumulator elements per warp of dK (and as many of dV)
+    s_elements: int  # ... of S (and as many of dP)
 
 
 _ACC_LIMIT, _ACC_TOTAL = 2048, 3072  # fp32 accumulator elements per warp (32 threads)
@@ -110,7 +118,7 @@ def _backward_layout(block_m: int, block_n: int, d_slice: int, warps: int) -> Ba
             f"accumulators each, the keys split among warps only when block_n is a multiple of 64 (they are "
             f"the P and dS tiles' columns); use more warps, fewer keys or block_n 64 / 128"
         )
-    kv_elems = (block_n // kv[0]) * (d_slice // kv[1] if kv[2] else 16 * -(-(d_slice // 16) // kv[1]))
+    kv_elems = (block_n // kv[0]) * _share(d_slice, kv[1], kv[2])
     s = _split(warps, block_m, block_n, min(_ACC_LIMIT, _ACC_TOTAL - kv_elems))
     if s is None:
         raise ValueError(
@@ -123,7 +131,7 @@ def _backward_layout(block_m: int, block_n: int, d_slice: int, warps: int) -> Ba
             f"KernelConfig (backward): no warp layout of {warps} warps for dQ of {block_m} queries x {d_slice} "
             f"head-dim columns; use block_m a multiple of 16"
         )
-    return BackwardLayout(s[:2], kv[:2], q[:2], kv[2], q[2])
+    return BackwardLayout(s[:2], kv[:2], q[:2], kv[2], q[2], kv_elems, (block_m // s[0]) * (block_n // s[1]))
 
 
 @dataclasses.dataclass(frozen=True)

@@ -274,14 +274,19 @@ def iteration_counts(text: str, loop: Loop, hmma: int) -> dict[str, int] | None:
     return dict(max(ends, key=lambda c: sum(c.values()))) if ends else None
 
 
-def disassemble(cubin: Path | str, kernel: str | None = None) -> str:
-    """nvdisasm -c -g of a cubin, no GPU needed; with `kernel`, only that function's section."""
+def nvdisasm() -> str:
+    """The pip-installed nvdisasm (nvidia-cuda-nvdisasm); RuntimeError saying how to get it."""
     from cuda.pathfinder import find_nvidia_binary_utility
 
     tool = find_nvidia_binary_utility("nvdisasm")
     if not tool:
         raise RuntimeError("nvdisasm not found: install it with `pip install 'nvidia-cuda-nvdisasm>=13.0,<14'`")
-    text = subprocess.run([tool, "-c", "-g", str(cubin)], capture_output=True, text=True, check=True).stdout
+    return tool
+
+
+def disassemble(cubin: Path | str, kernel: str | None = None) -> str:
+    """nvdisasm -c -g of a cubin, no GPU needed; with `kernel`, only that function's section."""
+    text = subprocess.run([nvdisasm(), "-c", "-g", str(cubin)], capture_output=True, text=True, check=True).stdout
     if kernel is None:
         return text
     sections = functions(text)

@@ -56,11 +56,7 @@ def accumulator_registers(config: KernelConfig) -> int | None:
         rows = config.block_m // config.num_warps
         return rows * (config.head_dim_padded + config.block_n) // 32
     lay = config.backward_layout
-    d_slice = config.head_dim_padded // config.head_split
-    kv_cols = d_slice // lay.kv[1] if lay.kv_offset else 16 * -(-(d_slice // 16) // lay.kv[1])
-    kv = (config.block_n // lay.kv[0]) * kv_cols
-    s = (config.block_m // lay.s[0]) * (config.block_n // lay.s[1])
-    return 2 * (kv + s) // 32
+    return 2 * (lay.kv_elements + lay.s_elements) // 32
 
 
 def _plausible(config: KernelConfig) -> bool:
