@@ -176,8 +176,8 @@ def _template_line(template: str, text: str) -> int:
 #        whether the results still meet the accuracy rule or None)
 MUTATIONS = {
     # K rows up to seqlen_k inclusive: the mask hides the extra row, so the result stays right
-    "out-of-bounds": ("out-of-bounds", "fwd", "k_copy.copy_any(smem.k[t], (n_tiles - 1 - t) * BLOCK_N, seqlen_k);",
-                      "k_copy.copy_any(smem.k[t], (n_tiles - 1 - t) * BLOCK_N, seqlen_k + 1);", [],
+    "out-of-bounds": ("out-of-bounds", "fwd", "k_copy.copy_any(smem.k[t], (t_end - 1 - t) * BLOCK_N, seqlen_k);",
+                      "k_copy.copy_any(smem.k[t], (t_end - 1 - t) * BLOCK_N, seqlen_k + 1);", [],
                       "k_copy.copy_any(smem.k[t]", True),
     "race": ("race", "fwd", "  __syncthreads();\n\n  // -- coalesced store", "\n\n  // -- coalesced store", [],
              None, False),
@@ -191,12 +191,12 @@ MUTATIONS = {
     # an overflowing product that decides nothing: only the UBSan checks see it
     "undefined": ("undefined", "fwd", "  const int m_start = m_block * BLOCK_M;",
                   "  const int m_start = m_block * BLOCK_M;\n"
-                  "  if (seqlen_q * seqlen_k * seqlen_k * seqlen_k * seqlen_q == 7) return;", [], None, True),
+                  "  if (max_seqlen_q * max_seqlen_k * max_seqlen_k * max_seqlen_k * max_seqlen_q == 7) return;", [], None, True),
     "race-bwd": ("race", "bwd", "__syncthreads();  // P and dS complete", "// (barrier removed)", ["--causal"],
                  None, None),
     "out-of-bounds-bwd": ("out-of-bounds", "bwd",
-                          "load_rows<BLOCK_M>(smem.q[slot], rows(q, q_sb, q_sh), q_sm, m0, seqlen_q, tid);",
-                          "load_rows<BLOCK_M>(smem.q[slot], rows(q, q_sb, q_sh), q_sm, m0, seqlen_q + 1, tid);", [],
+                          "load_rows<BLOCK_M>(smem.q[slot], rows(q, q_sb, q_sm, q_sh), q_sm, m0, seqlen_q, tid);",
+                          "load_rows<BLOCK_M>(smem.q[slot], rows(q, q_sb, q_sm, q_sh), q_sm, m0, seqlen_q + 1, tid);", [],
                           "load_rows<BLOCK_M>(smem.q[slot]", None),
     # one past the end of smem.lse[slot]: the memory is the block's own (smem.delta), the index is not
     "array-bounds-bwd": ("out-of-bounds", "bwd", "const float lse_log2 = smem.lse[slot][row] * 1.4426950408889634f;",

@@ -357,23 +357,26 @@ def test_the_packing_follows_the_templates_signatures(direction):
     assert set(expected) == set(config.symbols)
     for name, params in expected.items():
         declared = re.search(r"\n" + re.escape(name) + r"\(([^)]*)\)\s*\{", source).group(1)
+        declared = re.sub(r"//[^\n]*", "", declared)  # comments naming the switches a parameter serves
         codes = "".join(_c_code(" ".join(p.split())) for p in declared.split(","))
         assert "@" + codes == params.struct.format, name
 
 
 def test_parameters_sit_at_their_c_offsets():
-    # templates/flash_fwd.cu.j2: 5 pointers, 12 long long, 3 int, 1 float; flash_bwd.cu.j2 likewise
-    assert [o for o, _ in launch.FWD_PARAMS.spans] == [8 * i for i in range(17)] + [136, 140, 144, 148]
+    # templates/flash_fwd.cu.j2: 9 pointers, 16 long long, 5 int, 3 float; flash_bwd.cu.j2 likewise
+    assert [o for o, _ in launch.FWD_PARAMS.spans] == [8 * i for i in range(25)] + [200 + 4 * i for i in range(8)]
     assert launch.DELTA_PARAMS.struct.size == 76
-    assert [o for o, _ in launch.BWD_PARAMS.spans][-7:] == [208, 216, 220, 224, 228, 232, 236]
+    # 13 pointers and 22 long long end at 280; 5 int, 4 float, n_block0
+    assert [o for o, _ in launch.BWD_PARAMS.spans][-10:] == [280 + 4 * i for i in range(10)]
 
 
 def test_the_emulator_gets_the_tensors_and_the_same_bytes():
     params = launch.FWD_PARAMS
     tensors, scalars = _launch_values(params)
     args = params.emulator_args(tensors, params.pack(tensors, scalars))
-    assert args[:5] == tensors
-    assert [np.asarray(a).tobytes() for a in args[5:]] == _expected_bytes(params, tensors, scalars)[5:]
+    n = params.pointers
+    assert all(a is t for a, t in zip(args[:n], tensors)) and len(tensors) == n
+    assert [np.asarray(a).tobytes() for a in args[n:]] == _expected_bytes(params, tensors, scalars)[n:]
 
 
 def test_the_gpu_branch_launches_on_torchs_stream_with_cpointers(monkeypatch):

@@ -93,7 +93,8 @@ def check_like(name: str, t, q: torch.Tensor) -> None:
         raise ValueError(
             f"{name}: got {tuple(t.shape)} {t.dtype} on {t.device}; expected q's {tuple(q.shape)} {q.dtype} on {q.device}"
         )
-    check_chunked_layout(name, t)
+    if t.dim() == 4:  # packed (total, heads, d) rows are checked as their (1, heads, total, d) view
+        check_chunked_layout(name, t)
 
 
 def check_scale(scale, head_dim: int) -> float:

@@ -10,6 +10,12 @@ from typing import Any
 DTYPES = ("fp16", "bf16", "fp32")
 DIRECTIONS = ("fwd", "bwd")
 DQ_MODES = ("atomic", "pass")
+ALIGNS = ("top_left", "bottom_right")
+# The variant switches (flash-attn's features), in the order the kernel name shows them. Each is a
+# compile-time switch; its run-time values (window sizes, the cap, slopes, bias, cu_seqlens) are
+# kernel arguments.
+VARIANTS = ("window", "softcap", "alibi", "key_bias", "varlen")
+_VARIANT_TAGS = {"window": "win", "softcap": "cap", "alibi": "alibi", "key_bias": "kbias", "varlen": "varlen"}
 ELEM_BYTES = {"fp16": 2, "bf16": 2, "fp32": 4}
 HEAD_DIM_MIN, HEAD_DIM_MAX, HEAD_DIM_STEP = 32, 256, 8
 MAX_THREADS_PER_BLOCK = 1024
@@ -17,7 +23,8 @@ MMA_M = 16  # rows of one mma.sync.m16n8k16 tile: each warp owns a multiple of 1
 MMA_K = 16  # its k extent: tensor-core head dims are padded up to a multiple of 16
 
 _NAME_RE = re.compile(
-    r"^(?P<direction>fwd|bwd)_hd(?P<head_dim>\d+)_(?P<dtype>fp16|bf16|fp32)(?P<causal>_causal)?"
+    r"^(?P<direction>fwd|bwd)_hd(?P<head_dim>\d+)_(?P<dtype>fp16|bf16|fp32)(?P<causal>_causal)?(?P<br>_br)?"
+    r"(?P<window>_win)?(?P<softcap>_cap)?(?P<alibi>_alibi)?(?P<key_bias>_kbias)?(?P<varlen>_varlen)?"
     r"_m(?P<block_m>\d+)n(?P<block_n>\d+)w(?P<num_warps>\d+)s(?P<num_stages>\d+)(?:h(?P<head_split>\d+))?"
     r"(?P<dq_pass>_dqpass)?(?P<v_in_regs>_vregs)?$"
 )
@@ -159,6 +166,15 @@ class KernelConfig:
     head_split: int = 1  # backward: blocks sharing one key block, each owning a slice of the head dim
     dq: str = "atomic"  # backward: dQ by fp32 atomics in the dK/dV kernel, or by a separate pass
     v_in_regs: bool = False  # backward: each warp keeps its keys' V fragments in registers for dP
+    # ---- variants (tensor-core kernels, both directions); all off is plain attention ----
+    # Where query i's diagonal sits: key i (top_left, SDPA's is_causal) or key i + seqlen_k - seqlen_q
+    # (bottom_right, flash-attn's). It places the causal limit, the window and ALiBi's distances.
+    align: str = "top_left"
+    window: bool = False    # keys i + diag - left .. i + diag + right (run-time left, right)
+    softcap: bool = False   # scores cap * tanh(scale * s / cap) (run-time cap)
+    alibi: bool = False     # scores - slope * |i + diag - j| (run-time slopes, per head or batch x head)
+    key_bias: bool = False  # scores + bias[batch, j] (fp32, -inf masks the key): SDPA key-padding masks
+    varlen: bool = False    # packed sequences: (total, heads, d) with int32 cu_seqlens, one grid z per sequence
 
     def __post_init__(self) -> None:
         for f in ("head_dim", "block_m", "block_n", "num_warps", "num_stages", "head_split"):
@@ -195,6 +211,7 @@ class KernelConfig:
         if self.dq == "pass" and (self.direction != "bwd" or not self.tensor_cores):
             raise ValueError(f"KernelConfig.dq: got 'pass' for {self.direction} {self.dtype}; only the tensor-core "
                              f"backward has a separate dQ pass (expected 'atomic')")
+        self._validate_variants()
         if self.direction == "bwd":
             self._validate_backward()
         elif self.head_split != 1:
@@ -218,6 +235,26 @@ class KernelConfig:
                     f"KernelConfig (fp32 SIMT path): {tpr} threads share a row, so block_n ({self.block_n}) "
                     f"and head_dim / 4 ({d // 4}) must both be multiples of {tpr}"
                 )
+
+    def _validate_variants(self) -> None:
+        for f in VARIANTS:
+            if not isinstance(getattr(self, f), bool):
+                raise TypeError(f"KernelConfig.{f}: got {getattr(self, f)!r}, expected a bool")
+        if self.align not in ALIGNS:
+            raise ValueError(f"KernelConfig.align: got {self.align!r}, expected one of {ALIGNS}")
+        on = [f for f in VARIANTS if getattr(self, f)] + (["align bottom_right"] if self.align != "top_left" else [])
+        if on and not self.tensor_cores:
+            raise ValueError(f"KernelConfig: got {', '.join(on)} for {self.dtype}; the variants run on the fp16/bf16 "
+                             f"tensor-core kernels (expected dtype fp16 or bf16)")
+        if self.align == "bottom_right" and not (self.causal or self.window or self.alibi):
+            raise ValueError("KernelConfig.align: got 'bottom_right' with no causal, window or alibi to place; "
+                             "expected 'top_left' (the kernels would be the same)")
+        if self.window and self.causal:
+            raise ValueError("KernelConfig: got causal and window; a window with right = 0 is causal, expected "
+                             "window=True, causal=False (the run-time right size carries it)")
+        if self.key_bias and self.varlen:
+            raise ValueError("KernelConfig: got key_bias and varlen; the key bias is per (batch, key) of a padded "
+                             "batch, packed sequences need none (expected one of them)")
 
     def _validate_backward(self) -> None:
         if not self.tensor_cores:
@@ -266,6 +303,8 @@ class KernelConfig:
         causal = "_causal" if self.causal else ""
         split = f"h{self.head_split}" if self.head_split > 1 else ""
         split += ("_dqpass" if self.dq == "pass" else "") + ("_vregs" if self.v_in_regs else "")
+        causal += "_br" if self.align == "bottom_right" else ""
+        causal += "".join(f"_{_VARIANT_TAGS[f]}" for f in VARIANTS if getattr(self, f))
         return (
             f"{self.direction}_hd{self.head_dim}_{self.dtype}{causal}"
             f"_m{self.block_m}n{self.block_n}w{self.num_warps}s{self.num_stages}{split}"
@@ -289,6 +328,11 @@ class KernelConfig:
             if 2 * self.block_m * row + 2 * stages * self.block_n * row <= self.smem_bytes:
                 return stages
         return 0
+
+    @property
+    def variants(self) -> tuple[str, ...]:
+        """The variant switches that are on, as VARIANTS names them."""
+        return tuple(f for f in VARIANTS if getattr(self, f))
 
     @property
     def tensor_cores(self) -> bool:
@@ -355,7 +399,8 @@ class KernelConfig:
         ints = {k: int(g[k]) for k in ("head_dim", "block_m", "block_n", "num_warps", "num_stages")}
         ints["head_split"] = int(g["head_split"] or 1)
         return cls(direction=g["direction"], dtype=g["dtype"], causal=bool(g["causal"]),
-                   dq="pass" if g["dq_pass"] else "atomic", v_in_regs=bool(g["v_in_regs"]), **ints)
+                   dq="pass" if g["dq_pass"] else "atomic", v_in_regs=bool(g["v_in_regs"]),
+                   align="bottom_right" if g["br"] else "top_left", **{f: bool(g[f]) for f in VARIANTS}, **ints)
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)

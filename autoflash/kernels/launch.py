@@ -16,6 +16,7 @@ from autoflash.kernels.compiler import compile_config
 from autoflash.kernels.config import KernelConfig
 from autoflash.kernels.defaults import default_backward_config, default_config
 from autoflash.kernels.gpus import GpuProfile, detect
+from autoflash.kernels.variants import Variant, resolve
 from autoflash.reference.forward import LOG2E  # the kernels run the softmax in base 2
 
 DELTA_ROWS_PER_BLOCK = 4  # the backward's delta kernel: one warp per query row, 128 threads
@@ -131,13 +132,18 @@ class KernelParams:
         return (*tensors, *(raw[offset:offset + size] for offset, size in self.spans[self.pointers:]))
 
 
-# The templates' signatures (templates/flash_fwd.cu.j2, flash_bwd.cu.j2), in order:
-FWD_PARAMS = KernelParams(5, "q" * 12 + "iii" + "f")  # q k v o lse; 4 x 3 strides; seqlen_q seqlen_k group; scale_log2
+# The templates' signatures (templates/flash_fwd.cu.j2, flash_bwd.cu.j2), in order. Every kernel but
+# delta also takes the variants' arguments: pointers cu_seqlens_q cu_seqlens_k alibi_slopes key_bias;
+# scalars lse_sb lse_sh alibi_sb bias_sb (after the strides), window_left window_right (after the
+# ints), softcap_in softcap_out (after the floats).
+_VARIANT_POINTERS = ("cu_seqlens_q", "cu_seqlens_k", "alibi_slopes", "key_bias")
+FWD_PARAMS = KernelParams(9, "q" * 16 + "iiiii" + "fff")  # q k v o lse +4; 4 x 3 strides +4;
+#                                                        seqlen_q seqlen_k group +2; scale_log2 +2
 DELTA_PARAMS = KernelParams(3, "q" * 6 + "i")  # o dout delta; 2 x 3 strides; seqlen_q
-BWD_PARAMS = KernelParams(9, "q" * 18 + "iii" + "ff" + "i")  # q k v dout lse delta dq_accum dk dv; 6 x 3 strides;
-#                                                            seqlen_q seqlen_k group; scale scale_log2; n_block0
-DQ_PARAMS = KernelParams(7, "q" * 15 + "iii" + "ff")  # q k v dout lse delta dq; 5 x 3 strides;
-#                                                    seqlen_q seqlen_k group; scale scale_log2 (the dQ pass)
+BWD_PARAMS = KernelParams(13, "q" * 22 + "iiiii" + "ffff" + "i")  # q k v dout lse delta dq_accum dk dv +4;
+#                                       6 x 3 strides +4; seqlen_q seqlen_k group +2; scale scale_log2 +2; n_block0
+DQ_PARAMS = KernelParams(11, "q" * 19 + "iiiii" + "ffff")  # q k v dout lse delta dq +4; 5 x 3 strides +4;
+#                                       seqlen_q seqlen_k group +2; scale scale_log2 +2 (the dQ pass)
 
 
 def _call(fn, grid, threads: int, smem: int, device: torch.device, params: KernelParams, tensors: tuple,
@@ -171,40 +177,117 @@ def _stream(handle: int, device_index: int):
     return _cupy()[0].cuda.ExternalStream(handle, device_index)
 
 
-def _strides(t: torch.Tensor) -> tuple[int, ...]:
-    return t.stride()[:3]
+def _strides(t: torch.Tensor, varlen: bool = False) -> tuple[int, ...]:
+    """(batch, head, row) strides of a (B, H, L, D) view; packed sequences have no batch stride (a
+    sequence's rows start at its cu_seqlens entry)."""
+    sb, sh, sm = t.stride()[:3]
+    return (0 if varlen else sb), sh, sm
+
+
+def _heads_view(t: torch.Tensor) -> torch.Tensor:
+    """(1, H, total, D) view of packed (total, H, D) rows."""
+    return t.transpose(0, 1).unsqueeze(0)
+
+
+def _check_packed(q, k, v) -> None:
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        if not isinstance(t, torch.Tensor) or t.dim() != 3:
+            got = tuple(t.shape) if isinstance(t, torch.Tensor) else type(t).__name__
+            raise ValueError(f"{name}: got {got}; expected packed sequences (total, heads, head_dim) with cu_seqlens")
+
+
+def _variant_scalars(variant: Variant, lse: torch.Tensor, varlen: bool) -> tuple:
+    """lse_sb lse_sh alibi_sb bias_sb: LSE rows are (B, H, L) dense, (H, total) packed."""
+    lse_sb, lse_sh = (0, lse.stride(0)) if varlen else lse.stride()[:2]
+    return lse_sb, lse_sh, variant.alibi_sb, variant.bias_sb
 
 
 def flash_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool = False,
-                  scale: float | None = None, config: KernelConfig | None = None):
+                  scale: float | None = None, config: KernelConfig | None = None, align: str = "top_left",
+                  window=(-1, -1), softcap: float = 0.0, alibi_slopes: torch.Tensor | None = None,
+                  key_bias: torch.Tensor | None = None, cu_seqlens_q: torch.Tensor | None = None,
+                  cu_seqlens_k: torch.Tensor | None = None, max_seqlen_q: int | None = None,
+                  max_seqlen_k: int | None = None):
     """FlashAttention forward on CUDA tensors (CPU tensors inside autoflash.emulate(): the emulated GPU's
     kernel on the host emulator).
 
     q: (batch, heads_q, seqlen_q, head_dim); k, v: (batch, heads_kv, seqlen_k, head_dim) with
     heads_kv dividing heads_q (GQA/MQA). Any strides on the first three dims (multiples of 16 bytes),
-    contiguous last dim. `causal` is top-left aligned as SDPA's is_causal; scale defaults to
+    contiguous last dim. `causal` is aligned by `align`: top_left as SDPA's is_causal (query i sees
+    keys j <= i), bottom_right as flash-attn's (j <= i + seqlen_k - seqlen_q); scale defaults to
     1/sqrt(head_dim). Returns (out like q, lse (batch, heads_q, seqlen_q) fp32).
+
+    Variants (fp16/bf16; each turns on its KernelConfig switch, on `config` too):
+    window=(left, right), -1 unbounded: keys i + diag - left .. i + diag + right (with causal, right
+    is 0); softcap > 0: scores cap * tanh(scale * s / cap); alibi_slopes fp32 (heads_q,) or
+    (batch, heads_q): scores - slope * |i + diag - j|; key_bias fp32 (batch, seqlen_k): added to
+    every row's scores (-inf masks the key); cu_seqlens_q / cu_seqlens_k (int32, batch + 1) with
+    max_seqlen_q / max_seqlen_k: packed sequences, q (total_q, heads_q, d), k, v (total_k, heads_kv,
+    d), lse (heads_q, total_q). The cu_seqlens values are trusted (flash_attn_varlen_func checks them).
     """
-    dtype, scale, profile = _prepare(q, k, v, causal, scale, "flash_forward")
-    b, hq, lq, d = q.shape
-    hkv, lk = k.shape[1], k.shape[2]
-    config = config or default_config(d, dtype, causal, profile)
+    varlen = cu_seqlens_q is not None or cu_seqlens_k is not None
+    if varlen:
+        _check_packed(q, k, v)
+        q4, k4, v4 = _heads_view(q), _heads_view(k), _heads_view(v)
+    else:
+        q4, k4, v4 = q, k, v
+    if varlen and 0 in (q.shape[0], k.shape[0]):  # no rows, or no keys for any row: nothing to launch
+        return _empty_forward(q, k, v, causal, scale, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
+                              alibi_slopes, softcap, window, align)
+    dtype, scale, profile = _prepare(q4, k4, v4, causal, scale, "flash_forward")
+    causal, variant = resolve(q4, k4, causal, align=align, window=window, softcap=softcap, alibi_slopes=alibi_slopes,
+                              key_bias=key_bias, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k,
+                              max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k)
+    b, hq, lq, d = q4.shape
+    hkv, lk = k4.shape[1], k4.shape[2]
+    if varlen:
+        b, lq, lk = cu_seqlens_q.numel() - 1, max_seqlen_q, max_seqlen_k
+    config = _with_variant(config or default_config(d, dtype, causal or variant.switches["window"], profile),
+                           causal, variant)
     check_config(config, d, dtype, causal, profile, "fwd")
 
     out = torch.empty_like(q)
-    lse = torch.empty((b, hq, lq), dtype=torch.float32, device=q.device)
+    lse = torch.empty((hq, q.shape[0]) if varlen else (b, hq, lq), dtype=torch.float32, device=q.device)
+    out4 = _heads_view(out) if varlen else out
+    if lq == 0:
+        return out, lse
     fn = kernel_functions(config, profile, q)[config.name]
-    scalars = (*_strides(q), *_strides(k), *_strides(v), *_strides(out), lq, lk, hq // hkv, scale * LOG2E)
+    scalars = (*_strides(q4, varlen), *_strides(k4, varlen), *_strides(v4, varlen), *_strides(out4, varlen),
+               *_variant_scalars(variant, lse, varlen), lq, lk, hq // hkv, *variant.window,
+               scale * LOG2E, *variant.softcap_factors(scale))
     _call(fn, (math.ceil(lq / config.block_m), hq, b), config.threads, config.smem_bytes, q.device, FWD_PARAMS,
-          (q, k, v, out, lse), scalars, ("q", "k", "v", "out", "lse"))
+          (q, k, v, out, lse, *variant.pointers), scalars, ("q", "k", "v", "out", "lse", *_VARIANT_POINTERS))
     return out, lse
+
+
+def _with_variant(config: KernelConfig, causal: bool, variant: Variant) -> KernelConfig:
+    """`config` with the call's variant switches (a default or tuned plain config takes them on)."""
+    if not isinstance(config, KernelConfig):
+        raise TypeError(f"config: got {type(config).__name__}, expected a KernelConfig")
+    return config.replace(causal=causal, **variant.switches)
+
+
+def _empty_forward(q, k, v, causal, scale, cu_q, cu_k, max_q, max_k, alibi_slopes, softcap, window, align):
+    """Packed sequences with no query rows or no keys at all: out 0, lse +inf (no key seen), after
+    the same argument checks as a launch."""
+    if not (q.dtype == k.dtype == v.dtype) or q.dtype not in (torch.float16, torch.bfloat16):
+        raise TypeError(f"q, k, v dtypes: got {q.dtype}, {k.dtype}, {v.dtype}; expected one of float16, bfloat16")
+    resolve(_heads_view(q), _heads_view(k), causal, align=align, window=window, softcap=softcap,
+            alibi_slopes=alibi_slopes, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k, max_seqlen_q=max_q, max_seqlen_k=max_k)
+    check_scale(scale, q.shape[-1])
+    return torch.zeros_like(q), torch.full((q.shape[1], q.shape[0]), math.inf, dtype=torch.float32, device=q.device)
 
 
 def flash_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
                    lse: torch.Tensor, *, causal: bool = False, scale: float | None = None,
-                   config: KernelConfig | None = None, deterministic: bool = False):
+                   config: KernelConfig | None = None, deterministic: bool = False, align: str = "top_left",
+                   window=(-1, -1), softcap: float = 0.0, alibi_slopes: torch.Tensor | None = None,
+                   key_bias: torch.Tensor | None = None, cu_seqlens_q: torch.Tensor | None = None,
+                   cu_seqlens_k: torch.Tensor | None = None, max_seqlen_q: int | None = None,
+                   max_seqlen_k: int | None = None):
     """FlashAttention backward: (dq, dk, dv) like (q, k, v), from the forward's out and lse
-    (fp16/bf16 on tensor cores, fp32 on the SIMT path).
+    (fp16/bf16 on tensor cores, fp32 on the SIMT path). The variant arguments are flash_forward's,
+    as the forward got them.
 
     dQ is added into an fp32 buffer with atomics (config.dq "atomic"); with `deterministic=True` the
     key blocks run one launch at a time, so the additions happen in a fixed order and the gradients
@@ -213,54 +296,87 @@ def flash_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torc
     each block writes its query head's dK, dV and the heads that share a K/V head are summed in fp32
     afterwards.
     """
-    dtype, scale, profile = _prepare(q, k, v, causal, scale, "flash_backward")
+    varlen = cu_seqlens_q is not None or cu_seqlens_k is not None
+    if varlen:
+        _check_packed(q, k, v)
+        if 0 in (q.shape[0], k.shape[0]):  # no rows or no keys: every gradient is 0
+            return torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
+        q4, k4, v4 = _heads_view(q), _heads_view(k), _heads_view(v)
+    else:
+        q4, k4, v4 = q, k, v
+    dtype, scale, profile = _prepare(q4, k4, v4, causal, scale, "flash_backward")
     if not isinstance(deterministic, bool):
         raise TypeError(f"deterministic: got {deterministic!r}, expected a bool")
-    check_like("out", out, q)
-    check_like("dout", dout, q)
-    b, hq, lq, d = q.shape
-    hkv, lk = k.shape[1], k.shape[2]
+    causal, variant = resolve(q4, k4, causal, align=align, window=window, softcap=softcap, alibi_slopes=alibi_slopes,
+                              key_bias=key_bias, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k,
+                              max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k)
+    for name, t in (("out", out), ("dout", dout)):
+        check_like(name, t, q)
+        if varlen:
+            check_like(name, _heads_view(t), q4)
+    b, hq, lq, d = q4.shape
+    hkv, lk = k4.shape[1], k4.shape[2]
+    total_q = lq
+    if varlen:
+        b, lq, lk = cu_seqlens_q.numel() - 1, max_seqlen_q, max_seqlen_k
     group = hq // hkv
-    if not isinstance(lse, torch.Tensor) or lse.shape != (b, hq, lq) or lse.dtype != torch.float32 \
+    lse_shape = (hq, total_q) if varlen else (b, hq, lq)
+    if not isinstance(lse, torch.Tensor) or lse.shape != lse_shape or lse.dtype != torch.float32 \
             or lse.device != q.device:
         got = f"{tuple(lse.shape)} {lse.dtype} on {lse.device}" if isinstance(lse, torch.Tensor) else type(lse).__name__
-        raise ValueError(f"lse: got {got}; expected ({b}, {hq}, {lq}) float32 on {q.device} (the forward's LSE)")
+        raise ValueError(f"lse: got {got}; expected {lse_shape} float32 on {q.device} (the forward's LSE)")
     lse = lse.contiguous()
-    config = config or default_backward_config(d, dtype, causal, profile)
+    config = _with_variant(config or default_backward_config(d, dtype, causal or variant.switches["window"], profile),
+                           causal, variant)
     check_config(config, d, dtype, causal, profile, "bwd")
     fns = kernel_functions(config, profile, q)
+    out4, dout4 = (_heads_view(out), _heads_view(dout)) if varlen else (out, dout)
 
-    delta = torch.empty((b, hq, lq), dtype=torch.float32, device=q.device)
-    _call(fns[f"{config.name}_delta"], (math.ceil(lq / DELTA_ROWS_PER_BLOCK), hq, b), 32 * DELTA_ROWS_PER_BLOCK, 0,
-          q.device, DELTA_PARAMS, (out, dout, delta), (*_strides(out), *_strides(dout), lq), ("out", "dout", "delta"))
+    # delta per query row; packed rows are one long sequence to it, (H, total_q) like the LSE
+    delta = torch.empty(lse_shape, dtype=torch.float32, device=q.device)
+    _call(fns[f"{config.name}_delta"], (math.ceil(total_q / DELTA_ROWS_PER_BLOCK), hq, 1 if varlen else b),
+          32 * DELTA_ROWS_PER_BLOCK, 0, q.device, DELTA_PARAMS, (out4, dout4, delta),
+          (*_strides(out4), *_strides(dout4), total_q), ("out", "dout", "delta"))
 
     dq_pass = config.dq == "pass"
     # With the dQ pass the dK/dV kernel never touches dq_accum: a one-element stand-in takes its place.
-    dq_accum = torch.zeros((1,) if dq_pass else (b, hq, lq, d), dtype=torch.float32, device=q.device)
+    # dq_accum's rows are the LSE's, (B, H, L) or (H, total_q), each of d floats.
+    dq_accum = torch.zeros((1,) if dq_pass else (*lse_shape, d), dtype=torch.float32, device=q.device)
     if group == 1:
         dk_x, dv_x = torch.empty_like(k), torch.empty_like(v)
     else:  # per query head, summed below
-        dk_x = torch.empty((b, hq, lk, d), dtype=q.dtype, device=q.device)
+        shape = (k.shape[0], hq, d) if varlen else (b, hq, lk, d)
+        dk_x = torch.empty(shape, dtype=q.dtype, device=q.device)
         dv_x = torch.empty_like(dk_x)
+    dk4, dv4 = (_heads_view(dk_x), _heads_view(dv_x)) if varlen else (dk_x, dv_x)
     n_blocks, split = math.ceil(lk / config.block_n), config.head_split
-    tensors = (q, k, v, dout, lse, delta, dq_accum, dk_x, dv_x)
-    common = (*_strides(q), *_strides(k), *_strides(v), *_strides(dout), *_strides(dk_x), *_strides(dv_x),
-              lq, lk, group, scale, scale * LOG2E)
+    tensors = (q, k, v, dout, lse, delta, dq_accum, dk_x, dv_x, *variant.pointers)
+    variant_scalars = _variant_scalars(variant, lse, varlen)
+    window_scalars = (lq, lk, group, *variant.window)
+    float_scalars = (scale, scale * LOG2E, *variant.softcap_factors(scale))
+    common = (*_strides(q4, varlen), *_strides(k4, varlen), *_strides(v4, varlen), *_strides(dout4, varlen),
+              *_strides(dk4, varlen), *_strides(dv4, varlen), *variant_scalars, *window_scalars, *float_scalars)
     serial = deterministic and not dq_pass  # only the atomics need the fixed order
     for n_block0, blocks in ([(j, 1) for j in range(n_blocks)] if serial else [(0, n_blocks)]):
-        _call(fns[config.name], (blocks * split, hq, b), config.threads, config.smem_bytes, q.device, BWD_PARAMS,
-              tensors, (*common, n_block0), ("q", "k", "v", "dout", "lse", "delta", "dq_accum", "dk", "dv"))
+        if blocks:
+            _call(fns[config.name], (blocks * split, hq, b), config.threads, config.smem_bytes, q.device, BWD_PARAMS,
+                  tensors, (*common, n_block0),
+                  ("q", "k", "v", "dout", "lse", "delta", "dq_accum", "dk", "dv", *_VARIANT_POINTERS))
 
     if dq_pass:
         dq = torch.empty_like(q)
-        _call(fns[f"{config.name}_dq"], (math.ceil(lq / config.block_m), hq, b), config.threads, config.smem_bytes,
-              q.device, DQ_PARAMS, (q, k, v, dout, lse, delta, dq),
-              (*_strides(q), *_strides(k), *_strides(v), *_strides(dout), *_strides(dq), lq, lk, group, scale,
-               scale * LOG2E), ("q", "k", "v", "dout", "lse", "delta", "dq"))
+        dq4 = _heads_view(dq) if varlen else dq
+        if lq:
+            _call(fns[f"{config.name}_dq"], (math.ceil(lq / config.block_m), hq, b), config.threads, config.smem_bytes,
+                  q.device, DQ_PARAMS, (q, k, v, dout, lse, delta, dq, *variant.pointers),
+                  (*_strides(q4, varlen), *_strides(k4, varlen), *_strides(v4, varlen), *_strides(dout4, varlen),
+                   *_strides(dq4, varlen), *variant_scalars, *window_scalars, *float_scalars),
+                  ("q", "k", "v", "dout", "lse", "delta", "dq", *_VARIANT_POINTERS))
     else:
-        dq = torch.empty_like(q).copy_(dq_accum)
+        dq = torch.empty_like(q).copy_(dq_accum.transpose(0, 1) if varlen else dq_accum)
     if group == 1:
         return dq, dk_x, dv_x
-    dk = torch.empty_like(k).copy_(dk_x.view(b, hkv, group, lk, d).sum(2, dtype=torch.float32))
-    dv = torch.empty_like(v).copy_(dv_x.view(b, hkv, group, lk, d).sum(2, dtype=torch.float32))
+    rows = (k.shape[0], hkv, group, d) if varlen else (b, hkv, group, lk, d)
+    dk = torch.empty_like(k).copy_(dk_x.view(rows).sum(2, dtype=torch.float32))
+    dv = torch.empty_like(v).copy_(dv_x.view(rows).sum(2, dtype=torch.float32))
     return dq, dk, dv

@@ -1,0 +1,140 @@
+"""The attention variants' arguments as the launcher takes them (flash-attn's features: alignment,
+sliding window, softcap, ALiBi, a key bias, packed sequences): checked, normalised to the fewest
+kernel switches that compute the same thing, and turned into the KernelConfig switches and the
+kernels' run-time arguments (templates/common/variants.cuh)."""
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+
+import torch
+
+from autoflash.kernels.config import ALIGNS
+
+LOG2E = 1.4426950408889634
+
+
+@dataclasses.dataclass(frozen=True)
+class Variant:
+    """One call's variant: `switches` for KernelConfig.replace, the kernels' extra pointers
+    (cu_seqlens_q, cu_seqlens_k, alibi_slopes, key_bias; a stand-in where a switch is off) and
+    scalars (alibi and bias batch strides, window left and right, softcap's two factors)."""
+
+    switches: dict
+    pointers: tuple
+    window: tuple[int, int]
+    alibi_sb: int
+    bias_sb: int
+    softcap: float
+
+    @property
+    def varlen(self) -> bool:
+        return self.switches["varlen"]
+
+    def softcap_factors(self, scale: float) -> tuple[float, float]:
+        """(scale / cap, cap * log2 e): logits tanh(s * scale / cap) * cap in log2 units."""
+        if not self.softcap:
+            return 0.0, 0.0
+        return scale / self.softcap, self.softcap * LOG2E
+
+
+@functools.lru_cache(maxsize=16)
+def _stand_in(device: torch.device) -> torch.Tensor:
+    """What the kernels get for the pointer of a switch that is off: never read."""
+    return torch.zeros(1, dtype=torch.int32, device=device)
+
+
+def _window(window, causal: bool, align: str, lq: int, lk: int) -> tuple[bool, bool, int, int]:
+    """(causal, window on, left, right): -1 is unbounded, causal makes right 0 (flash-attn's rules);
+    a side long enough to reach past every key of every row is unbounded too, (unbounded, 0) is
+    causal and (unbounded, unbounded) no window. Unbounded sides become lq + lk (no overflow in the
+    kernels). lq, lk: the longest sequences."""
+    if (not isinstance(window, (tuple, list)) or len(window) != 2
+            or any(isinstance(w, bool) or not isinstance(w, int) for w in window)):
+        raise TypeError(f"window: got {window!r}, expected a pair of ints (left, right), -1 for unbounded")
+    left, right = window
+    if left < -1 or right < -1:
+        raise ValueError(f"window: got {tuple(window)}, expected sizes >= 0, or -1 for unbounded")
+    # Row i's diagonal is key i + diag: the left side reaches key 0 from every row once it is at
+    # least the last row's diagonal, the right side key lk - 1 from the first row's.
+    bottom_right = align == "bottom_right"
+    if left >= (lk - 1 if bottom_right else lq - 1):
+        left = -1
+    if right >= (lq - 1 if bottom_right else lk - 1):
+        right = -1
+    if causal:
+        right = 0
+    if left == -1 and right == 0:
+        return True, False, 0, 0
+    if left == -1 and right == -1:
+        return False, False, 0, 0
+    unbounded = lq + lk
+    return False, True, unbounded if left == -1 else left, unbounded if right == -1 else right
+
+
+def _check_fp32(name: str, t, shapes: tuple[tuple[int, ...], ...], device: torch.device) -> None:
+    if not isinstance(t, torch.Tensor):
+        raise TypeError(f"{name}: got {type(t).__name__}, expected a torch.Tensor")
+    if t.dtype != torch.float32 or tuple(t.shape) not in shapes or t.device != device or t.stride(-1) != 1:
+        raise ValueError(f"{name}: got {tuple(t.shape)} {t.dtype} on {t.device} (last stride {t.stride(-1)}); "
+                         f"expected float32 of shape {' or '.join(str(s) for s in shapes)} on {device} with a "
+                         f"contiguous last dim")
+
+
+def _check_cu_seqlens(name: str, t, device: torch.device) -> int:
+    """Metadata checks (dtype, shape, device); returns the batch size. The values (0 first,
+    non-decreasing, last = total) are the caller's to check: reading them would synchronise."""
+    if not isinstance(t, torch.Tensor):
+        raise TypeError(f"{name}: got {type(t).__name__}, expected an int32 tensor")
+    if t.dtype != torch.int32 or t.dim() != 1 or t.numel() < 2 or t.device != device or t.stride(0) != 1:
+        raise ValueError(f"{name}: got {tuple(t.shape)} {t.dtype} on {t.device}; expected a contiguous 1-D int32 "
+                         f"tensor of batch + 1 >= 2 cumulative lengths on {device}")
+    return t.numel() - 1
+
+
+def resolve(q: torch.Tensor, k: torch.Tensor, causal: bool, *, align: str = "top_left", window=(-1, -1),
+            softcap: float = 0.0, alibi_slopes=None, key_bias=None, cu_seqlens_q=None, cu_seqlens_k=None,
+            max_seqlen_q=None, max_seqlen_k=None) -> tuple[bool, Variant]:
+    """(causal as the kernels run it, the Variant) of a call. q, k are (B, H, L, D) views (for packed
+    sequences the (1, H, total, D) views of (total, H, D))."""
+    if align not in ALIGNS:
+        raise ValueError(f"align: got {align!r}, expected one of {ALIGNS}")
+    varlen = cu_seqlens_q is not None or cu_seqlens_k is not None
+    if varlen:
+        if cu_seqlens_q is None or cu_seqlens_k is None:
+            raise ValueError("cu_seqlens_q, cu_seqlens_k: got one of them; expected both (packed sequences) or neither")
+        batch = _check_cu_seqlens("cu_seqlens_q", cu_seqlens_q, q.device)
+        if _check_cu_seqlens("cu_seqlens_k", cu_seqlens_k, q.device) != batch:
+            raise ValueError(f"cu_seqlens_k: got {cu_seqlens_k.numel()} entries, expected cu_seqlens_q's {batch + 1}")
+        for name, m in (("max_seqlen_q", max_seqlen_q), ("max_seqlen_k", max_seqlen_k)):
+            if isinstance(m, bool) or not isinstance(m, int) or m < 0:
+                raise ValueError(f"{name}: got {m!r}, expected an int >= 0 (the longest sequence)")
+        lq, lk = max_seqlen_q, max_seqlen_k
+        if key_bias is not None:
+            raise ValueError("key_bias: got a tensor with packed sequences; expected None (packed sequences carry "
+                             "no padding to mask)")
+    else:
+        if max_seqlen_q is not None or max_seqlen_k is not None:
+            raise ValueError("max_seqlen_q / max_seqlen_k: got a value without cu_seqlens; expected None")
+        batch, lq, lk = q.shape[0], q.shape[2], k.shape[2]
+    hq = q.shape[1]
+    causal, windowed, left, right = _window(window, causal, align, lq, lk)
+
+    if isinstance(softcap, bool) or not isinstance(softcap, (int, float)) or not math.isfinite(softcap) or softcap < 0:
+        raise ValueError(f"softcap: got {softcap!r}, expected a finite number >= 0 (0 = no capping)")
+    stand_in = _stand_in(q.device)
+    alibi_sb = bias_sb = 0
+    if alibi_slopes is not None:
+        _check_fp32("alibi_slopes", alibi_slopes, ((hq,), (batch, hq)), q.device)
+        alibi_sb = alibi_slopes.stride(0) if alibi_slopes.dim() == 2 else 0
+    if key_bias is not None:
+        _check_fp32("key_bias", key_bias, ((batch, lk),), q.device)
+        bias_sb = key_bias.stride(0)
+    alibi = alibi_slopes is not None
+    if not (causal or windowed or alibi):
+        align = "top_left"  # nothing to place: one kernel serves both
+    switches = {"align": align, "window": windowed, "softcap": softcap > 0, "alibi": alibi,
+                "key_bias": key_bias is not None, "varlen": varlen}
+    pointers = tuple(t if t is not None else stand_in for t in (cu_seqlens_q, cu_seqlens_k, alibi_slopes, key_bias))
+    return causal, Variant(switches, pointers, (left, right), alibi_sb, bias_sb, float(softcap))

@@ -1,0 +1,85 @@
+// The run-time side of the attention variants, for one (batch, head): which keys a query row sees
+// (causal, sliding window, the sequence's end) and what its scores become (softcap, ALiBi, key
+// bias). The switches are compile-time (KernelConfig); with all of them off every member folds to
+// the plain kernel's arithmetic. Rows and keys are indices within the sequence. Logits are in log2
+// units, as the softmax runs in base 2.
+#pragma once
+
+#ifndef AUTOFLASH_LOG2E
+#define AUTOFLASH_LOG2E 1.4426950408889634f
+#endif
+
+// Keys [lo(i), hi(i)) are visible to query row i. Row i's diagonal is key i + diag (0 top-left,
+// seqlen_k - seqlen_q bottom-right); causal is the window (unbounded, 0). Unbounded sides arrive
+// as sizes >= seqlen_q + seqlen_k, so no sum here overflows.
+template <bool CAUSAL, bool WINDOW>
+struct Band {
+  int diag, left, right, seqlen_k;
+
+  static constexpr bool UPPER = CAUSAL || WINDOW;  // a limit above the diagonal
+  static constexpr bool LOWER = WINDOW;            // ... and below it
+
+  __device__ __forceinline__ int hi(int i) const {
+    if constexpr (UPPER) return min(seqlen_k, i + diag + right + 1);
+    else return seqlen_k;
+  }
+  __device__ __forceinline__ int lo(int i) const {
+    if constexpr (LOWER) return max(0, i + diag - left);
+    else return 0;
+  }
+};
+
+__device__ __forceinline__ int floor_div(int a, int b) { return a >= 0 ? a / b : -((-a + b - 1) / b); }
+__device__ __forceinline__ int ceil_div(int a, int b) { return floor_div(a + b - 1, b); }
+
+// Logits from raw scores s = q . k (fp32 accumulators):
+//   plain    s * scale * log2(e)
+//   softcap  tanh(s * scale / cap) * cap * log2(e)        (cap_in = scale / cap, cap_out = cap log2 e)
+//   ALiBi    - slope * |i + diag - j| * log2(e)            added
+//   bias     bias[j] * log2(e)                              added (-inf masks the key)
+// ON is false for plain attention: the kernels then fold scale * log2(e) into their exp2 argument
+// as they always have, and never call logit().
+template <bool SOFTCAP, bool ALIBI, bool KEY_BIAS>
+struct ScoreMod {
+  float scale_log2, cap_in, cap_out, slope_log2;
+  const float* bias;  // this batch's row of the key bias (KEY_BIAS)
+  int diag;
+
+  static constexpr bool ON = SOFTCAP || ALIBI || KEY_BIAS;
+
+  // The tanh of a capped score, kept by the backward for the cap's derivative 1 - tanh^2.
+  __device__ __forceinline__ float capped(float s) const { return tanhf(s * cap_in); }
+
+  // Logit of key j for row i given t, the capped score's tanh (SOFTCAP) or the raw score.
+  // CHECKED: j may lie past seqlen_k (masked afterwards), so the bias is not read there.
+  template <bool CHECKED>
+  __device__ __forceinline__ float logit(float t, int i, int j, int seqlen_k) const {
+    float x = SOFTCAP ? t * cap_out : t * scale_log2;
+    if constexpr (ALIBI) x -= slope_log2 * fabsf(static_cast<float>(i + diag - j));
+    if constexpr (KEY_BIAS) {
+      if (!CHECKED || j < seqlen_k) x += bias[j] * AUTOFLASH_LOG2E;
+    }
+    return x;
+  }
+};
+
+// One sequence of a call: where its rows start and how many there are. Dense batches have
+// offset 0 and the call's lengths; packed (varlen) batches read them from cu_seqlens.
+template <bool VARLEN>
+struct Seq {
+  int q_off, k_off, seqlen_q, seqlen_k;
+
+  __device__ __forceinline__ Seq(const int* __restrict__ cu_q, const int* __restrict__ cu_k, int batch,
+                                 int max_q, int max_k) {
+    if constexpr (VARLEN) {
+      q_off = cu_q[batch];
+      k_off = cu_k[batch];
+      seqlen_q = cu_q[batch + 1] - q_off;
+      seqlen_k = cu_k[batch + 1] - k_off;
+    } else {
+      q_off = k_off = 0;
+      seqlen_q = max_q;
+      seqlen_k = max_k;
+    }
+  }
+};
