@@ -51,12 +51,26 @@ def grid():
             for arch, prof in ARCH_PROFILES.items() if cfg.smem_bytes <= prof.smem_per_block_optin]
 
 
+# Variant switch sets the defaults are held to (bf16): the simplest (bottom-right causal), the
+# heaviest (window, softcap, ALiBi, packed sequences at once) and the key bias (padding masks).
+VARIANT_SETS = (dict(causal=True, align="bottom_right"),
+                dict(window=True, softcap=True, alibi=True, varlen=True, align="bottom_right"),
+                dict(key_bias=True))
+
+
+def _variant_default(make, d: int, switches: dict, prof) -> KernelConfig:
+    base = make(d, "bf16", switches.get("causal", False) or switches.get("window", False), prof, True)
+    return base.replace(causal=switches.get("causal", False), **{k: v for k, v in switches.items() if k != "causal"})
+
+
 def defaults():
     fwd = {(default_config(d, dt, c, prof), arch)
            for d in HEAD_DIMS for dt in DTYPES for c in (False, True) for arch, prof in ARCH_PROFILES.items()}
     bwd = {(default_backward_config(d, dt, c, prof), arch)
            for d in HEAD_DIMS for dt in DTYPES for c in (False, True) for arch, prof in ARCH_PROFILES.items()}
-    return sorted(fwd | bwd, key=lambda x: (x[0].name, x[1]))
+    variants = {(_variant_default(make, d, v, prof), arch) for make in (default_config, default_backward_config)
+                for d in HEAD_DIMS for v in VARIANT_SETS for arch, prof in ARCH_PROFILES.items()}
+    return sorted(fwd | bwd | variants, key=lambda x: (x[0].name, x[1]))
 
 
 def _compile(job):

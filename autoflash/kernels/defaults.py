@@ -11,8 +11,12 @@ from autoflash.kernels.gpus import GpuProfile
 _BIG_SMEM = 160 * 1024
 
 
-def _candidates(head_dim: int, dtype: str, causal: bool, big_smem: bool, arch: str):
-    """Tile shapes in order of preference: (block_m, block_n, num_warps)."""
+def _candidates(head_dim: int, dtype: str, causal: bool, big_smem: bool, arch: str, variant: bool = False):
+    """Tile shapes in order of preference: (block_m, block_n, num_warps). `variant`: a kernel with
+    variant switches (KernelConfig.variants or bottom-right alignment), whose band limits and logits
+    need registers the plain kernel's first choices do not have: ptxas spills 128 x 128 at d <= 64
+    and 128 x 64 with 4 warps at d = 128 there (sm_80, bench/results/compile/), so they take the
+    next shape."""
     if dtype == "fp32":
         # SIMT path: 4 warps; as many threads per row as the head dim allows keeps O in registers.
         # O takes head_dim / tpr registers per thread: 8 threads per row above d = 128.
@@ -28,12 +32,12 @@ def _candidates(head_dim: int, dtype: str, causal: bool, big_smem: bool, arch: s
     # at 128x128 and d = 104, 112 at 128x64 with 4 warps spill, so they take the next shape.
     blackwell = arch in ("sm_100", "sm_120")  # ptxas for these spills 128 x 128 at d = 64
     if head_dim <= 64:
-        if head_dim not in (40, 48, 56) and not blackwell:  # d = 40 (NVRTC 13.0, sm_80), 48 (sm_86/89) spill
+        if head_dim not in (40, 48, 56) and not blackwell and not variant:  # d = 40 (NVRTC 13.0, sm_80), 48 spill
             yield 128, 128, 4
         yield 128, 64, 4
     elif head_dim <= 128:
         if big_smem:
-            if head_dim not in (104, 112) and not (blackwell and causal):  # spills on sm_100
+            if head_dim not in (104, 112) and not (blackwell and causal) and not variant:  # spills on sm_100
                 yield 128, 64, 4
             yield 128, 64, 8
         elif causal:
@@ -50,13 +54,15 @@ def _candidates(head_dim: int, dtype: str, causal: bool, big_smem: bool, arch: s
 
 
 @functools.lru_cache(maxsize=None)
-def default_config(head_dim: int, dtype: str, causal: bool, profile: GpuProfile) -> KernelConfig:
+def default_config(head_dim: int, dtype: str, causal: bool, profile: GpuProfile, variant: bool = False) -> KernelConfig:
     """The built-in config for one problem on one GPU: the first preferred tile shape that fits the
-    profile's shared memory, with two K/V pipeline stages when they fit, else one."""
+    profile's shared memory, with two K/V pipeline stages when they fit, else one. `variant`: the
+    tiles for a kernel that will carry variant switches (see _candidates); the switches themselves
+    are the caller's to set."""
     big = profile.smem_per_block_optin >= _BIG_SMEM
     return _first_fitting(
         (dict(head_dim=head_dim, dtype=dtype, block_m=m, block_n=n, num_warps=w, causal=causal)
-         for m, n, w in _candidates(head_dim, dtype, causal, big, profile.arch)),
+         for m, n, w in _candidates(head_dim, dtype, causal, big, profile.arch, variant)),
         profile, f"head_dim={head_dim} {dtype}")
 
 
@@ -87,7 +93,7 @@ def _first_fitting(candidates, profile: GpuProfile, what: str) -> KernelConfig:
     )
 
 
-def _backward_candidates(head_dim: int, dtype: str, arch: str):
+def _backward_candidates(head_dim: int, dtype: str, arch: str, variant: bool = False):
     """(block_m, block_n, num_warps, head_split) for the backward, in order of preference.
 
     Tensor cores: FlashAttention-2's sm80 tiles (csrc/flash_attn/src/flash_bwd_launch_template.h:
@@ -96,6 +102,8 @@ def _backward_candidates(head_dim: int, dtype: str, arch: str):
     of each range compiles without spills on sm_80 and sm_90 (tests/test_compile.py) except where
     noted: d = 40, 48 take 64 x 128, d = 104, 112 take 64 x 64, and d = 128 runs FA2's 64 x 128 with
     one stage on sm_80 (two spill there). Smaller tiles follow for GPUs with less shared memory.
+    `variant`: a kernel with variant switches, whose band and logits need registers: the first
+    choices up to d = 128 spill there (sm_80), so they take the next shape.
     Yields (block_m, block_n, num_warps, head_split[, allowed stage counts])."""
     if dtype == "fp32":  # SIMT: 4 threads share a key row up to d = 128, then 8 (registers)
         for warps in (4, 2):  # 2 warps: half the keys per block, for head dims like 152 on 99 KB GPUs
@@ -105,13 +113,13 @@ def _backward_candidates(head_dim: int, dtype: str, arch: str):
                         yield block_m, 32 * warps // tpr, warps, 1
         return
     if head_dim <= 64:
-        if head_dim not in (40, 48):
+        if head_dim not in (40, 48) and not variant:
             yield 128, 128, 8, 1
         yield 64, 128, 8, 1
     elif head_dim <= 128:
-        if head_dim == 128:  # FA2's 64 x 128: one stage on sm_80, where two spill
+        if head_dim == 128 and not variant:  # FA2's 64 x 128: one stage on sm_80, where two spill
             yield 64, 128, 8, 1, (1,) if arch == "sm_80" else (2, 1)
-        if head_dim not in (104, 112):
+        if head_dim not in (104, 112) and not variant:
             yield 128, 64, 8, 1
         yield 64, 64, 8, 1
     yield 32, 64, 8, 1
@@ -122,11 +130,13 @@ def _backward_candidates(head_dim: int, dtype: str, arch: str):
 
 
 @functools.lru_cache(maxsize=None)
-def default_backward_config(head_dim: int, dtype: str, causal: bool, profile: GpuProfile) -> KernelConfig:
+def default_backward_config(head_dim: int, dtype: str, causal: bool, profile: GpuProfile,
+                            variant: bool = False) -> KernelConfig:
     """The built-in backward config for the profile's arch: the first preferred tile that fits its
-    shared memory, with the stage count _first_fitting picks among those the candidate allows."""
+    shared memory, with the stage count _first_fitting picks among those the candidate allows.
+    `variant` as for default_config."""
     return _first_fitting(
         (dict(head_dim=head_dim, dtype=dtype, block_m=m, block_n=n, num_warps=w, causal=causal, direction="bwd",
               head_split=h, **({"stages": stages[0]} if stages else {}))
-         for m, n, w, h, *stages in _backward_candidates(head_dim, dtype, profile.arch)),
+         for m, n, w, h, *stages in _backward_candidates(head_dim, dtype, profile.arch, variant)),
         profile, f"the backward at head_dim={head_dim} {dtype}")

@@ -242,8 +242,8 @@ def flash_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: 
     hkv, lk = k4.shape[1], k4.shape[2]
     if varlen:
         b, lq, lk = cu_seqlens_q.numel() - 1, max_seqlen_q, max_seqlen_k
-    config = _with_variant(config or default_config(d, dtype, causal or variant.switches["window"], profile),
-                           causal, variant)
+    config = _with_variant(config or default_config(d, dtype, causal or variant.switches["window"], profile,
+                                                    variant.needs_registers), causal, variant)
     check_config(config, d, dtype, causal, profile, "fwd")
 
     out = torch.empty_like(q)
@@ -326,8 +326,8 @@ def flash_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torc
         got = f"{tuple(lse.shape)} {lse.dtype} on {lse.device}" if isinstance(lse, torch.Tensor) else type(lse).__name__
         raise ValueError(f"lse: got {got}; expected {lse_shape} float32 on {q.device} (the forward's LSE)")
     lse = lse.contiguous()
-    config = _with_variant(config or default_backward_config(d, dtype, causal or variant.switches["window"], profile),
-                           causal, variant)
+    config = _with_variant(config or default_backward_config(d, dtype, causal or variant.switches["window"], profile,
+                                                             variant.needs_registers), causal, variant)
     check_config(config, d, dtype, causal, profile, "bwd")
     fns = kernel_functions(config, profile, q)
     out4, dout4 = (_heads_view(out), _heads_view(dout)) if varlen else (out, dout)

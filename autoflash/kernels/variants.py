@@ -29,6 +29,12 @@ class Variant:
     softcap: float
 
     @property
+    def needs_registers(self) -> bool:
+        """Whether the kernel carries any switch (alignment included): the built-in defaults then
+        take tiles with registers to spare (kernels.defaults)."""
+        return self.switches["align"] != "top_left" or any(v for k, v in self.switches.items() if k != "align")
+
+    @property
     def varlen(self) -> bool:
         return self.switches["varlen"]
 

@@ -105,6 +105,19 @@ __device__ __forceinline__ void store_tile(const uint4* tile, T* __restrict__ ba
   });
 }
 
+// Zeroes rows [row0, min(row0 + ROWS, rows)) and chunks [0, c_hi) of a (seqlen, d) matrix: the
+// output of rows that see no key, written without staging.
+template <int ROWS, int CHUNKS, int THREADS, typename T>
+__device__ __forceinline__ void zero_rows(T* __restrict__ base, long long row_stride, int row0, int rows, int tid,
+                                          int c_hi) {
+  constexpr int CHUNK_ELEMS = 16 / sizeof(T);
+  for (int i = tid; i < ROWS * CHUNKS; i += THREADS) {
+    const int r = i / CHUNKS, c = i % CHUNKS;
+    if (row0 + r < rows && c < c_hi)
+      *reinterpret_cast<uint4*>(base + (row0 + r) * row_stride + c * CHUNK_ELEMS) = uint4{0u, 0u, 0u, 0u};
+  }
+}
+
 // Writes one lane's pair of fp32 accumulators (columns 2q, 2q+1 of an n8 tile, already packed into
 // two 16-bit values) into row `row`, chunk `chunk` of a staged tile.
 template <int ROWS, int CHUNKS>

@@ -6,3 +6,10 @@ typedef unsigned int uint32_t;
 
 template <bool B>
 struct Flag { static constexpr bool value = B; };
+
+// x, as a value the compiler cannot trace to its definition: what is computed from it is computed
+// again where it is used instead of being kept (in registers, or spilled) from where it first was.
+__device__ __forceinline__ int opaque(int x) {
+  asm volatile("" : "+r"(x));
+  return x;
+}

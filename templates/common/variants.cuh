@@ -29,8 +29,13 @@ struct Band {
   }
 };
 
-__device__ __forceinline__ int floor_div(int a, int b) { return a >= 0 ? a / b : -((-a + b - 1) / b); }
-__device__ __forceinline__ int ceil_div(int a, int b) { return floor_div(a + b - 1, b); }
+// a / b rounded down and up (b > 0). Limits of a bottom-right diagonal or a window may be negative;
+// the plain and top-left causal kernels' never are (NONNEG), and take a plain division: a sign
+// branch there costs registers ptxas does not have to spare.
+template <bool NONNEG>
+__device__ __forceinline__ int floor_div(int a, int b) { return NONNEG || a >= 0 ? a / b : -((-a + b - 1) / b); }
+template <bool NONNEG>
+__device__ __forceinline__ int ceil_div(int a, int b) { return floor_div<NONNEG>(a + b - 1, b); }
 
 // Logits from raw scores s = q . k (fp32 accumulators):
 //   plain    s * scale * log2(e)
