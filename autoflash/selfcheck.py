@@ -14,6 +14,7 @@ fp32 inputs), x_torch = PyTorch in the input dtype, F = 2 for out and 3 for dq, 
   python -m autoflash.selfcheck --shape 2,6,2,113,203,96 --dtype bf16 --causal --backward
   python -m autoflash.selfcheck --emulate a100 --sanitize --backward --shape 1,4,2,77,133,96 --causal
   python -m autoflash.selfcheck --emulate h100 --sanitize --config bwd_hd128_bf16_m64n128w8s2
+  python -m autoflash.selfcheck --emulate h100 --sanitize --backward --window 16,0 --softcap 30 --alibi --varlen
   compute-sanitizer --tool memcheck python -m autoflash.selfcheck --backward
 With --sanitize every finding is printed with its kind, kernel, template file:line, block and thread.
 Exit status: 0 all within the rule (and, sanitizing, no finding), 1 a result outside it or a
@@ -29,6 +30,17 @@ def shape_arg(text: str) -> tuple[int, ...]:
     if len(dims) != 6 or min(dims) < 1:
         raise argparse.ArgumentTypeError(f"got {text!r}, expected six positive integers b,hq,hkv,lq,lk,d")
     return dims
+
+
+def window_arg(text: str) -> tuple[int, int]:
+    """argparse type for LEFT,RIGHT window sizes (-1 unbounded)."""
+    try:
+        left, right = (int(t) for t in text.split(","))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"got {text!r}, expected LEFT,RIGHT: two ints >= -1") from None
+    if min(left, right) < -1:
+        raise argparse.ArgumentTypeError(f"got {text!r}, expected sizes >= 0, or -1 for unbounded")
+    return left, right
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -47,6 +59,17 @@ def _parser() -> argparse.ArgumentParser:
                    help=f"run on the CPU as this GPU would ({', '.join(sorted(PROFILES))}, or a device name torch "
                    "reports); no GPU needed")
     p.add_argument("--sanitize", action="store_true", help="with --emulate: check every access and barrier")
+    v = p.add_argument_group("variants (flash-attn's features, fp16/bf16)")
+    v.add_argument("--align", choices=("top_left", "bottom_right"), default="top_left",
+                   help="where query i's diagonal sits: key i (SDPA) or key i + Lk - Lq (flash-attn)")
+    v.add_argument("--window", type=window_arg, default=(-1, -1), metavar="LEFT,RIGHT",
+                   help="sliding window, -1 unbounded (e.g. 16,0)")
+    v.add_argument("--softcap", type=float, default=0.0, help="scores cap * tanh(s / cap)")
+    v.add_argument("--alibi", action="store_true", help="ALiBi with random (batch, heads) slopes")
+    v.add_argument("--key-padding", action="store_true",
+                   help="a key bias masking a random suffix of each batch's keys (an SDPA key-padding mask)")
+    v.add_argument("--varlen", action="store_true",
+                   help="pack the batch as sequences of random lengths <= Lq, Lk (cu_seqlens)")
     p.add_argument("--config", metavar="NAME", help="a kernel name, e.g. fwd_hd128_bf16_causal_m128n64w8s2 "
                    "(a bwd_... name checks the backward); dtype, head dim and causal follow from it")
     return p
@@ -78,6 +101,12 @@ def main(argv: list[str] | None = None) -> int:
     if args.sanitize and not args.emulate:
         parser.error("--sanitize checks kernels on the emulator: add --emulate GPU (e.g. --emulate a100)")
     shape, dtype, causal, fwd_cfg, bwd_cfg, backward = _resolve(args, parser)
+    variant = args.window != (-1, -1) or args.softcap or args.alibi or args.key_padding or args.varlen \
+        or args.align != "top_left"
+    if variant and (fwd_cfg or bwd_cfg):
+        parser.error("--config with variant flags: the variant switches come from the flags; drop --config")
+    if variant and dtype == "fp32":
+        parser.error("the variants run on the fp16/bf16 kernels; use --dtype fp16 or bf16")
     import contextlib
 
     import torch
@@ -92,14 +121,16 @@ def main(argv: list[str] | None = None) -> int:
     try:
         with context:
             emulation.clear_findings()
-            results = _check(args, shape, dtype, causal, fwd_cfg, bwd_cfg, backward)
+            results = (_check_variant(args, shape, dtype, causal, backward) if variant
+                       else _check(args, shape, dtype, causal, fwd_cfg, bwd_cfg, backward))
             findings = emulation.findings() if args.sanitize else []
     except (ValueError, TypeError, emulation.EmulationError) as e:  # e.g. a config that does not fit
         print(f"autoflash.selfcheck: {e}", file=sys.stderr)
         return 2
     where = (f"emulated {args.emulate} on the CPU{' (sanitizer on)' if args.sanitize else ''}" if args.emulate
              else torch.cuda.get_device_name())
-    print(f"{where}  shape b,hq,hkv,lq,lk,d = {shape}  {dtype}{'  causal' if causal else ''}")
+    print(f"{where}  shape b,hq,hkv,lq,lk,d = {shape}  {dtype}{'  causal' if causal else ''}"
+          f"{'  ' + _describe(args) if variant else ''}")
     failed = False
     for name, ok, err, bound in results:
         failed |= not ok
@@ -146,6 +177,77 @@ def _check(args, shape, dtype, causal, fwd_cfg, bwd_cfg, backward) -> list[tuple
         grads = torch.autograd.grad(out, (q, k, v), dout)
         ref = attention_backward_ref(*(t.to(up) for t in x), dout.to(up), causal=causal)
         yard = attention_backward_ref(*x, dout, causal=causal, upcast=False)
+        checks += [(n, gr, r, y, 3.0) for n, gr, r, y in zip(("dq", "dk", "dv"), grads, ref, yard)]
+    if device == "cuda":
+        torch.cuda.synchronize()
+    return [(name, *within_tolerance(got, ref, yard, factor=factor)) for name, got, ref, yard, factor in checks]
+
+
+def _describe(args) -> str:
+    parts = [f"align {args.align}"] + ([f"window {args.window}"] if args.window != (-1, -1) else [])
+    parts += [f"softcap {args.softcap}"] if args.softcap else []
+    parts += [name for name, on in (("alibi", args.alibi), ("key padding", args.key_padding), ("varlen", args.varlen))
+              if on]
+    return ", ".join(parts)
+
+
+def _check_variant(args, shape, dtype, causal, backward) -> list[tuple[str, bool, float, float]]:
+    """The variant kernels (flash_forward / flash_backward) once, against the references; dense inputs
+    carry guard bands when sanitizing, packed ones a guard after the last row."""
+    import torch
+
+    from autoflash.kernels.checks import TORCH_DTYPES
+    from autoflash.kernels.launch import flash_backward, flash_forward
+    from autoflash.reference.forward import attention_ref, attention_varlen_ref, within_tolerance
+
+    b, hq, hkv, lq, lk, d = shape
+    dt = TORCH_DTYPES[dtype]
+    device = "cpu" if args.emulate else "cuda"
+    g = torch.Generator().manual_seed(args.seed)
+    from autoflash.emulation.guards import guarded_randn
+
+    kw = dict(causal=causal, align=args.align, window=args.window, softcap=args.softcap)
+    if args.alibi:
+        kw["alibi_slopes"] = (torch.rand(b, hq, generator=g) * 0.3).to(device)
+    if args.varlen:  # b sequences of random lengths (0 and 1 allowed), packed with no padding
+        lens_q = torch.randint(0, lq + 1, (b,), generator=g).tolist()
+        lens_k = torch.randint(0, lk + 1, (b,), generator=g).tolist()
+        cu = [torch.tensor([0] + torch.tensor(n).cumsum(0).tolist(), dtype=torch.int32, device=device)
+              for n in (lens_q, lens_k)]
+
+        def make(h, lengths):
+            t = guarded_randn(1, h, sum(lengths), d, dt, g, layout="bshd")[0].transpose(0, 1)
+            return t.to(device)
+        q, dout = make(hq, lens_q), make(hq, lens_q)
+        k, v = make(hkv, lens_k), make(hkv, lens_k)
+        kw.update(cu_seqlens_q=cu[0], cu_seqlens_k=cu[1])
+        launch_kw = dict(kw, max_seqlen_q=max(lens_q), max_seqlen_k=max(lens_k))
+
+        def reference(*x, upcast=True):
+            return attention_varlen_ref(*x, upcast=upcast, **kw)
+    else:
+        if args.key_padding:  # batch i keeps a random prefix of its keys (possibly none)
+            bias = torch.zeros(b, lk)
+            for i, n in enumerate(torch.randint(0, lk + 1, (b,), generator=g).tolist()):
+                bias[i, n:] = float("-inf")
+            kw["key_bias"] = bias.to(device)
+        q, dout = (guarded_randn(b, hq, lq, d, dt, g).to(device) for _ in range(2))
+        k, v = (guarded_randn(b, hkv, lk, d, dt, g).to(device) for _ in range(2))
+        launch_kw = kw
+
+        def reference(*x, upcast=True):
+            return attention_ref(*x, upcast=upcast, **kw)
+
+    out, lse = flash_forward(q, k, v, **launch_kw)
+    leaves = [t.float().requires_grad_() for t in (q, k, v)]
+    same = [t.detach().clone().requires_grad_() for t in (q, k, v)]
+    ref_out, ref_lse = reference(*leaves)
+    torch_out, _ = reference(*same, upcast=False)
+    checks = [("out", out, ref_out.detach(), torch_out.detach(), 2.0)]
+    if backward:
+        grads = flash_backward(dout, q, k, v, out, lse, deterministic=args.deterministic, **launch_kw)
+        ref = torch.autograd.grad(ref_out, leaves, dout.float())
+        yard = torch.autograd.grad(torch_out, same, dout)
         checks += [(n, gr, r, y, 3.0) for n, gr, r, y in zip(("dq", "dk", "dv"), grads, ref, yard)]
     if device == "cuda":
         torch.cuda.synchronize()

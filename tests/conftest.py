@@ -41,7 +41,7 @@ def target(request):
 
 def _sweep_key(item) -> tuple:
     params = item.callspec.params
-    return (item.originalname, params.get("d"), params.get("dtype"), params.get("causal"))
+    return (item.originalname, params.get("d"), params.get("dtype"), params.get("causal"), params.get("variant"))
 
 
 def pytest_collection_modifyitems(config, items):

@@ -234,6 +234,25 @@ def test_unmutated_kernels_are_clean_and_the_cli_says_so(capsys):
     assert "sanitizer: 0 findings" in out and out.count(" ok") == 4
 
 
+# selfcheck's variant flags: each switch at least once, forward and backward, under the sanitizer
+VARIANT_FLAGS = {
+    "causal-br": ["--causal", "--align", "bottom_right"],
+    "window-softcap-alibi": ["--window", "16,0", "--align", "bottom_right", "--softcap", "30", "--alibi"],
+    "window-two-sided": ["--window", "7,5"],
+    "key-padding": ["--key-padding"],
+    "varlen": ["--varlen", "--causal", "--align", "bottom_right", "--window", "9,3"],
+}
+
+
+@pytest.mark.parametrize("name", sorted(VARIANT_FLAGS))
+def test_variant_kernels_are_clean(capsys, name):
+    status = selfcheck(["--emulate", "h100", "--sanitize", "--backward", "--shape", "3,4,2,77,133,64",
+                        *VARIANT_FLAGS[name]])
+    out = capsys.readouterr().out
+    assert status == 0, out
+    assert "sanitizer: 0 findings" in out and out.count(" ok") == 4, out
+
+
 def _unique_defaults():
     configs = {}
     for gpu, profile in PROFILES.items():

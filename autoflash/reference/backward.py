@@ -132,8 +132,10 @@ def attention_backward_ref(
     causal: bool = False,
     scale: float | None = None,
     upcast: bool = True,
+    **variant,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Gradients (dq, dk, dv) of attention_ref's out for upstream gradient ``dout``, by autograd.
+    """Gradients (dq, dk, dv) of attention_ref's out for upstream gradient ``dout``, by autograd;
+    ``variant``: attention_ref's variant keywords (align, window, softcap, alibi_slopes, key_bias).
 
     upcast=True differentiates in fp32 (fp64 for fp64 inputs) and returns gradients in that dtype:
     the accuracy reference. upcast=False differentiates in the input dtype and returns gradients
@@ -153,7 +155,7 @@ def attention_backward_ref(
     # Leaves in the compute dtype, so the gradients are not rounded back to the input dtype.
     leaves = [t.detach().to(dtype).requires_grad_(True) for t in (q, k, v)]
     with torch.enable_grad():
-        out, _ = attention_ref(*leaves, causal=causal, scale=scale, upcast=upcast)
+        out, _ = attention_ref(*leaves, causal=causal, scale=scale, upcast=upcast, **variant)
         dq, dk, dv = torch.autograd.grad(out, leaves, grad_outputs=dout.detach().to(out.dtype))
     return dq, dk, dv
 

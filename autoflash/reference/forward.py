@@ -27,6 +27,64 @@ def _upcast_dtype(dtype: torch.dtype) -> torch.dtype:
     return torch.float64 if dtype == torch.float64 else torch.float32
 
 
+ALIGNS = ("top_left", "bottom_right")
+
+
+def band_mask(lq: int, lk: int, *, causal: bool = False, align: str = "top_left", window=(-1, -1),
+              device=None, diag: int | None = None) -> torch.Tensor | None:
+    """The (lq, lk) bool keep-mask of the causal band and sliding window, or None when every key is
+    kept. Query i's diagonal is key i + diag: diag 0 top-left (SDPA's is_causal), lk - lq
+    bottom-right (flash-attn's). causal keeps keys j <= i + diag; window (left, right), -1
+    unbounded, keeps i + diag - left <= j <= i + diag + right; causal makes right 0."""
+    if align not in ALIGNS:
+        raise ValueError(f"align: got {align!r}, expected one of {ALIGNS}")
+    if (not isinstance(window, (tuple, list)) or len(window) != 2
+            or any(isinstance(w, bool) or not isinstance(w, int) or w < -1 for w in window)):
+        raise ValueError(f"window: got {window!r}, expected (left, right): ints >= 0, or -1 for unbounded")
+    left, right = window
+    if causal:
+        right = 0
+    if left < 0 and right < 0:
+        return None
+    if diag is None:
+        diag = lk - lq if align == "bottom_right" else 0
+    i = torch.arange(lq, device=device).unsqueeze(1) + diag
+    j = torch.arange(lk, device=device).unsqueeze(0)
+    keep = torch.ones(lq, lk, dtype=torch.bool, device=device)
+    if right >= 0:
+        keep &= j <= i + right
+    if left >= 0:
+        keep &= j >= i - left
+    return keep
+
+
+def _check_fp32(name: str, t, shapes: tuple, device) -> None:
+    if not isinstance(t, torch.Tensor):
+        raise TypeError(f"{name}: got {type(t).__name__}, expected a torch.Tensor")
+    if t.dtype != torch.float32 or tuple(t.shape) not in shapes or t.device != device:
+        raise ValueError(f"{name}: got {tuple(t.shape)} {t.dtype} on {t.device}; expected float32 of shape "
+                         f"{' or '.join(str(x) for x in shapes)} on {device}")
+
+
+def _logits(s: torch.Tensor, *, softcap: float, alibi_slopes, key_bias, diag: int) -> torch.Tensor:
+    """Scaled scores s (B, H, Lq, Lk) to logits: softcap * tanh(s / softcap), minus
+    slope * |i + diag - j| (ALiBi), plus key_bias[b, j]."""
+    if isinstance(softcap, bool) or not isinstance(softcap, (int, float)) or not math.isfinite(softcap) or softcap < 0:
+        raise ValueError(f"softcap: got {softcap!r}, expected a finite number >= 0 (0 = no capping)")
+    b, h, lq, lk = s.shape
+    if softcap > 0:
+        s = softcap * torch.tanh(s / softcap)
+    if alibi_slopes is not None:
+        _check_fp32("alibi_slopes", alibi_slopes, ((h,), (b, h)), s.device)
+        slopes = alibi_slopes.to(s.dtype).expand(b, h) if alibi_slopes.dim() == 1 else alibi_slopes.to(s.dtype)
+        dist = (torch.arange(lq, device=s.device).unsqueeze(1) + diag - torch.arange(lk, device=s.device)).abs()
+        s = s - slopes[:, :, None, None] * dist.to(s.dtype)
+    if key_bias is not None:
+        _check_fp32("key_bias", key_bias, ((b, lk),), s.device)
+        s = s + key_bias.to(s.dtype)[:, None, None, :]
+    return s
+
+
 def attention_ref(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -36,6 +94,11 @@ def attention_ref(
     scale: float | None = None,
     upcast: bool = True,
     mask: torch.Tensor | None = None,
+    align: str = "top_left",
+    window=(-1, -1),
+    softcap: float = 0.0,
+    alibi_slopes: torch.Tensor | None = None,
+    key_bias: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Attention softmax(scale * q kᵀ) v in plain PyTorch; returns (out, lse).
 
@@ -52,6 +115,13 @@ def attention_ref(
 
     A row that sees no key (all masked) gets out = 0 and lse = +inf, so a backward pass that
     recomputes P = exp(S - lse) gets exactly 0 there instead of NaN.
+
+    The variants (flash-attn's; the kernels' KernelConfig switches): ``align`` places query i's
+    diagonal at key i ("top_left") or i + Lk - Lq ("bottom_right"), for ``causal``, ``window``
+    (band_mask) and ALiBi's distance; ``softcap`` > 0 caps the scaled scores as
+    softcap * tanh(s / softcap); ``alibi_slopes`` fp32 (Hq,) or (B, Hq) subtracts
+    slope * |i + diag - j|; ``key_bias`` fp32 (B, Lk) is added to every row (-inf masks a key).
+    The lse is that of the final logits. Differentiable in q, k, v.
     """
     check_qkv_shapes(q, k, v, _FLOAT_DTYPES)
     b, hq, lq, d = q.shape
@@ -76,12 +146,17 @@ def attention_ref(
             raise ValueError(
                 f"mask: got shape {tuple(mask.shape)}, expected broadcastable to {(b, hq, lq, lk)}"
             ) from None
-    if causal:
-        tri = torch.ones(lq, lk, dtype=torch.bool, device=q.device).tril()
-        keep = tri if keep is None else keep & tri
+    band = band_mask(lq, lk, causal=causal, align=align, window=window, device=q.device)
+    if band is not None:
+        keep = band if keep is None else keep & band
 
     # Scale applied to q kᵀ (not to q) as FlashAttention's reference does.
     s = torch.matmul(qc, kc.transpose(-2, -1)) * sc
+    diag = lk - lq if align == "bottom_right" else 0
+    s = _logits(s, softcap=softcap, alibi_slopes=alibi_slopes, key_bias=key_bias, diag=diag)
+    if key_bias is not None:  # keys the bias masks count as masked: rows left with none get the convention
+        unmasked = torch.isfinite(key_bias)[:, None, None, :]
+        keep = unmasked if keep is None else keep & unmasked
     if keep is not None:
         s = s.masked_fill(~keep, float("-inf"))
     p = torch.softmax(s, dim=-1)
@@ -94,6 +169,61 @@ def attention_ref(
         lse = lse.masked_fill(empty, float("inf"))
     out = torch.matmul(p, vc)
     return out, lse
+
+
+def attention_varlen_ref(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    cu_seqlens_q: torch.Tensor,
+    cu_seqlens_k: torch.Tensor,
+    *,
+    causal: bool = False,
+    scale: float | None = None,
+    upcast: bool = True,
+    align: str = "top_left",
+    window=(-1, -1),
+    softcap: float = 0.0,
+    alibi_slopes: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """attention_ref over packed sequences: q (total_q, Hq, D), k, v (total_k, Hkv, D), sequence b
+    being rows cu_seqlens[b] .. cu_seqlens[b + 1] (int32, starting at 0) with its own lengths (so
+    its own bottom-right diagonal). Returns out (total_q, Hq, D) and lse (Hq, total_q), flash-attn's
+    varlen layout; a sequence with queries and no keys gets out 0, lse +inf. Differentiable."""
+    for name, t in (("cu_seqlens_q", cu_seqlens_q), ("cu_seqlens_k", cu_seqlens_k)):
+        if not isinstance(t, torch.Tensor) or t.dtype != torch.int32 or t.dim() != 1 or t.numel() < 2:
+            got = f"{tuple(t.shape)} {t.dtype}" if isinstance(t, torch.Tensor) else type(t).__name__
+            raise ValueError(f"{name}: got {got}, expected a 1-D int32 tensor of batch + 1 cumulative lengths")
+    if cu_seqlens_q.numel() != cu_seqlens_k.numel():
+        raise ValueError(f"cu_seqlens: got {cu_seqlens_q.numel()} and {cu_seqlens_k.numel()} entries, expected equal")
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        if not isinstance(t, torch.Tensor) or t.dim() != 3:
+            raise ValueError(f"{name}: got {getattr(t, 'shape', type(t).__name__)}, expected (total, heads, head_dim)")
+    cq, ck = cu_seqlens_q.tolist(), cu_seqlens_k.tolist()
+    hq, d = q.shape[1], q.shape[2]
+    dtype = _upcast_dtype(q.dtype) if upcast else q.dtype
+    lse_dtype = torch.float64 if q.dtype == torch.float64 else torch.float32
+    outs, lses = [], []
+    for b in range(len(cq) - 1):
+        nq, nk = cq[b + 1] - cq[b], ck[b + 1] - ck[b]
+        if nq == 0:
+            continue
+        if nk == 0:
+            outs.append(torch.zeros(nq, hq, d, dtype=dtype, device=q.device))
+            lses.append(torch.full((hq, nq), float("inf"), dtype=lse_dtype, device=q.device))
+            continue
+        qs = q[cq[b]:cq[b + 1]].transpose(0, 1).unsqueeze(0)
+        ks, vs = (t[ck[b]:ck[b + 1]].transpose(0, 1).unsqueeze(0) for t in (k, v))
+        slopes = None if alibi_slopes is None else (alibi_slopes[b:b + 1] if alibi_slopes.dim() == 2
+                                                    else alibi_slopes)
+        o, l = attention_ref(qs, ks, vs, causal=causal, scale=scale, upcast=upcast, align=align, window=window,
+                             softcap=softcap, alibi_slopes=slopes)
+        outs.append(o[0].transpose(0, 1))
+        lses.append(l[0])
+    if not outs:
+        return (torch.zeros(0, hq, d, dtype=dtype, device=q.device),
+                torch.zeros(hq, 0, dtype=lse_dtype, device=q.device))
+    return torch.cat(outs), torch.cat(lses, dim=1)
 
 
 def attention_tiled(

@@ -1,0 +1,141 @@
+"""The variant kernels (flash-attn's features: bottom-right causal, sliding windows, softcap, ALiBi, a
+key bias for padding masks, packed sequences) against the references under FlashAttention's rule:
+out within 2x and dq, dk, dv within 3x of PyTorch's own error in the input dtype, both measured
+against the fp32 reference. Each case runs on a GPU (`gpu` marker) and on the emulator; the emulated
+grid is sampled per run (one case per variant and dtype, plus a share of the rest: conftest.py)."""
+import math
+
+import pytest
+import torch
+
+from autoflash.kernels.launch import flash_backward, flash_forward
+from autoflash.reference.backward import attention_backward_ref
+from autoflash.reference.forward import attention_ref, attention_varlen_ref, within_tolerance
+
+from gpu_inputs import TORCH_DTYPES, device
+
+# name: the launcher's variant arguments (tensors made per case: "alibi" slopes, "padding" key bias)
+VARIANTS = {
+    "causal-br": dict(causal=True, align="bottom_right"),
+    "causal-tl": dict(causal=True),
+    "window-5-3": dict(window=(5, 3), align="bottom_right"),
+    "window-left": dict(window=(11, -1), align="bottom_right"),   # one-sided: keys up to 11 back, all ahead
+    "window-right": dict(window=(-1, 7), align="bottom_right"),   # all behind, 7 ahead
+    "window-0-0": dict(window=(0, 0), align="bottom_right"),      # the diagonal key only
+    "window-causal": dict(window=(17, 4), causal=True, align="bottom_right"),  # causal makes right 0
+    "window-tl": dict(window=(9, 2)),
+    "softcap-50": dict(softcap=50.0),
+    "softcap-2": dict(softcap=2.0, causal=True, align="bottom_right"),
+    "alibi": dict(alibi="batch"),
+    "alibi-causal": dict(alibi="heads", causal=True, align="bottom_right"),
+    "padding": dict(padding=True),
+    "gemma": dict(softcap=3.0, window=(31, 0), alibi="batch", align="bottom_right"),
+}
+# (Lq, Lk) pairs from FlashAttention's tests, at sizes the emulator runs quickly; Lq > Lk too
+PAIRS = ((113, 203), (128, 217), (1, 77), (77, 1), (203, 113))
+HEADS = ((4, 2), (3, 1))
+
+
+def _arguments(spec: dict, b: int, hq: int, lk: int, dev: str, g: torch.Generator) -> dict:
+    """The launcher's keyword arguments for a VARIANTS entry; padding: batch 0 keeps a random prefix
+    of the keys, batch 1 (if any) none at all (rows that see no key)."""
+    kw = {k: v for k, v in spec.items() if k not in ("alibi", "padding")}
+    if spec.get("alibi"):  # flash-attn's tests draw slopes as rand * 0.3
+        shape = (b, hq) if spec["alibi"] == "batch" else (hq,)
+        kw["alibi_slopes"] = (torch.rand(shape, generator=g) * 0.3).to(dev)
+    if spec.get("padding"):
+        bias = torch.zeros(b, lk)
+        bias[0, torch.randint(1, lk + 1, (1,), generator=g).item():] = -math.inf
+        if b > 1:
+            bias[1:] = -math.inf
+        kw["key_bias"] = bias.to(dev)
+    return kw
+
+
+@pytest.mark.sweep
+@pytest.mark.parametrize("pair", PAIRS, ids=lambda p: f"{p[0]}x{p[1]}")
+@pytest.mark.parametrize("heads", HEADS, ids=lambda h: f"h{h[0]}-{h[1]}")
+@pytest.mark.parametrize("d", [64, 128])
+@pytest.mark.parametrize("dtype", ["fp16", "bf16"])
+@pytest.mark.parametrize("variant", sorted(VARIANTS))
+def test_variant_meets_flashattention_rule(target, variant, dtype, d, heads, pair):
+    (hq, hkv), (lq, lk) = heads, pair
+    b = 2
+    dev, dt = device(target), TORCH_DTYPES[dtype]
+    g = torch.Generator().manual_seed(hash((variant, dtype, d, heads, pair)) % 2**31)
+    q, dout = (torch.randn(b, hq, lq, d, generator=g).to(dev, dt) for _ in range(2))
+    k, v = (torch.randn(b, hkv, lk, d, generator=g).to(dev, dt) for _ in range(2))
+    kw = _arguments(VARIANTS[variant], b, hq, lk, dev, g)
+
+    out, lse = flash_forward(q, k, v, **kw)
+    dq, dk, dv = flash_backward(dout, q, k, v, out, lse, **kw)
+    up = [t.float() for t in (q, k, v)]
+    ref_out, ref_lse = attention_ref(*up, **kw)
+    torch_out, _ = attention_ref(q, k, v, upcast=False, **kw)
+    ok, err, bound = within_tolerance(out, ref_out, torch_out, factor=2.0)
+    assert ok, f"out: err {err:.3e} > bound {bound:.3e}"
+    ok, err, _ = within_tolerance(lse, ref_lse, ref_lse, atol=1e-3)  # fp32 LSE: a fixed bound
+    assert ok, f"lse: err {err:.3e}"
+    ref_grads = attention_backward_ref(*up, dout.float(), **kw)
+    torch_grads = attention_backward_ref(q, k, v, dout, upcast=False, **kw)
+    for name, got, ref, yard in zip(("dq", "dk", "dv"), (dq, dk, dv), ref_grads, torch_grads):
+        ok, err, bound = within_tolerance(got, ref, yard, factor=3.0)
+        assert ok, f"{name}: err {err:.3e} > bound {bound:.3e}"
+
+
+def _packed(lengths: list[int], h: int, d: int, dt, dev, g) -> torch.Tensor:
+    return torch.randn(sum(lengths), h, d, generator=g).to(dev, dt)
+
+
+def _cu(lengths: list[int], dev) -> torch.Tensor:
+    return torch.tensor([0] + torch.tensor(lengths).cumsum(0).tolist(), dtype=torch.int32, device=dev)
+
+
+@pytest.mark.sweep
+@pytest.mark.parametrize("dtype", ["fp16", "bf16"])
+@pytest.mark.parametrize("variant", ["plain", "causal-br", "window-5-3", "gemma"])
+@pytest.mark.parametrize("draw", range(3))
+def test_varlen_meets_flashattention_rule(target, variant, dtype, draw):
+    """Packed sequences of random lengths, 0 and 1 among them, each against the reference of its own."""
+    dev, dt, d, hq, hkv = device(target), TORCH_DTYPES[dtype], 64, 4, 2
+    g = torch.Generator().manual_seed(1000 * draw + len(variant))
+    n = 5
+    lens_q = [0, 1] + torch.randint(1, 90, (n - 2,), generator=g).tolist()
+    lens_k = [int(x) for x in torch.randint(0, 90, (n,), generator=g)]
+    lens_k[1] = 1
+    perm = torch.randperm(n, generator=g).tolist()
+    lens_q, lens_k = [lens_q[i] for i in perm], [lens_k[i] for i in perm]
+    q, dout = (_packed(lens_q, hq, d, dt, dev, g) for _ in range(2))
+    k, v = (_packed(lens_k, hkv, d, dt, dev, g) for _ in range(2))
+    spec = {} if variant == "plain" else VARIANTS[variant]
+    kw = _arguments(spec, n, hq, 1, dev, g)
+    cu = dict(cu_seqlens_q=_cu(lens_q, dev), cu_seqlens_k=_cu(lens_k, dev))
+    out, lse = flash_forward(q, k, v, **cu, max_seqlen_q=max(lens_q), max_seqlen_k=max(lens_k), **kw)
+    grads = flash_backward(dout, q, k, v, out, lse, **cu, max_seqlen_q=max(lens_q), max_seqlen_k=max(lens_k), **kw)
+
+    leaves = [t.float().requires_grad_() for t in (q, k, v)]
+    ref_out, ref_lse = attention_varlen_ref(*leaves, **cu, **kw)
+    ref_grads = torch.autograd.grad(ref_out, leaves, dout.float())
+    same = [t.detach().clone().requires_grad_() for t in (q, k, v)]
+    torch_out, _ = attention_varlen_ref(*same, **cu, upcast=False, **kw)
+    torch_grads = torch.autograd.grad(torch_out, same, dout)
+    ok, err, bound = within_tolerance(out, ref_out.detach(), torch_out.detach(), factor=2.0)
+    assert ok, f"out: err {err:.3e} > bound {bound:.3e} (lengths q {lens_q}, k {lens_k})"
+    ok, err, _ = within_tolerance(lse, ref_lse.detach(), ref_lse.detach(), atol=1e-3)
+    assert ok, f"lse: err {err:.3e}"
+    for name, got, ref, yard in zip(("dq", "dk", "dv"), grads, ref_grads, torch_grads):
+        ok, err, bound = within_tolerance(got, ref, yard, factor=3.0)
+        assert ok, f"{name}: err {err:.3e} > bound {bound:.3e} (lengths q {lens_q}, k {lens_k})"
+
+
+@pytest.mark.parametrize("variant", ["window-5-3", "gemma"])
+def test_deterministic_backward_is_bit_identical(target, variant):
+    dev = device(target)
+    g = torch.Generator().manual_seed(7)
+    q, dout = (torch.randn(1, 2, 70, 64, generator=g).to(dev, torch.bfloat16) for _ in range(2))
+    k, v = (torch.randn(1, 1, 90, 64, generator=g).to(dev, torch.bfloat16) for _ in range(2))
+    kw = _arguments(VARIANTS[variant], 1, 2, 90, dev, g)
+    out, lse = flash_forward(q, k, v, **kw)
+    first = flash_backward(dout, q, k, v, out, lse, deterministic=True, **kw)
+    again = flash_backward(dout, q, k, v, out, lse, deterministic=True, **kw)
+    assert all(torch.equal(a, b) for a, b in zip(first, again))
