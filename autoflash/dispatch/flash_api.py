@@ -1,0 +1,391 @@
+"""flash-attn 2.x's Python API on autoflash's kernels: `from autoflash import flash_attn_func` in place
+of `from flash_attn import flash_attn_func`, with the same argument names, order, defaults, layouts
+and semantics (flash_attn_func, flash_attn_varlen_func and their qkv/kv-packed forms).
+
+Also `attention_variant`, the differentiable entry the rest of autoflash calls (SDPA's key-padding
+path, the transformers integration) in SDPA's (batch, heads, seqlen, head_dim) layout.
+
+Everything here checks its arguments (raising ValueError/TypeError that say what was received and
+what is accepted) before anything is launched, zero-pads head dims the kernels have no tiles for,
+and calls the custom ops of autoflash/dispatch/variant_ops.py, which run the kernels on CUDA (or on
+the CPU inside autoflash.emulate()) and are differentiable and torch.compile-able. On CPU tensors
+outside autoflash.emulate() they compute the PyTorch reference instead (in fp32: slow, for tests
+and for code that must run anywhere).
+
+What flash-attn has and this does not: attention dropout (dropout_p must be 0.0), paged KV caches
+(block_table), the returned attention probabilities (return_attn_probs gives None in their place,
+as flash-attn does without dropout).
+"""
+from __future__ import annotations
+
+import dataclasses
+import math
+import operator
+
+import torch
+import torch.nn.functional as F
+
+from autoflash.dispatch import variant_ops  # noqa: F401  (registers torch.ops.autoflash.flash_fwd / flash_bwd)
+from autoflash.kernels.config import ALIGNS, HEAD_DIM_MAX, HEAD_DIM_MIN, HEAD_DIM_STEP
+
+__all__ = ["attention_variant", "flash_attn_func", "flash_attn_kvpacked_func", "flash_attn_qkvpacked_func",
+           "flash_attn_varlen_func", "flash_attn_varlen_kvpacked_func", "flash_attn_varlen_qkvpacked_func",
+           "padded_head_dim"]
+
+DTYPES = (torch.float16, torch.bfloat16)
+# dims of each layout, by name: flash-attn's dense and packed ones, SDPA's
+_LAYOUTS = {
+    "bshd": ("batch", "seqlen", "heads", "head_dim"),
+    "bhsd": ("batch", "heads", "seqlen", "head_dim"),
+    "thd": ("total", "heads", "head_dim"),
+}
+
+
+# ------------------------------------------------------------------ argument checks
+@dataclasses.dataclass(frozen=True)
+class Dims:
+    """Sizes of one call; for packed sequences seqlen_q / seqlen_k are the totals and batch is None."""
+
+    batch: int | None
+    heads: int
+    heads_k: int
+    seqlen_q: int
+    seqlen_k: int
+    head_dim: int
+
+
+def _check_qkv(q, k, v, layout: str) -> Dims:
+    """q, k, v tensors of `layout` (see _LAYOUTS), one dtype out of DTYPES, one device, k and v of one
+    shape, heads_k dividing heads, head_dim in 1..HEAD_DIM_MAX, the same batch, no empty dense dim."""
+    names = _LAYOUTS[layout]
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"{name}: got {type(t).__name__}, expected a torch.Tensor")
+        if t.dim() != len(names):
+            raise ValueError(f"{name}: got shape {tuple(t.shape)}, expected {len(names)} dims ({', '.join(names)})")
+    if q.dtype not in DTYPES or not (q.dtype == k.dtype == v.dtype):
+        raise TypeError(f"q, k, v dtypes: got {q.dtype}, {k.dtype}, {v.dtype}; expected all torch.float16 or all "
+                        "torch.bfloat16")
+    if not (q.device == k.device == v.device):
+        raise ValueError(f"q, k, v devices: got {q.device}, {k.device}, {v.device}; expected one device")
+    if q.device.type not in ("cuda", "cpu"):
+        raise ValueError(f"device: got {q.device}, expected CUDA tensors (or CPU tensors: the kernels emulated inside "
+                         "autoflash.emulate(), else the PyTorch reference)")
+    if k.shape != v.shape:
+        raise ValueError(f"k and v shapes: got {tuple(k.shape)} and {tuple(v.shape)}; expected them equal")
+    shape = dict(zip(names, q.shape))
+    shape_k = dict(zip(names, k.shape))
+    d = shape["head_dim"]
+    if shape_k["head_dim"] != d:
+        raise ValueError(f"head_dim: got q {tuple(q.shape)} and k {tuple(k.shape)}; expected the same head_dim")
+    if not 1 <= d <= HEAD_DIM_MAX:
+        raise ValueError(f"head_dim: got {d}, expected 1..{HEAD_DIM_MAX}")
+    hq, hk = shape["heads"], shape_k["heads"]
+    if hq == 0 or hk == 0 or hq % hk:
+        raise ValueError(f"heads: got {hq} query heads and {hk} key/value heads; expected key/value heads dividing "
+                         "query heads (MQA/GQA), both >= 1")
+    if layout == "thd":
+        return Dims(None, hq, hk, shape["total"], shape_k["total"], d)
+    if shape["batch"] != shape_k["batch"]:
+        raise ValueError(f"batch: got q {tuple(q.shape)} and k {tuple(k.shape)}; expected the same batch size")
+    if 0 in (shape["batch"], shape["seqlen"], shape_k["seqlen"]):
+        raise ValueError(f"empty input: got q {tuple(q.shape)}, k {tuple(k.shape)}; expected batch and seqlens >= 1")
+    return Dims(shape["batch"], hq, hk, shape["seqlen"], shape_k["seqlen"], d)
+
+
+def _check_flag(name: str, value) -> bool:
+    if not isinstance(value, bool):
+        raise TypeError(f"{name}: got {value!r}, expected a bool")
+    return value
+
+
+def _check_dropout(dropout_p) -> None:
+    if isinstance(dropout_p, bool) or not isinstance(dropout_p, (int, float)):
+        raise TypeError(f"dropout_p: got {dropout_p!r}, expected a float")
+    if dropout_p != 0:
+        raise ValueError(f"dropout_p: got {dropout_p}; autoflash has no attention dropout, expected dropout_p=0.0 "
+                         "(pass 0.0, also in training)")
+
+
+def _check_scale(name: str, scale, head_dim: int) -> float:
+    """The softmax scale: given, or 1/sqrt(head_dim) of the unpadded head dim."""
+    if scale is None:
+        return 1.0 / math.sqrt(head_dim)
+    if isinstance(scale, bool) or not isinstance(scale, (int, float)):
+        raise TypeError(f"{name}: got {scale!r}, expected a float or None (1/sqrt(head_dim))")
+    if not (math.isfinite(scale) and scale > 0):
+        raise ValueError(f"{name}: got {scale}, expected a finite number > 0 or None (1/sqrt(head_dim))")
+    return float(scale)
+
+
+def _check_window(name: str, window, causal: bool) -> tuple[int, int]:
+    """(left, right), -1 unbounded; causal makes right 0 (flash-attn's rule)."""
+    if (not isinstance(window, (tuple, list)) or len(window) != 2
+            or any(isinstance(w, bool) or not isinstance(w, int) for w in window)):
+        raise TypeError(f"{name}: got {window!r}, expected a pair of ints (left, right), -1 for unbounded")
+    left, right = window
+    if left < -1 or right < -1:
+        raise ValueError(f"{name}: got {tuple(window)}, expected each side >= 0, or -1 for unbounded")
+    return (left, 0) if causal else (left, right)
+
+
+def _check_softcap(softcap) -> float:
+    if isinstance(softcap, bool) or not isinstance(softcap, (int, float)):
+        raise TypeError(f"softcap: got {softcap!r}, expected a float (0.0 = no capping)")
+    if not (math.isfinite(softcap) and softcap >= 0):
+        raise ValueError(f"softcap: got {softcap}, expected a finite number >= 0 (0.0 = no capping)")
+    return float(softcap)
+
+
+def _check_align(align) -> str:
+    if align not in ALIGNS:
+        raise ValueError(f"align: got {align!r}, expected one of {ALIGNS}")
+    return align
+
+
+def _check_fp32(name: str, t, shapes: tuple[tuple[int, ...], ...], device: torch.device, what: str):
+    """An fp32 tensor of one of `shapes` on `device` (None passes); returned with a contiguous last
+    dim, as the kernels read it."""
+    if t is None:
+        return None
+    if not isinstance(t, torch.Tensor):
+        raise TypeError(f"{name}: got {type(t).__name__}, expected a torch.float32 tensor or None")
+    if t.dtype != torch.float32:
+        raise TypeError(f"{name}: got dtype {t.dtype}, expected torch.float32")
+    expected = " or ".join(str(s) for s in shapes)
+    if tuple(t.shape) not in shapes:
+        raise ValueError(f"{name}: got shape {tuple(t.shape)}, expected {expected} ({what})")
+    if t.device != device:
+        raise ValueError(f"{name}: got device {t.device}, expected q's device {device}")
+    return t if t.stride(-1) == 1 else t.contiguous()
+
+
+def _check_alibi(alibi_slopes, batch: int, heads: int, device: torch.device):
+    return _check_fp32("alibi_slopes", alibi_slopes, ((heads,), (batch, heads)), device, "(heads,) or (batch, heads)")
+
+
+# ------------------------------------------------------------------ packed sequences
+def _check_cu_seqlens(name: str, cu, device: torch.device) -> int:
+    """Metadata of cumulative lengths (int32, 1-D, batch + 1 >= 2 entries, q's device); returns batch."""
+    if not isinstance(cu, torch.Tensor):
+        raise TypeError(f"{name}: got {type(cu).__name__}, expected a torch.int32 tensor")
+    if cu.dtype != torch.int32:
+        raise TypeError(f"{name}: got dtype {cu.dtype}, expected torch.int32")
+    if cu.dim() != 1 or cu.numel() < 2:
+        raise ValueError(f"{name}: got shape {tuple(cu.shape)}, expected 1-D (batch + 1,) with batch >= 1")
+    if cu.device != device:
+        raise ValueError(f"{name}: got device {cu.device}, expected q's device {device}")
+    return cu.numel() - 1
+
+
+def _shown(values: list[int], limit: int = 12) -> str:
+    return str(values) if len(values) <= limit else f"[{', '.join(map(str, values[:limit]))}, ...]"
+
+
+def _sequence_lengths(name: str, cu: torch.Tensor, total: int, rows: str) -> list[int]:
+    """The lengths in `cu` (read on the host): 0 first, non-decreasing, `total` (rows' count) last."""
+    values = cu.tolist()
+    if values[0] != 0:
+        raise ValueError(f"{name}: got first value {values[0]}, expected 0 (cumulative lengths start at 0)")
+    drops = [i for i in range(1, len(values)) if values[i] < values[i - 1]]
+    if drops:
+        i = drops[0]
+        raise ValueError(f"{name}: got {_shown(values)}, decreasing at index {i} ({values[i - 1]} -> {values[i]}); "
+                         "expected non-decreasing cumulative lengths")
+    if values[-1] != total:
+        raise ValueError(f"{name}: got last value {values[-1]}, expected {total}, the rows of {rows} (its dim 0)")
+    return [b - a for a, b in zip(values, values[1:])]
+
+
+def _check_max_seqlen(name: str, value, lengths: list[int] | None, cu_name: str) -> int:
+    """A host int >= 0, at least the longest sequence (when the lengths could be read)."""
+    if isinstance(value, (bool, torch.Tensor)):
+        raise TypeError(f"{name}: got {type(value).__name__}, expected a Python int (host data, as in flash-attn)")
+    try:
+        value = operator.index(value)
+    except TypeError:
+        raise TypeError(f"{name}: got {type(value).__name__}, expected a Python int") from None
+    if value < 0:
+        raise ValueError(f"{name}: got {value}, expected an int >= 0")
+    longest = max(lengths, default=0) if lengths is not None else 0
+    if value < longest:
+        raise ValueError(f"{name}: got {value}, expected >= {longest}, the longest sequence in {cu_name}")
+    return value
+
+
+def _check_packed(q, k, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dims: Dims):
+    """(batch, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k), checked. The values of the
+    cu_seqlens are read on the host (a synchronisation on CUDA, as flash-attn's max_seqlens are host
+    data anyway); under torch.compile only their metadata is checked (reading values would break
+    the graph)."""
+    batch = _check_cu_seqlens("cu_seqlens_q", cu_seqlens_q, q.device)
+    if _check_cu_seqlens("cu_seqlens_k", cu_seqlens_k, q.device) != batch:
+        raise ValueError(f"cu_seqlens_k: got {cu_seqlens_k.numel()} entries, expected cu_seqlens_q's {batch + 1} "
+                         "(one batch)")
+    lengths_q = lengths_k = None
+    if not torch.compiler.is_compiling():
+        lengths_q = _sequence_lengths("cu_seqlens_q", cu_seqlens_q, dims.seqlen_q, "q")
+        lengths_k = _sequence_lengths("cu_seqlens_k", cu_seqlens_k, dims.seqlen_k, "k and v")
+    max_q = _check_max_seqlen("max_seqlen_q", max_seqlen_q, lengths_q, "cu_seqlens_q")
+    max_k = _check_max_seqlen("max_seqlen_k", max_seqlen_k, lengths_k, "cu_seqlens_k")
+    return batch, cu_seqlens_q.contiguous(), cu_seqlens_k.contiguous(), max_q, max_k
+
+
+# ------------------------------------------------------------------ running
+def padded_head_dim(head_dim: int) -> int:
+    """The head dim the kernels run for `head_dim`: the next multiple of HEAD_DIM_STEP, at least
+    HEAD_DIM_MIN (extra columns are zeros: they add nothing to q·k, and give output columns that
+    are cut off)."""
+    return max(HEAD_DIM_MIN, -(-head_dim // HEAD_DIM_STEP) * HEAD_DIM_STEP)
+
+
+def _pad(t: torch.Tensor, width: int) -> torch.Tensor:
+    return t if t.shape[-1] == width else F.pad(t, (0, width - t.shape[-1]))
+
+
+def _run(q, k, v, *, scale: float, causal: bool, align: str, window: tuple[int, int], softcap: float, alibi_slopes,
+         key_bias, packed, deterministic: bool):
+    """(out, lse) from the forward op on checked arguments; q, k, v zero-padded to the kernels' head
+    dim and out cut back (autograd sees the original width). `packed`: (cu_seqlens_q, cu_seqlens_k,
+    max_seqlen_q, max_seqlen_k) or None."""
+    d = q.shape[-1]
+    width = padded_head_dim(d)
+    q, k, v = (_pad(t, width) for t in (q, k, v))
+    cu_q, cu_k, max_q, max_k = packed if packed is not None else (None, None, 0, 0)
+    out, lse = torch.ops.autoflash.flash_fwd(q, k, v, alibi_slopes, key_bias, cu_q, cu_k, scale, causal, align,
+                                             window[0], window[1], softcap, max_q, max_k, deterministic)
+    return (out if width == d else out[..., :d]), lse
+
+
+def attention_variant(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, scale: float | None = None,
+                      causal: bool = False, align: str = "top_left", window=(-1, -1), softcap: float = 0.0,
+                      alibi_slopes: torch.Tensor | None = None, key_bias: torch.Tensor | None = None,
+                      deterministic: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    """Differentiable attention with flash-attn's variants, in SDPA's layout: (out like q, lse
+    (B, Hq, Lq) fp32); gradients for q, k, v.
+
+    q (B, Hq, Lq, D), k and v (B, Hkv, Lk, D), any strides, Hkv dividing Hq, float16/bfloat16, D up
+    to 256 (zero-padded to the kernels' sizes; scale defaults to 1/sqrt(D)). causal is aligned by
+    `align` ("top_left": SDPA's is_causal; "bottom_right": flash-attn's). window=(left, right), -1
+    unbounded (causal makes right 0). softcap > 0 caps the scores at cap * tanh(s / cap).
+    alibi_slopes fp32 (Hq,) or (B, Hq). key_bias fp32 (B, Lk) is added to every row's scores
+    (-inf masks the key; a row with no key left gets out 0, lse +inf). deterministic=True makes the
+    backward bit-reproducible.
+    """
+    dims = _check_qkv(q, k, v, "bhsd")
+    causal = _check_flag("causal", causal)
+    out, lse = _run(q, k, v, scale=_check_scale("scale", scale, dims.head_dim), causal=causal,
+                    align=_check_align(align), window=_check_window("window", window, causal),
+                    softcap=_check_softcap(softcap), alibi_slopes=_check_alibi(alibi_slopes, dims.batch, dims.heads,
+                                                                               q.device),
+                    key_bias=_check_fp32("key_bias", key_bias, ((dims.batch, dims.seqlen_k),), q.device,
+                                         "(batch, seqlen_k): one additive bias per key"),
+                    packed=None, deterministic=_check_flag("deterministic", deterministic))
+    return out, lse
+
+
+def _check_common(dropout_p, causal, deterministic, return_attn_probs) -> None:
+    _check_dropout(dropout_p)
+    for name, flag in (("causal", causal), ("deterministic", deterministic), ("return_attn_probs", return_attn_probs)):
+        _check_flag(name, flag)
+
+
+def _result(out: torch.Tensor, lse: torch.Tensor, return_attn_probs: bool):
+    """flash-attn's return: out, or (out, softmax_lse, None) (no attention probabilities without dropout)."""
+    return (out, lse, None) if return_attn_probs else out
+
+
+# ------------------------------------------------------------------ flash-attn's API
+def flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False, window_size=(-1, -1), softcap=0.0,
+                    alibi_slopes=None, deterministic=False, return_attn_probs=False):
+    """flash-attn's flash_attn_func: q (batch, seqlen_q, heads, head_dim), k and v (batch, seqlen_k,
+    heads_k, head_dim) with heads_k dividing heads (MQA/GQA), float16/bfloat16, head_dim 1..256.
+
+    softmax_scale defaults to 1/sqrt(head_dim). causal is aligned to the bottom right corner (query
+    i sees keys j <= i + seqlen_k - seqlen_q). window_size (left, right), -1 unbounded: query i sees
+    keys i + seqlen_k - seqlen_q - left .. + right (causal makes right 0). softcap > 0 caps the
+    scores. alibi_slopes fp32 (heads,) or (batch, heads) adds -slope * |i + seqlen_k - seqlen_q - j|.
+    deterministic=True makes the backward bit-reproducible. dropout_p must be 0.0 (no dropout).
+
+    Returns out (batch, seqlen_q, heads, head_dim); with return_attn_probs=True (out, softmax_lse
+    (batch, heads, seqlen_q) fp32, None). Differentiable in q, k, v.
+    """
+    _check_common(dropout_p, causal, deterministic, return_attn_probs)
+    dims = _check_qkv(q, k, v, "bshd")
+    out, lse = _run(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
+                    scale=_check_scale("softmax_scale", softmax_scale, dims.head_dim), causal=causal,
+                    align="bottom_right", window=_check_window("window_size", window_size, causal),
+                    softcap=_check_softcap(softcap),
+                    alibi_slopes=_check_alibi(alibi_slopes, dims.batch, dims.heads, q.device),
+                    key_bias=None, packed=None, deterministic=deterministic)
+    return _result(out.transpose(1, 2), lse, return_attn_probs)
+
+
+def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p=0.0,
+                           softmax_scale=None, causal=False, window_size=(-1, -1), softcap=0.0, alibi_slopes=None,
+                           deterministic=False, return_attn_probs=False, block_table=None):
+    """flash-attn's flash_attn_varlen_func: packed sequences. q (total_q, heads, head_dim), k and v
+    (total_k, heads_k, head_dim); cu_seqlens_q / cu_seqlens_k int32 (batch + 1,), the cumulative
+    lengths (sequence b is rows cu[b]:cu[b + 1]; zero-length sequences are allowed); max_seqlen_q /
+    max_seqlen_k host ints, at least the longest sequence. The rest as flash_attn_func, per sequence
+    (alibi_slopes (heads,) or (batch, heads)).
+
+    Returns out (total_q, heads, head_dim); with return_attn_probs=True (out, softmax_lse (heads,
+    total_q) fp32, None). block_table (paged KV cache) is not supported: it must be None.
+    """
+    _check_common(dropout_p, causal, deterministic, return_attn_probs)
+    if block_table is not None:
+        raise ValueError(f"block_table: got {type(block_table).__name__}, expected None (autoflash has no paged "
+                         "KV cache)")
+    dims = _check_qkv(q, k, v, "thd")
+    batch, cu_q, cu_k, max_q, max_k = _check_packed(q, k, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
+                                                    dims)
+    out, lse = _run(q, k, v, scale=_check_scale("softmax_scale", softmax_scale, dims.head_dim), causal=causal,
+                    align="bottom_right", window=_check_window("window_size", window_size, causal),
+                    softcap=_check_softcap(softcap), alibi_slopes=_check_alibi(alibi_slopes, batch, dims.heads, q.device),
+                    key_bias=None, packed=(cu_q, cu_k, max_q, max_k), deterministic=deterministic)
+    return _result(out, lse, return_attn_probs)
+
+
+def _unpack(name: str, t, parts: int, layout: str, axis: int) -> tuple[torch.Tensor, ...]:
+    """Views of the `parts` tensors packed in `t` along `axis` (no copy; gradients flow back into t)."""
+    if not isinstance(t, torch.Tensor):
+        raise TypeError(f"{name}: got {type(t).__name__}, expected a torch.Tensor")
+    if t.dim() != axis + 3 or t.shape[axis] != parts:
+        raise ValueError(f"{name}: got shape {tuple(t.shape)}, expected {layout}")
+    return t.unbind(axis)
+
+
+def flash_attn_qkvpacked_func(qkv, dropout_p=0.0, softmax_scale=None, causal=False, window_size=(-1, -1),
+                              softcap=0.0, alibi_slopes=None, deterministic=False, return_attn_probs=False):
+    """flash_attn_func on qkv (batch, seqlen, 3, heads, head_dim); the gradient comes back packed."""
+    q, k, v = _unpack("qkv", qkv, 3, "(batch, seqlen, 3, heads, head_dim)", 2)
+    return flash_attn_func(q, k, v, dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes,
+                           deterministic, return_attn_probs)
+
+
+def flash_attn_kvpacked_func(q, kv, dropout_p=0.0, softmax_scale=None, causal=False, window_size=(-1, -1),
+                             softcap=0.0, alibi_slopes=None, deterministic=False, return_attn_probs=False):
+    """flash_attn_func on q (batch, seqlen_q, heads, head_dim) and kv (batch, seqlen_k, 2, heads_k, head_dim)."""
+    k, v = _unpack("kv", kv, 2, "(batch, seqlen_k, 2, heads_k, head_dim)", 2)
+    return flash_attn_func(q, k, v, dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes,
+                           deterministic, return_attn_probs)
+
+
+def flash_attn_varlen_qkvpacked_func(qkv, cu_seqlens, max_seqlen, dropout_p=0.0, softmax_scale=None, causal=False,
+                                     window_size=(-1, -1), softcap=0.0, alibi_slopes=None, deterministic=False,
+                                     return_attn_probs=False):
+    """flash_attn_varlen_func on qkv (total, 3, heads, head_dim): queries and keys share cu_seqlens."""
+    q, k, v = _unpack("qkv", qkv, 3, "(total, 3, heads, head_dim)", 1)
+    return flash_attn_varlen_func(q, k, v, cu_seqlens, cu_seqlens, max_seqlen, max_seqlen, dropout_p, softmax_scale,
+                                  causal, window_size, softcap, alibi_slopes, deterministic, return_attn_probs)
+
+
+def flash_attn_varlen_kvpacked_func(q, kv, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p=0.0,
+                                    softmax_scale=None, causal=False, window_size=(-1, -1), softcap=0.0,
+                                    alibi_slopes=None, deterministic=False, return_attn_probs=False):
+    """flash_attn_varlen_func on q (total_q, heads, head_dim) and kv (total_k, 2, heads_k, head_dim)."""
+    k, v = _unpack("kv", kv, 2, "(total_k, 2, heads_k, head_dim)", 1)
+    return flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p,
+                                  softmax_scale, causal, window_size, softcap, alibi_slopes, deterministic,
+                                  return_attn_probs)

@@ -1,0 +1,202 @@
+"""The variant kernels as torch.library custom ops: `autoflash::flash_fwd` and `autoflash::flash_bwd`.
+
+They carry every variant argument of the launcher (alignment, sliding window, softcap, ALiBi slopes,
+a per-key bias, packed sequences), so flash_attn_func, flash_attn_varlen_func and the SDPA
+key-padding path trace under torch.compile as single nodes (fake implementations give the shapes)
+and autograd reaches the backward kernel (register_autograd). The arguments come here already
+checked and normalised by autoflash.dispatch.flash_api; this module only runs them.
+
+Where they run, as autoflash/dispatch/ops.py does it: on CUDA tensors the kernels, with the config
+picked from the tensors' metadata; on CPU tensors inside autoflash.emulate() the same kernels on the
+host emulator; on CPU tensors otherwise the PyTorch references (autoflash.reference.forward), so
+the registration (schema, fake, autograd) is checkable on any machine.
+
+No `from __future__ import annotations` here: torch.library reads the signature's annotations as
+types to build each op's schema.
+"""
+from typing import Optional
+
+import torch
+
+from autoflash.dispatch.ops import chunked
+from autoflash.dispatch.selection import HEURISTIC, select_config
+from autoflash.kernels.checks import DTYPE_NAMES
+from autoflash.kernels.launch import flash_backward, flash_forward, profile_for
+
+
+def _emulating() -> bool:
+    from autoflash.emulation import active
+
+    return active() is not None
+
+
+def _variant(causal, align, window_left, window_right, softcap, alibi_slopes, key_bias, cu_seqlens_q,
+             cu_seqlens_k, max_seqlen_q, max_seqlen_k) -> dict:
+    """The launcher's variant keywords from the ops' flat arguments (packed sequences only when
+    cu_seqlens are given: the max_seqlens of a dense call are placeholders)."""
+    kw = dict(causal=causal, align=align, window=(window_left, window_right), softcap=softcap,
+              alibi_slopes=alibi_slopes, key_bias=key_bias)
+    if cu_seqlens_q is not None:
+        kw.update(cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k, max_seqlen_q=max_seqlen_q,
+                  max_seqlen_k=max_seqlen_k)
+    return kw
+
+
+def _like(t: torch.Tensor, ref: torch.Tensor) -> torch.Tensor:
+    """`t` with `ref`'s dtype and strides (what the fake implementations promise): a copy only when
+    it differs."""
+    if t.dtype == ref.dtype and t.stride() == ref.stride():
+        return t
+    return torch.empty_like(ref).copy_(t)
+
+
+# ------------------------------------------------------------------ the kernels
+def _config(q: torch.Tensor, direction: str, kw: dict, seqlen_k: int):
+    """A tuned config for the call's (head_dim, dtype, causal, seqlen bucket) when a table has one,
+    else None: the launcher then takes its built-in tiles for kernels carrying variant switches
+    (for a call without any, the same tiles as the selection's heuristic). A window counts as
+    causal (it too skips key blocks); packed sequences are bucketed by max_seqlen_k."""
+    profile = profile_for(q, "autoflash.dispatch.variant_ops")
+    banded = kw["causal"] or kw["window"] != (-1, -1)
+    selection = select_config(profile, direction, DTYPE_NAMES[q.dtype], q.shape[-1], banded, max(1, seqlen_k))
+    return None if selection.origin == HEURISTIC else selection.config
+
+
+def _seqlen_k(k: torch.Tensor, kw: dict) -> int:
+    return kw["max_seqlen_k"] if "cu_seqlens_k" in kw else k.shape[-2]
+
+
+def _forward_kernels(q, k, v, scale, kw):
+    q, k, v = chunked(q), chunked(k), chunked(v)
+    out, lse = flash_forward(q, k, v, scale=scale, config=_config(q, "fwd", kw, _seqlen_k(k, kw)), **kw)
+    return _like(out, q), lse
+
+
+def _backward_kernels(dout, q, k, v, out, lse, scale, deterministic, kw):
+    dq_like, dk_like, dv_like = q, k, v
+    q, k, v, out, dout = (chunked(t) for t in (q, k, v, out, dout))
+    dq, dk, dv = flash_backward(dout, q, k, v, out, lse, scale=scale, deterministic=deterministic,
+                                config=_config(q, "bwd", kw, _seqlen_k(k, kw)), **kw)
+    return _like(dq, dq_like), _like(dk, dk_like), _like(dv, dv_like)
+
+
+# ------------------------------------------------------------------ the references (CPU, no emulation)
+def _reference(q, k, v, scale, kw):
+    """(out, lse) of the PyTorch reference, computed in fp32 (fp64 for fp64 inputs)."""
+    from autoflash.reference.forward import attention_ref, attention_varlen_ref
+
+    if "cu_seqlens_q" in kw:
+        dense = {n: kw[n] for n in ("causal", "align", "window", "softcap", "alibi_slopes")}
+        return attention_varlen_ref(q, k, v, kw["cu_seqlens_q"], kw["cu_seqlens_k"], scale=scale, **dense)
+    return attention_ref(q, k, v, scale=scale, **kw)
+
+
+def _forward_reference(q, k, v, scale, kw):
+    out, lse = _reference(q, k, v, scale, kw)
+    return _like(out, q), lse.to(torch.float32)
+
+
+def _autograd_below_the_op():
+    """Autograd back on inside an op's kernel. The custom op machinery runs a kernel with the
+    autograd dispatch keys excluded (the op's own formula is autograd's), so operations there record
+    no graph even under torch.enable_grad(); this re-includes them for the block, as torch does
+    itself where a graph must be built below an op (torch._higher_order_ops.invoke_leaf_function).
+    torch.func.vjp would avoid the private guard but fails under dispatch modes (opcheck's)."""
+    C = torch._C
+    exclude = C._dispatch_tls_local_exclude_set()
+    for key in (C.DispatchKey.AutogradFunctionality, C.DispatchKey.AutogradOther, C.DispatchKey.AutogradNestedTensor,
+                C.DispatchKey.ADInplaceOrView):
+        exclude = exclude.remove(key)
+    return C._ForceDispatchKeyGuard(C._dispatch_tls_local_include_set(), exclude)
+
+
+def _backward_reference(dout, q, k, v, scale, kw):
+    """The reference's gradients: autograd through it on detached leaves in fp32 (fp64 for fp64)."""
+    upcast = torch.float64 if q.dtype == torch.float64 else torch.float32
+    leaves = tuple(t.detach().to(upcast).requires_grad_() for t in (q, k, v))
+    with _autograd_below_the_op(), torch.enable_grad():
+        out = _reference(*leaves, scale, kw)[0]
+        grads = torch.autograd.grad(out, leaves, dout.detach().to(out.dtype), allow_unused=True) \
+            if out.requires_grad else (None,) * 3
+    dq, dk, dv = (torch.zeros_like(t) if g is None else g for g, t in zip(grads, leaves))  # rows no output reads
+    return _like(dq, q), _like(dk, k), _like(dv, v)
+
+
+# ------------------------------------------------------------------ the ops
+@torch.library.custom_op("autoflash::flash_fwd", mutates_args=(), device_types="cuda")
+def flash_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, alibi_slopes: Optional[torch.Tensor],
+              key_bias: Optional[torch.Tensor], cu_seqlens_q: Optional[torch.Tensor],
+              cu_seqlens_k: Optional[torch.Tensor], scale: float, causal: bool, align: str, window_left: int,
+              window_right: int, softcap: float, max_seqlen_q: int, max_seqlen_k: int,
+              deterministic: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """(out like q, lse fp32): dense q (B, Hq, Lq, D), k/v (B, Hkv, Lk, D), lse (B, Hq, Lq); packed
+    (cu_seqlens given) q (total_q, Hq, D), k/v (total_k, Hkv, D), lse (Hq, total_q). `deterministic`
+    is the backward's, kept for it. lse carries no gradient."""
+    kw = _variant(causal, align, window_left, window_right, softcap, alibi_slopes, key_bias, cu_seqlens_q,
+                  cu_seqlens_k, max_seqlen_q, max_seqlen_k)
+    return _forward_kernels(q, k, v, scale, kw)
+
+
+@flash_fwd.register_kernel("cpu")
+def _flash_fwd_cpu(q, k, v, alibi_slopes, key_bias, cu_seqlens_q, cu_seqlens_k, scale, causal, align, window_left,
+                   window_right, softcap, max_seqlen_q, max_seqlen_k, deterministic):
+    kw = _variant(causal, align, window_left, window_right, softcap, alibi_slopes, key_bias, cu_seqlens_q,
+                  cu_seqlens_k, max_seqlen_q, max_seqlen_k)
+    if _emulating():
+        return _forward_kernels(q, k, v, scale, kw)
+    return _forward_reference(q, k, v, scale, kw)
+
+
+@flash_fwd.register_fake
+def _flash_fwd_fake(q, k, v, alibi_slopes, key_bias, cu_seqlens_q, cu_seqlens_k, scale, causal, align, window_left,
+                    window_right, softcap, max_seqlen_q, max_seqlen_k, deterministic):
+    lse_shape = (q.shape[1], q.shape[0]) if cu_seqlens_q is not None else q.shape[:-1]
+    return torch.empty_like(q), q.new_empty(lse_shape, dtype=torch.float32)
+
+
+@torch.library.custom_op("autoflash::flash_bwd", mutates_args=(), device_types="cuda")
+def flash_bwd(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
+              lse: torch.Tensor, alibi_slopes: Optional[torch.Tensor], key_bias: Optional[torch.Tensor],
+              cu_seqlens_q: Optional[torch.Tensor], cu_seqlens_k: Optional[torch.Tensor], scale: float,
+              causal: bool, align: str, window_left: int, window_right: int, softcap: float, max_seqlen_q: int,
+              max_seqlen_k: int, deterministic: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(dq, dk, dv) like (q, k, v) from the forward's out and lse; bit-reproducible with
+    deterministic=True."""
+    kw = _variant(causal, align, window_left, window_right, softcap, alibi_slopes, key_bias, cu_seqlens_q,
+                  cu_seqlens_k, max_seqlen_q, max_seqlen_k)
+    return _backward_kernels(dout, q, k, v, out, lse, scale, deterministic, kw)
+
+
+@flash_bwd.register_kernel("cpu")
+def _flash_bwd_cpu(dout, q, k, v, out, lse, alibi_slopes, key_bias, cu_seqlens_q, cu_seqlens_k, scale, causal, align,
+                   window_left, window_right, softcap, max_seqlen_q, max_seqlen_k, deterministic):
+    kw = _variant(causal, align, window_left, window_right, softcap, alibi_slopes, key_bias, cu_seqlens_q,
+                  cu_seqlens_k, max_seqlen_q, max_seqlen_k)
+    if _emulating():
+        return _backward_kernels(dout, q, k, v, out, lse, scale, deterministic, kw)
+    return _backward_reference(dout, q, k, v, scale, kw)
+
+
+@flash_bwd.register_fake
+def _flash_bwd_fake(dout, q, k, v, out, lse, alibi_slopes, key_bias, cu_seqlens_q, cu_seqlens_k, scale, causal, align,
+                    window_left, window_right, softcap, max_seqlen_q, max_seqlen_k, deterministic):
+    return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+
+
+_TENSOR_INPUTS = ("q", "k", "v", "alibi_slopes", "key_bias", "cu_seqlens_q", "cu_seqlens_k")
+_SCALAR_INPUTS = ("scale", "causal", "align", "window_left", "window_right", "softcap", "max_seqlen_q",
+                  "max_seqlen_k", "deterministic")
+
+
+def _setup_context(ctx, inputs, output):
+    ctx.save_for_backward(*inputs[:len(_TENSOR_INPUTS)], *output)
+    ctx.scalars = inputs[len(_TENSOR_INPUTS):]
+
+
+def _backward(ctx, dout, _dlse):
+    q, k, v, alibi_slopes, key_bias, cu_q, cu_k, out, lse = ctx.saved_tensors
+    dq, dk, dv = flash_bwd(dout, q, k, v, out, lse, alibi_slopes, key_bias, cu_q, cu_k, *ctx.scalars)
+    return (dq, dk, dv) + (None,) * (len(_TENSOR_INPUTS) - 3 + len(_SCALAR_INPUTS))
+
+
+flash_fwd.register_autograd(_backward, setup_context=_setup_context)
