@@ -8,50 +8,203 @@ The name is "autofa", not "autoflash": transformers takes any implementation who
 "flash" for a flash-attn package or a Hub kernel and tries to import one (transformers 5.x,
 utils/generic.py is_flash_attention_requested), which would fail before autoflash is ever called.
 
-register() adds autoflash to transformers' AttentionInterface (the attention call) and to its
-AttentionMaskInterface with the "sdpa" mask builder, so the model hands over no mask where SDPA would
-get none (causal, no padding: the kernels' is_causal path) and a mask where padding needs one (which
-falls back to torch SDPA with a warning). transformers is not a dependency of autoflash: this module
-imports it only in register().
+register() adds two things, as transformers' own flash-attention integration does:
+- to its AttentionMaskInterface, `kernel_mask`: the model hands attention the 2D (batch, kv_len)
+  padding mask, or None when nothing is padded, instead of a materialised 4D mask (causal order and
+  sliding windows are the kernels' switches, not mask entries);
+- to its AttentionInterface, `attention_forward`: causal attention bottom-right aligned (the last
+  query sees the last key: decoding with a cache), the padding mask as the kernels' per-key bias
+  (-inf on padded keys), and the `sliding_window` and `softcap` that models pass (Mistral, Gemma 2)
+  as the kernels' window and softcap (autoflash.dispatch.flash_api.attention_variant).
+
+What the kernels cannot run follows autoflash.attention's policy: a call the kernels cannot take
+(CPU tensors outside autoflash.emulate(), float32, dropout in training, other head dims, an old
+GPU) runs torch SDPA on the equivalent boolean mask, with one FallbackWarning per reason
+(AUTOFLASH_STRICT=1 raises instead), except with softcap, which SDPA lacks: that raises. Masks the
+2D form cannot express (custom mask functions, packed sequences, block masks) come as sdpa's 4D
+mask and go through autoflash.attention (the kernels when it is a key-padding mask, else SDPA).
+position_bias, attention sinks (s_aux) and paged caches (continuous batching) raise. Rows that see
+no real key (under causal order, the padded query positions of left padding) get 0 from the
+kernels; sdpa gives them 0 or NaN. transformers is not a dependency of autoflash: this module
+imports it only in register() and kernel_mask().
 """
 from __future__ import annotations
 
 import torch
 
-from autoflash.dispatch.sdpa import attention
+from autoflash.dispatch.sdpa import UnsupportedCallError, _torch_sdpa, _warn_once, attention, is_strict, plan
 
 NAME = "autofa"
 
 
+# ------------------------------------------------------------------ the mask interface
+def kernel_mask(batch_size: int, q_length: int, kv_length: int, q_offset=0, kv_offset: int = 0,
+                mask_function=None, attention_mask: torch.Tensor | None = None, allow_is_causal_skip: bool = True,
+                allow_is_bidirectional_skip: bool = False, use_vmap: bool = False, **kwargs) -> torch.Tensor | None:
+    """transformers' mask-interface signature -> the 2D bool padding mask (batch, used_kv_len) of the
+    keys in use, or None when no key is padded.
+
+    As transformers' flash_attention_mask: the mask's last kv_length columns (a sliding-window cache
+    keeps the last keys), None when all of them are real tokens. A mask shorter than kv_length
+    means a static cache's unused tail (attention_forward drops those keys). Where the 2D form
+    would lose something (use_vmap: custom mask functions; a builder that refuses to skip the mask,
+    as for packed sequences and block masks, with more than one query) this returns sdpa's 4D mask."""
+    if use_vmap or not (allow_is_causal_skip or allow_is_bidirectional_skip or q_length == 1):
+        from transformers.masking_utils import sdpa_mask
+
+        return sdpa_mask(batch_size=batch_size, q_length=q_length, kv_length=kv_length, q_offset=q_offset,
+                         kv_offset=kv_offset, mask_function=mask_function, attention_mask=attention_mask,
+                         allow_is_causal_skip=allow_is_causal_skip,
+                         allow_is_bidirectional_skip=allow_is_bidirectional_skip, use_vmap=use_vmap, **kwargs)
+    if attention_mask is None:
+        # A causal query sees no key past its own position: in a static cache (kv_length its capacity)
+        # the keys after the last query are unused. q_offset is a tensor for a static cache.
+        end = int(q_offset) + q_length - kv_offset
+        if allow_is_causal_skip and 0 < end < kv_length:
+            return torch.ones(batch_size, end, dtype=torch.bool, device=kwargs.get("device", "cpu"))
+        return None
+    mask = attention_mask[:, -kv_length:]
+    if mask.shape[1] == kv_length and bool(mask.all()):
+        return None
+    return mask
+
+
+# ------------------------------------------------------------------ the attention interface
 def attention_forward(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                       attention_mask: torch.Tensor | None, dropout: float = 0.0, scaling: float | None = None,
-                      is_causal: bool | None = None, **kwargs) -> tuple[torch.Tensor, None]:
+                      is_causal: bool | None = None, sliding_window: int | None = None, softcap: float | None = None,
+                      s_aux: torch.Tensor | None = None, **kwargs) -> tuple[torch.Tensor, None]:
     """transformers' attention signature: query (batch, heads, q_len, head_dim), key/value
-    (batch, kv_heads, kv_len, head_dim) -> (attn_output (batch, q_len, heads, head_dim), None)."""
-    if kwargs.get("softcap") is not None:
-        raise ValueError(f"softcap: got {kwargs['softcap']}, expected None (autoflash has no logit soft-capping)")
+    (batch, kv_heads, kv_len, head_dim), attention_mask from kernel_mask (2D padding mask or None;
+    a 4D mask where kernel_mask or the caller made one) -> (attn_output (batch, q_len, heads,
+    head_dim), None)."""
+    _refuse_unsupported(s_aux, kwargs)
+    gqa = key.shape[1] != query.shape[1]
+    if attention_mask is not None and attention_mask.dim() != 2:
+        out = _with_full_mask(query, key, value, attention_mask, dropout, scaling, softcap, gqa)
+        return out.transpose(1, 2).contiguous(), None
+    if attention_mask is not None:
+        if attention_mask.shape[0] != query.shape[0] or attention_mask.shape[1] > key.shape[2]:
+            raise ValueError(f"attention_mask: got shape {tuple(attention_mask.shape)}, expected (batch "
+                             f"{query.shape[0]}, at most kv_len {key.shape[2]}): a 2D padding mask")
+        used = attention_mask.shape[1]
+        key, value = key[:, :, :used], value[:, :, :used]  # a static cache's unused tail
+        attention_mask = attention_mask.bool()
+    causal = bool(is_causal if is_causal is not None else getattr(module, "is_causal", True))
+    window = window_size(sliding_window, causal, key.shape[2])
+    cap = 0.0 if softcap is None else float(softcap)
+    out = run(query, key, value, attention_mask, causal=causal, window=window, softcap=cap, dropout=dropout,
+              scale=scaling, enable_gqa=gqa)
+    return out.transpose(1, 2).contiguous(), None
+
+
+def _refuse_unsupported(s_aux, kwargs) -> None:
+    """What the kernels have no switch for, refused rather than silently dropped."""
     if kwargs.get("position_bias") is not None:
         raise ValueError("position_bias: got a tensor, expected None (use attn_implementation='sdpa' for models "
                          "with an additive position bias)")
-    q_len = query.shape[2]
-    causal = is_causal if is_causal is not None else getattr(module, "is_causal", True)
-    # As transformers' SDPA path decides: causal only when prefilling (q_len > 1) with no explicit mask;
-    # a single decoded token attends to every cached key.
-    causal = bool(q_len > 1 and attention_mask is None and causal)
-    gqa = key.shape[1] != query.shape[1]
-    if causal and key.shape[2] > q_len:  # prefill into an empty static cache: keys past q_len are unused
-        key, value = key[:, :, :q_len], value[:, :, :q_len]
-    out = attention(query, key, value, attn_mask=attention_mask, dropout_p=dropout, is_causal=causal, scale=scaling,
-                    enable_gqa=gqa)
-    return out.transpose(1, 2).contiguous(), None
+    if s_aux is not None:
+        raise ValueError("s_aux: got a tensor (attention sinks), expected None: the autoflash kernels have no "
+                         "sink logits (use attn_implementation='eager')")
+    if kwargs.get("cache") is not None:
+        raise ValueError(f"cache: got a {type(kwargs['cache']).__name__} (continuous batching's paged cache), "
+                         "expected None: autoflash attends over the key/value tensors it is given")
+
+
+def window_size(sliding_window: int | None, causal: bool, kv_len: int) -> tuple[int, int]:
+    """transformers' sliding_window (the number of keys a query sees, itself included) as the
+    kernels' (left, right) window, -1 unbounded: flash-attn's (w - 1, w - 1), right 0 when causal;
+    no window when it covers all kv_len keys (transformers' flash integration does the same). This
+    is sdpa's mask: key j is visible from query position i when i - w < j (<= i when causal)."""
+    if sliding_window is None or kv_len <= sliding_window:
+        return (-1, -1)
+    if isinstance(sliding_window, bool) or not isinstance(sliding_window, int) or sliding_window < 1:
+        raise ValueError(f"sliding_window: got {sliding_window!r}, expected a positive int or None")
+    return (sliding_window - 1, 0 if causal else sliding_window - 1)
+
+
+def run(query, key, value, key_mask: torch.Tensor | None, *, causal: bool, window: tuple[int, int], softcap: float,
+        dropout: float, scale: float | None, enable_gqa: bool) -> torch.Tensor:
+    """Attention with a 2D padding mask (bool (batch, kv_len), True = a real token, or None),
+    bottom-right causal order, window and softcap: on the kernels when autoflash.attention would
+    run the same call (without a mask) on them, else the fallback."""
+    if key_mask is not None and key_mask.shape != (query.shape[0], key.shape[2]):
+        raise ValueError(f"key_mask: got shape {tuple(key_mask.shape)}, expected (batch {query.shape[0]}, kv_len "
+                         f"{key.shape[2]})")
+    causal = causal and query.shape[2] > 1  # bottom-right: a lone query sees every key either way
+    p = plan(query, key, value, None, dropout, False, scale, enable_gqa)
+    if p.reason is not None:
+        return _fallback(p.reason, query, key, value, key_mask, causal, window, softcap, dropout, scale, enable_gqa)
+    from autoflash.dispatch import flash_api
+
+    bias = None
+    if key_mask is not None:
+        bias = torch.zeros(key_mask.shape, dtype=torch.float32, device=query.device)
+        bias.masked_fill_(~key_mask.to(query.device), float("-inf"))
+    out, _ = flash_api.attention_variant(query, key, value, scale=p.scale, causal=causal, align="bottom_right",
+                                         window=window, softcap=softcap, key_bias=bias,
+                                         deterministic=torch.are_deterministic_algorithms_enabled())
+    return out
+
+
+def _fallback(reason: str, query, key, value, key_mask, causal, window, softcap, dropout, scale, enable_gqa):
+    """torch SDPA on the boolean mask equivalent to (padding, bottom-right causal, window), with the
+    FallbackWarning; softcap has no SDPA equivalent and raises."""
+    if softcap:
+        raise UnsupportedCallError(f"autoflash.hf: softcap {softcap} with a call the kernels cannot run ({reason}); "
+                                   "torch SDPA has no softcap: use attn_implementation='eager'")
+    if is_strict(None):
+        raise UnsupportedCallError(f"autoflash.hf (strict): {reason}; without strict this call would run torch SDPA")
+    _warn_once(reason)
+    mask = sdpa_bool_mask(key_mask, query.shape[2], key.shape[2], causal, window, query.device)
+    top_left_causal = mask is None and causal  # only when q_len == kv_len (else a mask is built)
+    return _torch_sdpa(query, key, value, attn_mask=mask, dropout_p=dropout, is_causal=top_left_causal, scale=scale,
+                       enable_gqa=enable_gqa)
+
+
+def sdpa_bool_mask(key_mask, q_len: int, kv_len: int, causal: bool, window: tuple[int, int],
+                   device) -> torch.Tensor | None:
+    """The SDPA mask (True = attend) of a call: (batch, 1, q_len, kv_len), (q_len, kv_len) without
+    padding, or None where is_causal (q_len == kv_len) or nothing at all masks a key. Query i's
+    diagonal is key i + kv_len - q_len (bottom-right)."""
+    left, right = window
+    if causal:
+        right = 0
+    structured = left >= 0 or right >= 0
+    if key_mask is None and (not structured or (causal and left < 0 and q_len == kv_len)):
+        return None
+    mask = None
+    if structured:
+        diag = torch.arange(q_len, device=device)[:, None] + (kv_len - q_len)
+        j = torch.arange(kv_len, device=device)[None, :]
+        mask = torch.ones(q_len, kv_len, dtype=torch.bool, device=device)
+        if left >= 0:
+            mask &= j >= diag - left
+        if right >= 0:
+            mask &= j <= diag + right
+    if key_mask is None:
+        return mask
+    padded = key_mask.to(device)[:, None, None, :]
+    return padded.expand(-1, 1, q_len, -1) if mask is None else padded & mask
+
+
+def _with_full_mask(query, key, value, mask, dropout, scale, softcap, enable_gqa) -> torch.Tensor:
+    """A 4D mask (transformers' sdpa form: it holds the causal order and any window) through
+    autoflash.attention with SDPA semantics: the kernels when it is a key-padding mask, else SDPA."""
+    if softcap:
+        raise ValueError(f"softcap: got {softcap} with a 4D attention mask; expected a 2D padding mask or None "
+                         "(autoflash runs softcap only on masks kernel_mask builds; use attn_implementation='eager')")
+    mask = mask[:, :, :, : key.shape[2]]
+    return attention(query, key, value, attn_mask=mask, dropout_p=dropout, is_causal=False, scale=scale,
+                     enable_gqa=enable_gqa)
 
 
 def register() -> None:
     """Registers attn_implementation="autofa" with transformers (idempotent)."""
     try:
         from transformers import AttentionInterface
-        from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
+        from transformers.masking_utils import AttentionMaskInterface
     except ImportError as e:
         raise ImportError(f"autoflash.hf.register needs transformers (pip install transformers): {e}") from e
     AttentionInterface.register(NAME, attention_forward)
-    AttentionMaskInterface.register(NAME, sdpa_mask)
+    AttentionMaskInterface.register(NAME, kernel_mask)

@@ -177,7 +177,8 @@ def test_one_warning_per_reason_pointing_at_the_caller():
 def test_each_reason_is_named(kernel_path):
     q, k, v = _qkv((1, 2, 8, 64), (1, 2, 8, 64), torch.bfloat16)
     reasons = {
-        "attn_mask": dict(attn_mask=torch.ones(8, 8, dtype=torch.bool)),
+        # a key-padding mask runs on the kernels (tests/test_key_padding.py); one that varies over queries does not
+        "attn_mask varies over queries": dict(attn_mask=torch.ones(8, 8, dtype=torch.bool).tril()),
         "dropout_p": dict(dropout_p=0.1),
         "scale": dict(scale=-1.0),
     }
@@ -273,8 +274,10 @@ def test_explain_reports_each_path(tuned_folder):
     q, k, v = _qkv((2, 8, 3000, 128), (2, 8, 3000, 128), torch.bfloat16)
     cpu = autoflash.explain(q, k, v, is_causal=True)
     assert not cpu.uses_kernels and "cpu tensors" in cpu.reason and "torch SDPA" in str(cpu)
-    masked = autoflash.explain(q, k, v, attn_mask=torch.ones(3000, 3000, dtype=torch.bool), gpu="h100")
-    assert not masked.uses_kernels and "attn_mask" in masked.reason
+    masked = autoflash.explain(q, k, v, attn_mask=torch.ones(3000, 3000, dtype=torch.bool).tril(), gpu="h100")
+    assert not masked.uses_kernels and "attn_mask varies over queries" in masked.reason
+    padding = autoflash.explain(q, k, v, attn_mask=torch.ones(2, 1, 1, 3000, dtype=torch.bool), gpu="h100")
+    assert padding.uses_kernels and padding.mask.startswith("key padding") and "mask: key padding" in str(padding)
 
     heuristic = autoflash.explain(q, k, v, is_causal=True, gpu="h100")
     assert heuristic.uses_kernels and heuristic.forward.origin == heuristic.backward.origin == HEURISTIC

@@ -31,6 +31,17 @@ VARIANTS = {
     "padding": dict(padding=True),
     "gemma": dict(softcap=3.0, window=(31, 0), alibi="batch", align="bottom_right"),
 }
+# Where every row sees one key (Lk = 1, the window (0, 0)) softmax rows are exactly 1 and the
+# references' dQ and dK exactly 0, leaving the rule a bound of 1e-5; the kernels' delta and dP are
+# two different fp32 sums whose residue reaches ~1e-5 there (see test_emulated_fuzz.py).
+SINGLE_KEY_ATOL = 1e-4
+
+
+def _grad_ok(got, ref, yard):
+    degenerate = not ref.abs().max().item() and not yard.abs().max().item()
+    return within_tolerance(got, ref, yard, factor=3.0, atol=SINGLE_KEY_ATOL if degenerate else 1e-5)
+
+
 # (Lq, Lk) pairs from FlashAttention's tests, at sizes the emulator runs quickly; Lq > Lk too
 PAIRS = ((113, 203), (128, 217), (1, 77), (77, 1), (203, 113))
 HEADS = ((4, 2), (3, 1))
@@ -79,7 +90,7 @@ def test_variant_meets_flashattention_rule(target, variant, dtype, d, heads, pai
     ref_grads = attention_backward_ref(*up, dout.float(), **kw)
     torch_grads = attention_backward_ref(q, k, v, dout, upcast=False, **kw)
     for name, got, ref, yard in zip(("dq", "dk", "dv"), (dq, dk, dv), ref_grads, torch_grads):
-        ok, err, bound = within_tolerance(got, ref, yard, factor=3.0)
+        ok, err, bound = _grad_ok(got, ref, yard)
         assert ok, f"{name}: err {err:.3e} > bound {bound:.3e}"
 
 
@@ -124,7 +135,7 @@ def test_varlen_meets_flashattention_rule(target, variant, dtype, draw):
     ok, err, _ = within_tolerance(lse, ref_lse.detach(), ref_lse.detach(), atol=1e-3)
     assert ok, f"lse: err {err:.3e}"
     for name, got, ref, yard in zip(("dq", "dk", "dv"), grads, ref_grads, torch_grads):
-        ok, err, bound = within_tolerance(got, ref, yard, factor=3.0)
+        ok, err, bound = _grad_ok(got, ref, yard)
         assert ok, f"{name}: err {err:.3e} > bound {bound:.3e} (lengths q {lens_q}, k {lens_k})"
 
 

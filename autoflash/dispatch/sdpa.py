@@ -8,6 +8,13 @@ support yet, torch's own SDPA with one warning per reason (`strict=True` or AUTO
 raises instead). The planning reads tensor metadata only: no synchronisation, no allocation. It
 is plain Python that torch.compile traces, so a compiled model keeps the path (and the warning,
 given once at trace time) with no graph break.
+
+An `attn_mask` that is a key-padding mask (the same for every query and head: it only hides keys)
+runs on the kernels as their additive per-key bias (autoflash.dispatch.flash_api.attention_variant,
+key_bias). A mask whose shape broadcasts over queries and heads, e.g. (B, 1, 1, Lk), is recognised
+from its metadata alone; a (B, 1, Lq, Lk) or (B, H, Lq, Lk) one costs one comparison of its values
+at call time (a synchronisation on CUDA) to confirm that every query row repeats the first. Any
+other mask falls back to torch SDPA.
 """
 from __future__ import annotations
 
@@ -39,13 +46,22 @@ class FallbackWarning(RuntimeWarning):
     """A call ran torch SDPA instead of the autoflash kernels; given once per reason per process."""
 
 
+# Plan.mask: how an attn_mask reaches the kernels
+NO_MASK = ""  # no attn_mask
+KEY_PADDING = "key padding"  # its shape broadcasts over queries and heads: a key-padding mask by metadata
+KEY_PADDING_IF_CONSTANT = "key padding if constant"  # (.., Lq, Lk)-shaped: its values are checked per call
+
+
 @dataclasses.dataclass(frozen=True)
 class Plan:
-    """How one call runs: `reason` is None for the kernels, else why it goes to torch SDPA."""
+    """How one call runs: `reason` is None for the kernels, else why it goes to torch SDPA. `mask`
+    says how its attn_mask runs on the kernels (NO_MASK, KEY_PADDING, KEY_PADDING_IF_CONSTANT: the
+    kernels only after mask_reason() finds its values the same for every query and head)."""
 
     reason: str | None
     scale: float
     batch_shape: tuple[int, ...] = ()  # the dims before (heads, seqlen, head_dim), flattened for the kernels
+    mask: str = NO_MASK
 
 
 # ------------------------------------------------------------------ validation (SDPA's error cases)
@@ -198,7 +214,7 @@ def _plan_key(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_
     if attn_mask is None:
         mask = None
     elif isinstance(attn_mask, torch.Tensor):
-        mask = (attn_mask.shape, attn_mask.stride(), attn_mask.dtype, attn_mask.device)
+        mask = (attn_mask.shape, attn_mask.stride(), attn_mask.dtype, attn_mask.device, attn_mask.requires_grad)
     else:
         return None
     # The emulated GPU matters only where plan() consults it: CPU tensors, devices checked.
@@ -231,8 +247,13 @@ def _decide(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gq
                     "autoflash.emulate())", sc)
     if query.dtype not in KERNEL_DTYPES:
         return Plan(f"dtype {query.dtype}: the kernels run float16 and bfloat16", sc)
-    if attn_mask is not None:
-        return Plan("attn_mask: the kernels take no explicit mask yet (is_causal=True runs on them)", sc)
+    mask = _mask_kind(attn_mask, query)
+    if attn_mask is not None and attn_mask.requires_grad:
+        return Plan("attn_mask requires grad: the kernels give no gradient for a mask", sc)
+    if mask == KEY_PADDING_IF_CONSTANT and torch.compiler.is_compiling():
+        return Plan("attn_mask shaped (..., Lq, Lk) under torch.compile: telling a key-padding mask from "
+                    "another reads its values (only masks that broadcast over queries and heads run on the "
+                    "kernels here)", sc)
     if dropout_p > 0.0:
         return Plan("dropout_p > 0: the kernels have no dropout yet", sc)
     if e != ev or not (HEAD_DIM_MIN <= e <= HEAD_DIM_MAX and e % HEAD_DIM_STEP == 0):
@@ -254,7 +275,55 @@ def _decide(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gq
         reason = _device_reason(index)
         if reason:
             return Plan(f"cuda:{index}: {reason}", sc)
-    return Plan(None, sc, batch_shape)
+    return Plan(None, sc, batch_shape, mask)
+
+
+# ------------------------------------------------------------------ key-padding masks
+def _mask_kind(attn_mask, query) -> str:
+    """NO_MASK, KEY_PADDING when the mask's shape broadcasts over queries and heads (read from the
+    shape alone), else KEY_PADDING_IF_CONSTANT (its values decide: mask_reason)."""
+    if attn_mask is None:
+        return NO_MASK
+    heads = attn_mask.shape[-3] if attn_mask.dim() >= 3 else 1
+    rows = attn_mask.shape[-2] if attn_mask.dim() >= 2 else 1
+    if rows == 1 and heads == 1:  # a lone query row also has rows == 1 (the mask broadcasts to Lq)
+        return KEY_PADDING
+    return KEY_PADDING_IF_CONSTANT
+
+
+def _with_heads_dim(attn_mask: torch.Tensor) -> torch.Tensor:
+    """The mask as (..., heads, Lq, Lk), size-1 dims put in front where it has fewer (a view)."""
+    return attn_mask.reshape((1,) * max(0, 3 - attn_mask.dim()) + tuple(attn_mask.shape))
+
+
+def _first_row(attn_mask: torch.Tensor) -> torch.Tensor:
+    """The mask's first query row of its first head, as (..., 1, 1, Lk) (a view)."""
+    return _with_heads_dim(attn_mask).narrow(-2, 0, 1).narrow(-3, 0, 1)
+
+
+def mask_reason(attn_mask: torch.Tensor | None, p: Plan) -> str | None:
+    """Why this call's mask cannot run on the kernels (None if it can). For a KEY_PADDING_IF_CONSTANT
+    plan this compares the mask with its first row, once: a data check (a synchronisation on CUDA),
+    needed because a (B, 1, Lq, Lk) mask may be a padding mask expanded over queries, or not."""
+    if p.reason is not None or p.mask != KEY_PADDING_IF_CONSTANT:
+        return p.reason
+    if attn_mask.device.type == "meta":  # metadata only (planning a call, nothing to compare)
+        return None
+    full = _with_heads_dim(attn_mask)
+    if torch.equal(full, _first_row(attn_mask).expand(full.shape)):
+        return None
+    return "attn_mask varies over queries or heads: not a key-padding mask"
+
+
+def key_bias(attn_mask: torch.Tensor, batch_shape: tuple[int, ...], seqlen_k: int) -> torch.Tensor:
+    """The kernels' additive per-key bias, fp32 (prod(batch_shape), seqlen_k), from a key-padding
+    mask (one that mask_reason accepted): bool True (attend) -> 0, False -> -inf; a float mask as
+    it is. Its first query row and head stand for all of them."""
+    row = _first_row(attn_mask)
+    row = row.expand(*batch_shape, 1, 1, seqlen_k).reshape(-1, seqlen_k)
+    if row.dtype == torch.bool:
+        return torch.zeros(row.shape, dtype=torch.float32, device=row.device).masked_fill_(~row, float("-inf"))
+    return row.to(torch.float32, copy=True)
 
 
 # ------------------------------------------------------------------ fallback policy
@@ -289,26 +358,45 @@ def attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, attn_
     query (..., Hq, L, E), key (..., H, S, E), value (..., H, S, Ev) -> (..., Hq, L, Ev); is_causal
     is the top-left causal mask; scale defaults to 1/sqrt(E); enable_gqa lets H divide Hq.
     Differentiable. Inside autoflash.emulate() CPU tensors run the kernels on the host emulator.
-    What the kernels do not run yet (CPU tensors, float32, attn_mask, dropout,
-    other head dims, broadcast batch dims) runs torch SDPA with one FallbackWarning per reason;
-    strict=True (or AUTOFLASH_STRICT=1) raises UnsupportedCallError instead.
+
+    attn_mask (bool, True = attend, or additive float) runs on the kernels when it is a
+    key-padding mask: the same for every query and head, e.g. (B, 1, 1, S) or a (B, 1, L, S) one
+    whose rows are all equal (checked at call time: one comparison). A query whose keys are all
+    masked gets output 0 from the kernels; torch SDPA gives 0 or NaN there, by backend and version.
+    What the kernels do not run yet (CPU tensors, float32, other masks, a mask that requires grad,
+    dropout, other head dims, broadcast batch dims) runs torch SDPA with one FallbackWarning per
+    reason; strict=True (or AUTOFLASH_STRICT=1) raises UnsupportedCallError instead.
     """
     p = plan(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa)
-    if p.reason is not None:
+    reason = mask_reason(attn_mask, p)
+    if reason is not None:
         if is_strict(strict):
-            raise UnsupportedCallError(f"autoflash.attention (strict): {p.reason}; without strict this call "
+            raise UnsupportedCallError(f"autoflash.attention (strict): {reason}; without strict this call "
                                        "would run torch SDPA")
-        _warn_once(p.reason)
+        _warn_once(reason)
         return _torch_sdpa(query, key, value, attn_mask=attn_mask, dropout_p=dropout_p, is_causal=is_causal,
                            scale=scale, enable_gqa=enable_gqa)
     q, k, v = (t if t.dim() == 4 else t.reshape(-1, *t.shape[-3:]) for t in (query, key, value))
-    if not torch.compiler.is_compiling():  # a CUDA tensor, or a CPU one inside autoflash.emulate()
+    if attn_mask is not None:
+        out = masked_kernels(q, k, v, key_bias(attn_mask, p.batch_shape, k.shape[-2]), p.scale)
+    elif not torch.compiler.is_compiling():  # a CUDA tensor, or a CPU one inside autoflash.emulate()
         out = _eager(q, k, v, is_causal, p.scale)
     else:  # traced by torch.compile: the custom op, one node with fake shapes and an autograd formula
         from autoflash.dispatch import ops  # noqa: F401  (registers torch.ops.autoflash)
 
         out, _ = torch.ops.autoflash.attention_fwd(q, k, v, is_causal, p.scale)
     return out if query.dim() == 4 else out.reshape(*p.batch_shape, *out.shape[1:])
+
+
+def masked_kernels(q, k, v, bias: torch.Tensor, scale: float) -> torch.Tensor:
+    """The kernels with an additive per-key bias (B, Lk) fp32, q/k/v (B, H, L, D): the key-padding
+    path. On CPU tensors outside autoflash.emulate() attention_variant runs its PyTorch reference
+    (autoflash.attention never sends them here; tests do)."""
+    from autoflash.dispatch.flash_api import attention_variant
+
+    out, _ = attention_variant(q, k, v, scale=scale, key_bias=bias,
+                               deterministic=torch.are_deterministic_algorithms_enabled())
+    return out
 
 
 def _eager(q, k, v, is_causal: bool, scale: float) -> torch.Tensor:
