@@ -187,8 +187,8 @@ def test_each_reason_is_named(kernel_path):
             autoflash.attention(q, k, v, **kw)
     with pytest.warns(FallbackWarning, match="dtype torch.float32"):
         autoflash.attention(q.float(), k.float(), v.float())
-    with pytest.warns(FallbackWarning, match="head_dim 20"):
-        autoflash.attention(*_qkv((1, 2, 8, 20), (1, 2, 8, 20), torch.bfloat16))
+    with pytest.warns(FallbackWarning, match="head_dim 264"):
+        autoflash.attention(*_qkv((1, 2, 8, 264), (1, 2, 8, 264), torch.bfloat16))
     with pytest.warns(FallbackWarning, match="value 32"):
         autoflash.attention(q, k, torch.randn(1, 2, 8, 32, dtype=torch.bfloat16))
     with pytest.warns(FallbackWarning, match="no broadcasting"):
@@ -379,3 +379,28 @@ def test_emulated_calls_run_the_user_tuned_config(tuned_folder, monkeypatch):
     assert ran == [winner]
     ref = F.scaled_dot_product_attention(q.float(), k.float(), v.float(), is_causal=True, enable_gqa=True)
     torch.testing.assert_close(out.float(), ref, atol=2e-2, rtol=2e-2)
+
+
+@pytest.mark.parametrize("d", [20, 59, 111])
+def test_head_dims_without_tiles_run_zero_padded(d):
+    """flash-attn's odd head dims (its tests use 59 and 111) run on the kernels, padded to the next
+    head dim the kernels have and cut back: strict mode proves no fallback; FlashAttention's rule."""
+    from autoflash.reference.backward import attention_backward_ref
+    from autoflash.reference.forward import attention_ref, within_tolerance
+
+    q, k, v = _qkv((2, 3, 37, d), (2, 3, 45, d), torch.bfloat16, grad=True)
+    dout = torch.randn(2, 3, 37, d).to(torch.bfloat16)
+    with autoflash.emulate("h100"):
+        out = autoflash.attention(q, k, v, is_causal=True, strict=True)
+        assert autoflash.explain(q, k, v, is_causal=True).forward.config.head_dim == max(32, -(-d // 8) * 8)
+        grads = torch.autograd.grad(out, (q, k, v), dout)
+    x = [t.detach() for t in (q, k, v)]
+    assert out.shape == q.shape and all(g.shape == t.shape for g, t in zip(grads, x))
+    ok, err, bound = within_tolerance(out, attention_ref(*(t.float() for t in x), causal=True)[0],
+                                      attention_ref(*x, causal=True, upcast=False)[0])
+    assert ok, (err, bound)
+    refs = attention_backward_ref(*(t.float() for t in x), dout.float(), causal=True)
+    yards = attention_backward_ref(*x, dout, causal=True, upcast=False)
+    for g, r, y in zip(grads, refs, yards):
+        ok, err, bound = within_tolerance(g, r, y, factor=3.0)
+        assert ok, (err, bound)

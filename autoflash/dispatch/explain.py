@@ -54,6 +54,7 @@ def explain(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, attn_ma
 inside autoflash.emulate(): the emulated GPU, path "autoflash kernels (emulated on the CPU)")."""
     from autoflash.kernels.gpus import get_profile
     from autoflash.kernels.launch import profile_for
+    from autoflash.dispatch.flash_api import padded_head_dim
     from autoflash.dispatch.selection import select_config
 
     p = plan(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa, device_check=gpu is None)
@@ -67,6 +68,8 @@ inside autoflash.emulate(): the emulated GPU, path "autoflash kernels (emulated 
         return Explanation(path, None, profile.name, None, None,
                            mask=f"{p.mask}: the kernels' per-key bias (key_bias variant, configs picked by "
                                 "attention_variant)")
-    fwd, bwd = (select_config(profile, direction, DTYPE_NAMES[query.dtype], query.shape[-1], is_causal, key.shape[-2])
+    # a head dim the kernels have no tiles for runs zero-padded to the next one (attention_variant)
+    d = padded_head_dim(query.shape[-1])
+    fwd, bwd = (select_config(profile, direction, DTYPE_NAMES[query.dtype], d, is_causal, key.shape[-2])
                 for direction in ("fwd", "bwd"))
     return Explanation(path, None, profile.name, fwd, bwd)

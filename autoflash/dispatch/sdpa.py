@@ -256,9 +256,9 @@ def _decide(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gq
                     "kernels here)", sc)
     if dropout_p > 0.0:
         return Plan("dropout_p > 0: the kernels have no dropout yet", sc)
-    if e != ev or not (HEAD_DIM_MIN <= e <= HEAD_DIM_MAX and e % HEAD_DIM_STEP == 0):
-        return Plan(f"head_dim {e} (value {ev}): the kernels run equal query/value head dims, multiples of "
-                    f"{HEAD_DIM_STEP} in [{HEAD_DIM_MIN}, {HEAD_DIM_MAX}]", sc)
+    if e != ev or e > HEAD_DIM_MAX:
+        return Plan(f"head_dim {e} (value {ev}): the kernels run equal query/value head dims up to "
+                    f"{HEAD_DIM_MAX}", sc)
     if not sc > 0.0:
         return Plan(f"scale {sc}: the kernels take a positive scale", sc)
     if query.dim() < 3 or not (query.dim() == key.dim() == value.dim()) \
@@ -363,8 +363,11 @@ def attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, attn_
     key-padding mask: the same for every query and head, e.g. (B, 1, 1, S) or a (B, 1, L, S) one
     whose rows are all equal (checked at call time: one comparison). A query whose keys are all
     masked gets output 0 from the kernels; torch SDPA gives 0 or NaN there, by backend and version.
+    Head dims up to 256 that the kernels have no tiles for (not multiples of 8, or below 32) run
+    zero-padded, as flash-attn's wrapper does.
     What the kernels do not run yet (CPU tensors, float32, other masks, a mask that requires grad,
-    dropout, other head dims, broadcast batch dims) runs torch SDPA with one FallbackWarning per
+    dropout, a value head dim other than the query's, head dims over 256, broadcast batch dims) runs
+    torch SDPA with one FallbackWarning per
     reason; strict=True (or AUTOFLASH_STRICT=1) raises UnsupportedCallError instead.
     """
     p = plan(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa)
@@ -379,6 +382,8 @@ def attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, attn_
     q, k, v = (t if t.dim() == 4 else t.reshape(-1, *t.shape[-3:]) for t in (query, key, value))
     if attn_mask is not None:
         out = masked_kernels(q, k, v, key_bias(attn_mask, p.batch_shape, k.shape[-2]), p.scale)
+    elif not native_head_dim(q.shape[-1]):  # zero-padded to the kernels' next head dim, cut back after
+        out = masked_kernels(q, k, v, None, p.scale, causal=is_causal)
     elif not torch.compiler.is_compiling():  # a CUDA tensor, or a CPU one inside autoflash.emulate()
         out = _eager(q, k, v, is_causal, p.scale)
     else:  # traced by torch.compile: the custom op, one node with fake shapes and an autograd formula
@@ -388,13 +393,20 @@ def attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, attn_
     return out if query.dim() == 4 else out.reshape(*p.batch_shape, *out.shape[1:])
 
 
-def masked_kernels(q, k, v, bias: torch.Tensor, scale: float) -> torch.Tensor:
-    """The kernels with an additive per-key bias (B, Lk) fp32, q/k/v (B, H, L, D): the key-padding
-    path. On CPU tensors outside autoflash.emulate() attention_variant runs its PyTorch reference
-    (autoflash.attention never sends them here; tests do)."""
+def native_head_dim(e: int) -> bool:
+    """Whether the kernels have tiles for head dim `e` as it is (else attention_variant pads it)."""
+    return HEAD_DIM_MIN <= e <= HEAD_DIM_MAX and e % HEAD_DIM_STEP == 0
+
+
+def masked_kernels(q, k, v, bias: torch.Tensor | None, scale: float, causal: bool = False) -> torch.Tensor:
+    """The kernels through attention_variant, q/k/v (B, H, L, D): with an additive per-key bias
+    (B, Lk) fp32 (the key-padding path), and for head dims the kernels run zero-padded (1..256 that
+    are not multiples of 8 in 32..256; top-left causal as SDPA's). On CPU tensors outside
+    autoflash.emulate() attention_variant runs its PyTorch reference (autoflash.attention never
+    sends them here; tests do)."""
     from autoflash.dispatch.flash_api import attention_variant
 
-    out, _ = attention_variant(q, k, v, scale=scale, key_bias=bias,
+    out, _ = attention_variant(q, k, v, scale=scale, causal=causal, key_bias=bias,
                                deterministic=torch.are_deterministic_algorithms_enabled())
     return out
 
