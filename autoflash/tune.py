@@ -3,13 +3,21 @@
     python -m autoflash.tune --gpu h100 --dry-run      # any machine: compile and prune the space
     python -m autoflash.tune --gpu h100                # on an H100: tune, write tuned/h100.json
     python -m autoflash.tune --gpu h100 --head-dims 128 --dtypes bf16 --causal on --directions fwd
+    python -m autoflash.tune --gpu h100 --variants plain,window,varlen --dry-run
 
-A problem key is (GPU, direction, dtype, head_dim, causal, seqlen bucket). For each key the search
-space (block_m x block_n tiles, warps, pipeline stages, and head_split for the backward) is
-enumerated, then pruned with no GPU time spent: configs over the GPU's shared memory per block are
-dropped, and every other one is compiled with NVRTC for the GPU's arch; a config whose ptxas report
-shows register spills is dropped. --dry-run stops there and prints the survivors with their
-registers and shared memory.
+A problem key is (GPU, direction, dtype, head_dim, causal, seqlen bucket, variant). The variant
+(--variants; plain only by default) names the kernels whose best tiles can differ from plain
+attention's: "window", a causal sliding window (left, 0) bottom-right aligned, timed with left =
+min(1024, seqlen / 4), and "varlen", packed sequences (cu_seqlens), timed as 16k tokens of random
+lengths up to the bucket's length; its causal is flash-attn's (bottom-right). Window keys are
+causal only, and fp32 has plain keys only: other combinations are skipped with a note. Softcap,
+ALiBi and key-bias calls use the plain key's winner.
+
+For each key the search space (block_m x block_n tiles, warps, pipeline stages, and head_split for
+the backward, with the variant's switches on) is enumerated, then pruned with no GPU time spent:
+configs over the GPU's shared memory per block are dropped, and every other one is compiled with
+NVRTC for the GPU's arch; a config whose ptxas report shows register spills is dropped. --dry-run
+stops there and prints the survivors with their registers and shared memory.
 
 Then one Optuna study per key (TPE unless --sampler) proposes configs; the built-in default is
 measured first, so a tune never ends worse than it. Each measurement runs in a worker subprocess:
@@ -38,7 +46,7 @@ from pathlib import Path
 
 from autoflash.kernels.config import DIRECTIONS, DTYPES, HEAD_DIM_MAX, HEAD_DIM_MIN, HEAD_DIM_STEP
 from autoflash.kernels.gpus import PROFILES, profile_arg
-from autoflash.tuning.problem import BUCKET_LABELS, SEQLEN_BUCKETS
+from autoflash.tuning.problem import BUCKET_LABELS, KEY_VARIANTS, SEQLEN_BUCKETS, WINDOW_FRACTION, WINDOW_LEFT_MAX
 from autoflash.tuning.study import SAMPLERS, Settings
 
 CAUSAL_MODES = {"off": (False,), "on": (True,), "both": (False, True)}
@@ -100,6 +108,10 @@ def make_parser() -> argparse.ArgumentParser:
     g.add_argument("--causal", choices=tuple(CAUSAL_MODES), default="both", help="off, on or both (default)")
     g.add_argument("--seqlen-buckets", type=_list(str, BUCKET_LABELS), default=list(BUCKET_LABELS),
                    help=f"comma-separated subset of {','.join(BUCKET_LABELS)} (default all)")
+    g.add_argument("--variants", type=_list(str, KEY_VARIANTS), default=["plain"],
+                   help=f"comma-separated subset of {','.join(KEY_VARIANTS)} (default plain): window = causal "
+                        f"sliding window (min({WINDOW_LEFT_MAX}, seqlen/{WINDOW_FRACTION}), 0), bottom-right; "
+                        f"varlen = packed sequences of random lengths up to the bucket's length")
     g.add_argument("--space", type=_restriction, action="append", default=[], metavar="KNOB=V1,V2",
                    help="narrow one knob of the space, e.g. --space num_stages=2 --space block_m=64,128 "
                         "(repeatable; the built-in default is always kept)")
@@ -148,6 +160,13 @@ def _check_args(p: argparse.ArgumentParser, args) -> None:
         p.error("--backend simulated needs --out: simulated results never go to the tables the dispatcher reads")
 
 
+def _space_title(key) -> str:
+    """A search space's title in the dry-run listing: what its kernels are (the bucket only changes
+    the shapes timed, so one space serves every bucket)."""
+    title = f"{key.gpu} {key.direction} {key.dtype} d{key.head_dim} {'causal' if key.causal else 'full'}"
+    return title if key.variant == "plain" else f"{title} {key.variant}"
+
+
 def _dry_run(args, keys, spaces) -> int:
     from autoflash.tuning.report import format_space
     from autoflash.tuning.runner import spaces_for
@@ -155,7 +174,7 @@ def _dry_run(args, keys, spaces) -> int:
     seen = set()
     for key in keys:
         default, cands = spaces_for(spaces, key)
-        title = f"{key.gpu} {key.direction} {key.dtype} d{key.head_dim} {'causal' if key.causal else 'full'}"
+        title = _space_title(key)
         if title in seen:
             continue
         seen.add(title)
@@ -192,11 +211,10 @@ def main(argv: list[str] | None = None) -> int:
     _check_args(parser, args)
     from autoflash.kernels.codegen import template_hash
     from autoflash.kernels.gpus import get_profile
-    from autoflash.tuning.runner import build_keys, prepare_spaces
+    from autoflash.tuning.runner import prepare_spaces
 
     profile = get_profile(args.gpu)
-    keys = build_keys(profile.name, directions=DIRECTION_MODES[args.directions], dtypes=args.dtypes,
-                      head_dims=args.head_dims, causal=CAUSAL_MODES[args.causal], buckets=args.seqlen_buckets)
+    keys = _keys(parser, args, profile.name)
     pool = None
     if not args.dry_run:  # the device check comes first: no compiling for a GPU that is not there
         pool = _start_pool(args, profile)
@@ -213,6 +231,25 @@ def main(argv: list[str] | None = None) -> int:
         return _dry_run(args, keys, spaces)
     with pool:
         return _tune(args, argv, profile, keys, spaces, template_hash(), pool)
+
+
+def _keys(parser: argparse.ArgumentParser, args, gpu: str) -> list:
+    """The problem keys of the options; a note on stderr for the combinations that make none, and a
+    usage error when none is left."""
+    from autoflash.tuning.runner import build_keys, skipped_combinations
+
+    causal = CAUSAL_MODES[args.causal]
+    keys = build_keys(gpu, directions=DIRECTION_MODES[args.directions], dtypes=args.dtypes, head_dims=args.head_dims,
+                      causal=causal, buckets=args.seqlen_buckets, variants=args.variants)
+    skipped = skipped_combinations(dtypes=args.dtypes, causal=causal, variants=args.variants)
+    if not keys:
+        parser.error(f"--variants/--dtypes/--causal: got no problem key (every combination is one of "
+                     f"{', '.join(skipped)}); expected window keys with --causal on or both, variant keys with "
+                     f"fp16 or bf16")
+    if skipped:
+        print(f"autoflash.tune: no keys for {', '.join(skipped)} (window keys are causal; fp32 has plain keys only)",
+              file=sys.stderr)
+    return keys
 
 
 def _start_pool(args, profile):

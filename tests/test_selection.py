@@ -103,3 +103,54 @@ def test_selection_is_cached():
     a = select_config(H100, "fwd", "bf16", 128, True, 3000)
     b = select_config(H100, "fwd", "bf16", 128, True, 2100)  # same bucket
     assert a is b
+
+
+# ------------------------------------------------------------------ variant keys
+WINDOW = ProblemKey("h100", "fwd", "bf16", 128, True, "le4k", "window")
+
+
+def _write_entry(folder, key, winner):
+    entry = Entry(key=key, winner=Result.of(winner, 1.0, 100.0), default=None, sdpa_flash_ms=None, runner_ups=(),
+                  shapes=((4, 16, 4096, 128),), evaluated=1, failed=0, trials=1, date="2026-11-22T00:00:00+00:00")
+    table = Table(key.gpu, template_hash(), {"backend": "cuda"}, {}).with_entries(entry)
+    merge_into(table_path(folder, key.gpu), table)
+    return table_path(folder, key.gpu)
+
+
+def test_a_tuned_window_entry_is_picked_for_window_calls(_folders):
+    user, _ = _folders
+    tuned = KernelConfig(block_m=64, block_n=48, num_warps=4, **WINDOW.config_fields())
+    path = _write_entry(user, WINDOW, tuned)
+    sel = select_config(H100, "fwd", "bf16", 128, True, 4096, variant="window")
+    assert sel.key == WINDOW and sel.config == tuned and sel.origin == f"tuned table {path}"
+    plain = select_config(H100, "fwd", "bf16", 128, True, 4096)  # callers without a variant: as before
+    assert plain.key == KEY and plain.origin == HEURISTIC and not plain.config.window
+
+
+def test_an_untuned_variant_falls_back_to_its_default(_folders):
+    from autoflash.tuning.space import default_for
+
+    user, _ = _folders
+    _write(user, _cfg(64, 96, 4))  # the plain key is tuned: it does not serve window or packed calls
+    for variant in ("window", "varlen"):
+        sel = select_config(H100, "fwd", "bf16", 128, True, 4096, variant=variant)
+        key = ProblemKey("h100", "fwd", "bf16", 128, True, "le4k", variant)
+        assert sel.key == key and sel.origin == HEURISTIC and sel.config == default_for(key, H100)
+        assert sel.config.variants == (variant,)
+    assert select_config(H100, "fwd", "bf16", 128, True, 4096).config == _cfg(64, 96, 4)
+
+
+def test_the_variant_is_part_of_the_cache_key():
+    plain = select_config(H100, "bwd", "bf16", 64, True, 1000)
+    window = select_config(H100, "bwd", "bf16", 64, True, 1000, variant="window")
+    assert plain is select_config(H100, "bwd", "bf16", 64, True, 900, variant="plain")
+    assert window is select_config(H100, "bwd", "bf16", 64, True, 900, variant="window")
+    assert plain.config != window.config and window.config.window
+
+
+@pytest.mark.parametrize("causal, variant, match", [(False, "window", "causal"), (True, "alibi", "variant")])
+def test_a_variant_that_makes_no_key_raises(causal, variant, match):
+    with pytest.raises(ValueError, match=match):
+        select_config(H100, "fwd", "bf16", 128, causal, 4096, variant=variant)
+    with pytest.raises(ValueError, match=match):  # nothing remembered: it raises again
+        select_config(H100, "fwd", "bf16", 128, causal, 4096, variant=variant)

@@ -17,6 +17,7 @@ import torch
 from autoflash.kernels.defaults import default_config
 from autoflash.kernels.gpus import get_profile
 from autoflash.tuning.problem import ProblemKey
+from autoflash.tuning.space import default_for
 from autoflash.tune import main
 from autoflash.tuning.study import is_measured
 from autoflash.tuning.table import load_table
@@ -44,7 +45,7 @@ def test_help_explains_the_tuner(capsys):
     assert e.value.code == 0
     text = capsys.readouterr().out
     for phrase in ("--dry-run", "--storage", "--sampler", "--workers", "--timeout", "register spills", "resume",
-                   "simulated", "le1k"):
+                   "simulated", "le1k", "--variants", "plain,window,varlen", "sliding window"):
         assert phrase in text, phrase
 
 
@@ -234,3 +235,57 @@ def test_two_processes_share_one_study_through_postgresql(tmp_path):
         measured = [t for t in study.get_trials() if is_measured(t)]
         assert sorted(t.number for t in measured) == sorted(n for k, n in starts if k == key.key.slug)
         assert 8 <= len(measured) <= 9 and key.evaluated >= 8  # the budget, plus at most one in flight
+
+
+# ------------------------------------------------------------------ --variants
+# A tiny space per variant: d64 fp16 forward, 4 warps, 2 stages, tiles of 64 or 128 (4 configs, the variant
+# defaults among them, compiled once per variant kernel and cached on disk).
+TINY = ["--head-dims", "64", "--dtypes", "fp16", "--directions", "fwd", "--space", "num_stages=2", "--space",
+        "num_warps=4", "--space", "block_m=64,128", "--space", "block_n=64,128", "--seqlen-buckets", "le1k",
+        "--no-progress"]
+
+
+def test_dry_run_compiles_and_prunes_the_window_kernels_offline(capsys):
+    assert main(["--gpu", "a100", "--dry-run", "--variants", "window", "--causal", "both", *TINY]) == 0
+    captured = capsys.readouterr()
+    out = captured.out
+    key = ProblemKey("a100", "fwd", "fp16", 64, True, "le1k", "window")
+    default = default_for(key, get_profile("a100"))
+    assert f"a100 fwd fp16 d64 causal window (default {default.name})" in out
+    rows = [m.group(1) for line in out.splitlines() if (m := _ROW.match(line))]
+    assert rows and all("_br_win_" in name for name in rows)  # the variant's kernels, not plain ones
+    m = re.search(r"(\d+) of (\d+) candidates survive", out)
+    assert int(m.group(1)) == len(rows) and int(m.group(2)) == 4  # 2 x 2 tiles, the default (128 x 64) among them
+    assert "full window" not in out and "needs the GPU" in out
+    assert "no keys for window fp16 full" in captured.err  # window keys are causal: said, not silently dropped
+
+
+def test_dry_run_lists_one_space_per_variant(capsys):
+    assert main(["--gpu", "h100", "--dry-run", "--variants", "plain,varlen", "--causal", "on", *TINY]) == 0
+    out = capsys.readouterr().out
+    assert "h100 fwd fp16 d64 causal (default fwd_hd64_fp16_causal_m" in out
+    assert "h100 fwd fp16 d64 causal varlen (default fwd_hd64_fp16_causal_br_varlen_m" in out
+    assert out.count("candidates survive") == 2
+
+
+def test_variants_that_make_no_key_are_a_usage_error(capsys):
+    with pytest.raises(SystemExit) as e:
+        main(["--gpu", "h100", "--dry-run", "--variants", "window", "--causal", "off", *TINY])
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and "got no problem key" in err and "--causal on or both" in err
+    with pytest.raises(SystemExit) as e:
+        main(["--gpu", "h100", "--dry-run", "--variants", "window,softcap", *TINY])
+    assert e.value.code == 2 and "plain,window,varlen" in capsys.readouterr().err
+
+
+def test_a_simulated_tune_of_a_window_key_writes_its_entry(tmp_path):
+    proc = _tune(*TINY, "--gpu", "h100", "--variants", "window", "--causal", "on", "--backend", "simulated",
+                 "--out", str(tmp_path), "--budget", "3")
+    key = ProblemKey("h100", "fwd", "fp16", 64, True, "le1k", "window")
+    table = load_table(tmp_path / "h100.json")
+    assert set(table.entries) == {key.slug}
+    entry = table.get(key)
+    assert entry.evaluated == 3 and entry.winner.config.window and key.matches(entry.winner.config)
+    assert entry.default.name == default_for(key, get_profile("h100")).name
+    assert entry.sdpa_flash_ms is None  # SDPA-flash has no sliding window: no baseline, not a made-up one
+    assert key.slug in proc.stdout

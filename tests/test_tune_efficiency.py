@@ -1,6 +1,7 @@
 """The search-efficiency benchmark (autoflash.tuning.efficiency) on a small real space: one key whose
 space is narrowed to num_stages=2 and num_warps=4, compiled with NVRTC once (cached on disk) and
 measured in process by the simulated backend's cost model."""
+import dataclasses
 import json
 import math
 
@@ -148,3 +149,51 @@ def test_cli_errors(tmp_path, capsys):
         efficiency.main([*CLI, "--timings", str(path)])
     err = capsys.readouterr().err
     assert e.value.code == 2 and "got gpu 'a100'" in err and "expected 'h100'" in err
+
+
+# ------------------------------------------------------------------ variant keys
+from autoflash.kernels.config import KernelConfig  # noqa: E402
+from autoflash.tuning.space import Candidate  # noqa: E402
+
+WINDOW = ProblemKey("h100", "fwd", "bf16", 128, True, "le1k", "window")
+CAUSAL = ProblemKey("h100", "fwd", "bf16", 128, True, "le1k")
+TILES = ((64, 32, 4), (64, 64, 4), (128, 64, 8), (128, 128, 8), (128, 192, 8))  # (block_m, block_n, warps)
+
+
+def _candidates(key):
+    return [Candidate(KernelConfig(**key.config_fields(), block_m=m, block_n=n, num_warps=w), "ok", registers=200)
+            for m, n, w in TILES]
+
+
+def test_the_simulated_backend_ranks_a_window_key_on_its_band():
+    backend = SimulatedBackend("h100")
+    window, causal = dict(exhaustive(WINDOW, _candidates(WINDOW), backend)), \
+        dict(exhaustive(CAUSAL, _candidates(CAUSAL), backend))
+    plain_name = lambda name: name.replace("_br_win", "_causal")  # noqa: E731  (the same tiles)
+    assert set(map(plain_name, window)) == set(causal)
+    # a band of min(1024, seqlen / 4) keys: fewer key tiles per query block than causal's triangle
+    assert all(ms < causal[plain_name(name)] for name, ms in window.items())
+    # and wide key tiles overshoot it: the window's best tiles are not the causal key's
+    best = lambda ranked: min(ranked, key=ranked.get)  # noqa: E731
+    assert plain_name(best(window)) != best(causal)
+    assert best(causal).endswith("n192w8s2") and "n192" not in best(window)
+
+
+def test_the_cost_model_runs_the_keys_workload():
+    profile = get_profile("h100")
+    cfg = _candidates(WINDOW)[1].config
+    shape = WINDOW.shapes()[0]
+    banded = model_ms(cfg, shape, profile, 200, WINDOW.workload(shape))
+    assert banded < model_ms(cfg, shape, profile, 200)  # without its workload: the whole (non-causal) square
+    varlen = ProblemKey("h100", "fwd", "bf16", 128, True, "le1k", "varlen")
+    packed = varlen.workload(varlen.shapes()[0])
+    vcfg = KernelConfig(**varlen.config_fields(), block_m=64, block_n=64, num_warps=4)
+    assert 0 < model_ms(vcfg, varlen.shapes()[0], profile, 200, packed) < model_ms(
+        vcfg, varlen.shapes()[0], profile, 200, dataclasses.replace(packed, lengths=(packed.max_seqlen,) * len(
+            packed.lengths)))  # random lengths up to the bucket's: less work than every sequence at the longest
+
+
+@pytest.mark.parametrize("key", [WINDOW, ProblemKey("h100", "bwd", "fp16", 64, False, "le4k", "varlen")], ids=str)
+def test_sdpa_flash_has_no_baseline_for_a_variant_key(key):
+    answer = SimulatedBackend("h100").baseline(key, list(key.shapes()))
+    assert answer["status"] == "unsupported" and "SDPA-flash" in answer["reason"]

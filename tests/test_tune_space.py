@@ -69,3 +69,133 @@ def test_param_values_come_from_feasible_candidates_only():
     cands = [Candidate(mk(128, 64, 8), "ok"), Candidate(mk(64, 48, 4), "ok"), Candidate(mk(128, 256, 8), "smem")]
     assert param_values(cands, key) == {"block_m": (64, 128), "block_n": (48, 64), "num_warps": (4, 8),
                                         "num_stages": (2,)}
+
+
+# ------------------------------------------------------------------ variant keys
+from autoflash.kernels.defaults import default_backward_config, default_config  # noqa: E402
+from autoflash.tuning.problem import (KEY_VARIANTS, TOKENS, Shape, packed_lengths, variant_applies,  # noqa: E402
+                                      window_for)
+from autoflash.tuning.runner import build_keys, skipped_combinations  # noqa: E402
+
+VARIANT_KEYS = [ProblemKey("h100", dr, "bf16", 128, c, b, v) for v in KEY_VARIANTS for dr in ("fwd", "bwd")
+                for c in (False, True) for b in ("le1k", "gt4k") if variant_applies(v, "bf16", c)]
+
+
+@pytest.mark.parametrize("key", VARIANT_KEYS, ids=str)
+def test_slug_round_trips_with_and_without_variant(key):
+    parts = key.slug.split("/")
+    assert len(parts) == (5 if key.variant == "plain" else 6)
+    assert parts[5:] == ([] if key.variant == "plain" else [key.variant])
+    assert ProblemKey.from_slug(key.gpu, key.slug) == key
+    assert ProblemKey(**key.to_dict()) == key
+    assert ("variant" in key.to_dict()) == (key.variant != "plain")  # plain keys write as before variants
+
+
+def test_plain_slugs_are_unchanged():
+    key = ProblemKey("h100", "fwd", "bf16", 128, True, "le4k")
+    assert key.variant == "plain" and key.slug == "fwd/bf16/d128/causal/le4k"
+    assert ProblemKey.from_slug("h100", "fwd/bf16/d128/causal/le4k") == key
+    window = ProblemKey("h100", "fwd", "bf16", 128, True, "le4k", "window")
+    assert window.slug == "fwd/bf16/d128/causal/le4k/window" and str(window) == "h100/fwd/bf16/d128/causal/le4k/window"
+
+
+@pytest.mark.parametrize("slug", ["fwd/bf16/d128/causal/le4k/plain", "fwd/bf16/d128/causal/le4k/softcap",
+                                  "fwd/bf16/d128/causal/le4k/window/x", "fwd/bf16/d128/causal"])
+def test_from_slug_rejects_what_no_key_writes(slug):
+    with pytest.raises(ValueError, match="not understood"):
+        ProblemKey.from_slug("h100", slug)
+
+
+@pytest.mark.parametrize("args, match", [
+    (("bf16", False, "window"), "a window key is a causal sliding window"),
+    (("fp32", True, "varlen"), "expected fp16 or bf16"),
+    (("bf16", True, "alibi"), "expected one of"),
+])
+def test_keys_that_cannot_be_are_refused(args, match):
+    dtype, causal, variant = args
+    with pytest.raises(ValueError, match=match):
+        ProblemKey("h100", "fwd", dtype, 128, causal, "le4k", variant)
+    with pytest.raises(ValueError, match=f"not understood|{match}"):
+        ProblemKey.from_slug("h100", f"fwd/{dtype}/d128/{'causal' if causal else 'full'}/le4k/{variant}")
+    assert not variant_applies(variant, dtype, causal)
+
+
+def _tile(key, **knobs):
+    return KernelConfig(**key.config_fields(), block_m=64, block_n=64, num_warps=4, **knobs)
+
+
+@pytest.mark.parametrize("variant, causal, switches", [
+    ("plain", True, dict(causal=True, align="top_left", window=False, varlen=False)),
+    ("window", True, dict(causal=False, align="bottom_right", window=True, varlen=False)),
+    ("varlen", True, dict(causal=True, align="bottom_right", window=False, varlen=True)),
+    ("varlen", False, dict(causal=False, align="top_left", window=False, varlen=True)),
+])
+def test_matches_requires_the_variants_switches(variant, causal, switches):
+    key = ProblemKey("h100", "fwd", "bf16", 128, causal, "le4k", variant)
+    cfg = _tile(key)
+    assert {f: getattr(cfg, f) for f in switches} == switches
+    assert key.matches(cfg) and not cfg.softcap and not cfg.alibi and not cfg.key_bias
+    assert not key.matches(cfg.replace(softcap=True))  # another variant's switch: another kernel
+    for other in KEY_VARIANTS:
+        if other != variant and variant_applies(other, "bf16", causal):
+            assert not ProblemKey("h100", "fwd", "bf16", 128, causal, "le4k", other).matches(cfg)
+
+
+@pytest.mark.parametrize("direction", ["fwd", "bwd"])
+@pytest.mark.parametrize("variant", ["window", "varlen"])
+@pytest.mark.parametrize("gpu", ["a100", "h100"])
+def test_default_for_a_variant_key_is_the_launchers_variant_tiles_with_the_switches(gpu, variant, direction):
+    profile = get_profile(gpu)
+    key = ProblemKey(gpu, direction, "bf16", 64, True, "le4k", variant)
+    cfg = default_for(key, profile)
+    assert key.matches(cfg)
+    assert cfg.variants == (variant,) and cfg.align == "bottom_right"
+    assert cfg.causal == (variant != "window")  # the window folds causal into its right side of 0
+    # the tiles the launcher takes without a config for a kernel carrying switches (causal or window)
+    pick = default_backward_config if direction == "bwd" else default_config
+    assert cfg == pick(64, "bf16", True, profile, True).replace(**key.config_fields())
+
+
+@pytest.mark.parametrize("variant", ["window", "varlen"])
+def test_variant_spaces_carry_the_switches(variant):
+    key = ProblemKey("h100", "bwd", "fp16", 64, True, "le1k", variant)
+    default = default_for(key, get_profile("h100"))
+    configs = enumerate_space(key, default)
+    assert configs[0] == default and len(configs) > 20
+    assert all(key.matches(c) and c.variants == (variant,) for c in configs)
+    plain = {c.name for c in enumerate_space(ProblemKey("h100", "bwd", "fp16", 64, True, "le1k"))}
+    assert not plain & {c.name for c in configs}  # other kernels: compiled and pruned on their own
+
+
+def test_window_workload_is_a_causal_bottom_right_band():
+    key = ProblemKey("h100", "fwd", "bf16", 128, True, "le4k", "window")
+    assert window_for(512) == (128, 0) and window_for(4096) == (1024, 0) and window_for(16384) == (1024, 0)
+    for shape in key.shapes():
+        w = key.workload(shape)
+        assert not w.packed and w.lengths == (shape.seqlen,) * shape.batch
+        assert w.launch_options() == {"causal": True, "align": "bottom_right", "window": window_for(shape.seqlen)}
+        plain = ProblemKey("h100", "fwd", "bf16", 128, True, "le4k").workload(shape)
+        assert w.total_pairs() < plain.total_pairs()  # fewer key tiles per query block
+
+
+def test_varlen_workload_packs_random_lengths_up_to_the_bucket():
+    key = ProblemKey("h100", "bwd", "fp16", 64, True, "le1k", "varlen")
+    assert packed_lengths(TOKENS, 512) == packed_lengths(TOKENS, 512)  # seeded: the same on every run
+    for shape in key.shapes():
+        w = key.workload(shape)
+        assert w.packed and w.max_seqlen == shape.seqlen and w.tokens == TOKENS
+        assert len(w.lengths) == shape.batch > TOKENS // shape.seqlen  # random lengths: more sequences
+        assert max(w.lengths) <= shape.seqlen and len(set(w.lengths)) > 1
+        assert w.launch_options() == {"causal": True, "align": "bottom_right", "window": (-1, -1)}
+    small = key.workload(Shape(1, 2, 257, 64), tokens=771)
+    assert small.tokens == 771 and max(small.lengths) <= 257
+
+
+def test_build_keys_skips_combinations_that_make_no_key():
+    options = dict(dtypes=["bf16", "fp32"], causal=(False, True), variants=["plain", "window"])
+    keys = build_keys("h100", directions=["fwd"], head_dims=[64], buckets=["le1k"], **options)
+    assert [k.slug for k in keys] == ["fwd/bf16/d64/full/le1k", "fwd/bf16/d64/causal/le1k", "fwd/fp32/d64/full/le1k",
+                                      "fwd/fp32/d64/causal/le1k", "fwd/bf16/d64/causal/le1k/window"]
+    assert skipped_combinations(**options) == ["window bf16 full", "window fp32 full", "window fp32 causal"]
+    assert build_keys("h100", directions=["fwd"], dtypes=["bf16"], head_dims=[64], causal=(True,),
+                      buckets=["le1k"]) == [ProblemKey("h100", "fwd", "bf16", 64, True, "le1k")]  # plain by default

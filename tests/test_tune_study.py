@@ -200,3 +200,55 @@ def test_exhaustive_samplers_measure_the_whole_space_once(tmp_path, sampler):
     assert outcome.evaluated == 4 and outcome.default is not None
     assert all(t.state != TrialState.RUNNING for t in ks.trials())
     assert ks.max_trials(ks.trials()) == 4 + 1  # the grid's points and the enqueued default on top
+
+
+# ------------------------------------------------------------------ the CUDA backend's check, per variant
+def _cuda_backend(target):
+    """The CUDA backend on the GPU, or its helpers on CPU tensors under the emulator (conftest's
+    `target`: autoflash.emulate is in force), where CudaBackend() itself refuses to start."""
+    import torch
+
+    from autoflash.tuning.cuda_backend import CudaBackend
+
+    if target == "gpu":
+        from autoflash.kernels.gpus import detect
+
+        return CudaBackend(detect().name)
+    backend = object.__new__(CudaBackend)
+    backend.torch, backend._inputs, backend._cu_seqlens, backend._flush, backend.device = torch, {}, {}, None, "cpu"
+    return backend
+
+
+def _profile(target):
+    from autoflash.emulation import active
+    from autoflash.kernels.gpus import detect
+
+    return active().profile if target == "emulated" else detect()
+
+
+@pytest.mark.parametrize("direction", ["fwd", "bwd"])
+@pytest.mark.parametrize("variant", ["plain", "window", "varlen"])
+def test_cuda_backend_checks_each_variant_against_its_reference(target, variant, direction):
+    from autoflash.tuning.space import default_for
+
+    backend = _cuda_backend(target)
+    profile = _profile(target)
+    key = ProblemKey(profile.name, direction, "fp16", 64, True, "le1k", variant)
+    assert backend._check(key, default_for(key, profile)) is None
+
+
+def test_cuda_backend_check_sees_the_variant(target, monkeypatch):
+    """Against the reference of the plain problem, the window kernel's output is wrong: the check
+    ran the window (the launcher's keywords) and compares with the window's reference."""
+    import dataclasses
+
+    from autoflash.tuning.space import default_for
+
+    backend = _cuda_backend(target)
+    profile = _profile(target)
+    key = ProblemKey(profile.name, "fwd", "fp16", 64, True, "le1k", "window")
+    references = backend._references
+    monkeypatch.setattr(backend, "_references", lambda key, w, tensors, args: references(
+        key, dataclasses.replace(w, window=(-1, -1)), tensors, args))
+    wrong = backend._check(key, default_for(key, profile))
+    assert wrong["status"] == "wrong" and wrong["err"] > wrong["bound"] and "window (64, 0)" in wrong["reason"]

@@ -26,9 +26,8 @@ PROV = {"device_name": "NVIDIA H100 80GB HBM3", "compute_capability": "9.0", "dr
 
 
 def make_entry(key: ProblemKey = KEY, ms: float = 1.0, full: bool = True) -> Entry:
-    """An entry whose configs are made for `key` (fwd, 16-bit dtypes)."""
-    win = KernelConfig(head_dim=key.head_dim, dtype=key.dtype, block_m=128, block_n=64, num_warps=8,
-                       num_stages=2, causal=key.causal)
+    """An entry whose configs are made for `key` (fwd, 16-bit dtypes; a variant key's switches on)."""
+    win = KernelConfig(**key.config_fields(), block_m=128, block_n=64, num_warps=8, num_stages=2)
     runner_ups = (Result.of(win.replace(num_stages=3), ms * 1.1, 90.0, 128),
                   Result.of(win.replace(block_n=32), ms * 1.2, 80.0, None)) if full else ()
     return Entry(key, Result.of(win, ms, 100.0, 168), Result.of(win.replace(num_warps=4), ms * 1.5, 70.0, 96)
@@ -143,6 +142,8 @@ CORRUPTIONS = {
     "slug not key": (_move_entry, "'fwd/bf16/d64/causal/le4k'"),
     "key gpu not table gpu": (_set(("key", "gpu"), "a100"), f"{AT}.key.gpu"),
     "key invalid": (_set(("key", "seqlen_bucket"), "le2k"), f"{AT}.key"),
+    "key variant unknown": (_set(("key", "variant"), "alibi"), f"{AT}.key"),
+    "key variant not its slug's": (_set(("key", "variant"), "window"), "'fwd/bf16/d128/causal/le4k/window'"),
     "shape of three": (_set(("shapes", 0), [8, 16, 2048]), f"{AT}.shapes[0]"),
     "shape zero": (_set(("shapes", 1, 2), 0), f"{AT}.shapes[1][2]"),
     "shape head_dim": (_set(("shapes", 1, 3), 64), f"{AT}.shapes[1][3]"),
@@ -313,3 +314,44 @@ def test_two_processes_merging_lose_nothing(tmp_path):
     expected = {key_for(d, causal=c).slug for d in HEAD_DIMS for c in (False, True)}
     assert len(expected) == 30 and set(table.entries) == expected
     assert all(table.entries[key_for(d, c).slug].winner.ms == d / 100 for d in HEAD_DIMS for c in (False, True))
+
+
+# ------------------------------------------------------------------ variant keys
+WINDOW_KEY = ProblemKey("h100", "fwd", "bf16", 128, True, "le4k", "window")
+VARLEN_KEY = ProblemKey("h100", "fwd", "bf16", 128, False, "le1k", "varlen")
+
+
+def test_variant_entries_round_trip_beside_plain_ones(tmp_path):
+    table = make_table(make_entry(), make_entry(WINDOW_KEY, ms=0.4), make_entry(VARLEN_KEY, ms=0.7, full=False))
+    path = table_path(tmp_path, "h100")
+    write(path, table.to_json())
+    loaded = load_table(path, gpu="h100", template_hash=HASH)
+    assert loaded == table
+    assert set(loaded.entries) == {SLUG, "fwd/bf16/d128/causal/le4k/window", "fwd/bf16/d128/full/le1k/varlen"}
+    assert loaded.get(WINDOW_KEY).winner.config.window and loaded.get(KEY).winner.config == WINNER
+    keys = {slug: e["key"] for slug, e in json.loads(path.read_text())["entries"].items()}
+    assert "variant" not in keys[SLUG]  # a plain entry is written as before variants
+    assert keys["fwd/bf16/d128/causal/le4k/window"]["variant"] == "window"
+
+
+def test_a_table_written_before_variants_loads_as_plain(tmp_path):
+    data = make_table(make_entry()).to_dict()
+    assert set(data["entries"][SLUG]["key"]) == {"gpu", "direction", "dtype", "head_dim", "causal", "seqlen_bucket"}
+    path = tmp_path / "h100.json"
+    write(path, data)
+    assert load_table(path).get(SLUG).key.variant == "plain"
+    data["entries"][SLUG]["key"]["variant"] = "plain"  # spelled out: the same key
+    write(path, data)
+    assert load_table(path).to_dict() == make_table(make_entry()).to_dict()
+
+
+@pytest.mark.parametrize("key", [WINDOW_KEY, VARLEN_KEY], ids=str)
+def test_a_variant_entry_needs_the_variants_kernel(tmp_path, key):
+    data = make_table(make_entry(key)).to_dict()
+    plain = KernelConfig(head_dim=128, dtype="bf16", block_m=128, block_n=64, num_warps=8, num_stages=2,
+                         causal=key.causal)  # the plain kernel: no window / varlen switch
+    data["entries"][key.slug]["winner"].update(config=plain.to_dict(), name=plain.name)
+    path = tmp_path / "h100.json"
+    write(path, data)
+    with pytest.raises(TableError, match=r"winner\.config: got a config for .*expected one matching key"):
+        load_table(path)

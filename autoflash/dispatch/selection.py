@@ -1,6 +1,7 @@
 """Config selection: a pure, cached function from (GPU profile, direction, dtype, head_dim, causal,
-seqlen bucket) to a KernelConfig and where it came from. It never reads tensor contents,
-synchronizes or allocates on a GPU.
+seqlen bucket, variant) to a KernelConfig and where it came from. It never reads tensor contents,
+synchronizes or allocates on a GPU. The variant ("plain", "window" or "varlen": ProblemKey's) picks
+the key tuned for it; a caller that names none gets the plain key, as before variants.
 
 Lookup order, first hit wins:
 1. the user's table: $AUTOFLASH_TUNED_DIR/<gpu>.json, else the per-user folder where
@@ -80,10 +81,10 @@ def _tables(gpu: str, template_hash: str, folders: tuple[tuple[str, Path], ...],
 
 
 def _select(profile: GpuProfile, direction: str, dtype: str, head_dim: int, causal: bool, bucket: str,
-            template_hash: str, folders: tuple[tuple[str, Path], ...], files: tuple) -> Selection:
+            variant: str, template_hash: str, folders: tuple[tuple[str, Path], ...], files: tuple) -> Selection:
     from autoflash.tuning.space import default_for
 
-    key = ProblemKey(profile.name, direction, dtype, head_dim, causal, bucket)
+    key = ProblemKey(profile.name, direction, dtype, head_dim, causal, bucket, variant)
     for path, table in _tables(profile.name, template_hash, folders, files):
         entry = table.get(key)
         # A table measured on the full part may name a tile a cut-down variant cannot hold.
@@ -93,19 +94,26 @@ def _select(profile: GpuProfile, direction: str, dtype: str, head_dim: int, caus
 
 
 def select_config(profile: GpuProfile, direction: str, dtype: str, head_dim: int, causal: bool,
-                  seqlen_k: int) -> Selection:
+                  seqlen_k: int, variant: str = "plain") -> Selection:
     """The config for one call; cached on its arguments, the templates, the table folders in use and
-    the state of their files (re-read at most every TABLE_RECHECK_S seconds)."""
+    the state of their files (re-read at most every TABLE_RECHECK_S seconds).
+
+    variant: "plain" (default), "window" or "varlen" (ProblemKey.variant): the key tuned for calls
+    with a sliding window or packed sequences, its config carrying their switches (tuned table, else
+    default_for's built-in tiles for variant kernels). A window key is causal: pass causal=True for
+    any window call (its kernels skip key blocks as causal ones do); for packed sequences seqlen_k
+    is max_seqlen_k. Other variants (softcap, ALiBi, a key bias) use the plain key."""
     bucket = seqlen_bucket(seqlen_k)  # before the cache: a bad seqlen_k raises on every call
     user = os.environ.get(USER_DIR_ENV)
     files = _files_state(profile.name, user)
     # The user folder's setting stands for the folders (they are a function of it until clear_cache()),
     # which spares hashing Paths on every call.
     templates = _template_hash()
-    key = (profile, direction, dtype, head_dim, causal, bucket, templates, user, files)
+    key = (profile, direction, dtype, head_dim, causal, bucket, variant, templates, user, files)
     selection = _selections.get(key)
     if selection is None:  # a miss, or arguments _select refuses: it raises, and nothing is remembered
-        selection = _select(profile, direction, dtype, head_dim, causal, bucket, templates, _folders(user), files)
+        selection = _select(profile, direction, dtype, head_dim, causal, bucket, variant, templates, _folders(user),
+                            files)
         if len(_selections) >= SELECTION_CACHE_MAX:
             _selections.clear()  # all at once: thread-safe, and a refill costs what a miss does
         _selections[key] = selection

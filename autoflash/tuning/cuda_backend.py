@@ -1,16 +1,21 @@
 """The real backend, run inside a worker process on one GPU: check a candidate against the reference
 on a small problem (a wrong result fails the trial, with its error size), then time it with CUDA
 events on the key's representative shapes: warm-up, L2 flushed before every repetition, median of
-the repetitions. Any CUDA error here kills at most this worker, never the study."""
+the repetitions. Each shape runs as the key's Workload (ProblemKey.workload): a window key with its
+sliding window, bottom-right aligned; a packed key with cu_seqlens. Any CUDA error here kills at most
+this worker, never the study."""
 from __future__ import annotations
 
 import sys
 
 from autoflash.kernels.config import KernelConfig
-from autoflash.tuning.problem import ProblemKey, Shape
+from autoflash.tuning.problem import SDPA_UNSUPPORTED, ProblemKey, Shape, Workload
 
 # The correctness problem: lengths that are no multiple of any tile, two heads sharing one K/V head.
+# A window key runs it with its window (left 64 at 257); a packed key packs CHECK_TOKENS tokens as
+# sequences of random lengths up to CHECK_SEQLEN (a few sequences, most no multiple of a tile).
 CHECK_BATCH, CHECK_HEADS, CHECK_KV_HEADS, CHECK_SEQLEN = 1, 2, 1, 257
+CHECK_TOKENS = 3 * CHECK_SEQLEN
 
 
 class CudaBackend:
@@ -28,6 +33,8 @@ class CudaBackend:
             raise RuntimeError(f"--gpu {gpu} but the visible device is {torch.cuda.get_device_name()} "
                                f"(profile {self.profile.name!r}); tune on the GPU you name, or name this one")
         self._inputs: dict[tuple, tuple] = {}
+        self._cu_seqlens: dict[Workload, object] = {}
+        self.device = "cuda"  # where inputs are made ("cpu" under autoflash.emulate(), for tests)
         self._flush = None
 
     def describe(self) -> dict:
@@ -51,56 +58,98 @@ class CudaBackend:
                 "python": sys.version.split()[0]}
 
     # ---------------------------------------------------------------- helpers
-    def _tensors(self, key: ProblemKey, shape: tuple[int, int, int, int], kv_heads: int | None = None) -> tuple:
-        """q, k, v, dout of a shape, created once per (dtype, shape) and reused across trials."""
+    def _tensors(self, key: ProblemKey, workload: Workload, kv_heads: int | None = None) -> tuple:
+        """q, k, v, dout of a workload, created once per (dtype, workload, kv heads) and reused across
+        trials: dense (batch, heads, seqlen, d), or packed (total, heads, d) for packed sequences."""
         from autoflash.kernels.checks import TORCH_DTYPES
 
-        cache_key = (key.dtype, shape, kv_heads)
+        cache_key = (key.dtype, workload, kv_heads)
         if cache_key not in self._inputs:
-            b, h, s, d = shape
+            h, d = workload.heads, workload.head_dim
             dt = TORCH_DTYPES[key.dtype]
-            gen = self.torch.Generator(device="cuda").manual_seed(0)
-            mk = (lambda heads: self.torch.randn(b, heads, s, d, device="cuda", dtype=dt, generator=gen))
+            gen = self.torch.Generator(device=self.device).manual_seed(0)
+            rows = (workload.tokens,) if workload.packed else (len(workload.lengths), workload.max_seqlen)
+
+            def mk(heads):
+                shape = (*rows, heads, d) if workload.packed else (rows[0], heads, rows[1], d)
+                return self.torch.randn(*shape, device=self.device, dtype=dt, generator=gen)
+
             self._inputs[cache_key] = (mk(h), mk(kv_heads or h), mk(kv_heads or h), mk(h))
         return self._inputs[cache_key]
 
-    def _calls(self, key: ProblemKey, config: KernelConfig, tensors):
-        """The timed callable of a config: the forward, or the backward on a saved forward."""
+    def _variant_args(self, workload: Workload) -> dict:
+        """The launcher's keywords for a workload: causal, align, window, and for packed sequences
+        cu_seqlens (int32, made once per workload) with max_seqlen, queries and keys alike."""
+        kw = workload.launch_options()
+        if workload.packed:
+            if workload not in self._cu_seqlens:
+                starts = [0]
+                for n in workload.lengths:
+                    starts.append(starts[-1] + n)
+                self._cu_seqlens[workload] = self.torch.tensor(starts, dtype=self.torch.int32,
+                                                                 device=self.device)
+            cu = self._cu_seqlens[workload]
+            kw.update(cu_seqlens_q=cu, cu_seqlens_k=cu, max_seqlen_q=workload.max_seqlen,
+                      max_seqlen_k=workload.max_seqlen)
+        return kw
+
+    def _calls(self, key: ProblemKey, config: KernelConfig, tensors, variant_args: dict):
+        """The timed callable of a config: the forward, or the backward on a saved forward, both with
+        the workload's variant keywords (the launcher turns their switches on the config)."""
         from autoflash.kernels.launch import flash_backward, flash_forward
 
         q, k, v, dout = tensors
-        c = key.causal
         if key.direction == "fwd":
-            return lambda: flash_forward(q, k, v, causal=c, config=config)
-        out, lse = flash_forward(q, k, v, causal=c)
-        return lambda: flash_backward(dout, q, k, v, out, lse, causal=c, config=config)
+            return lambda: flash_forward(q, k, v, config=config, **variant_args)
+        out, lse = flash_forward(q, k, v, **variant_args)
+        return lambda: flash_backward(dout, q, k, v, out, lse, config=config, **variant_args)
 
-    def _check(self, key: ProblemKey, config: KernelConfig) -> dict | None:
-        """None when the config's result satisfies FlashAttention's rule, else a "wrong" result."""
-        from autoflash.reference.forward import attention_ref, within_tolerance
+    def _references(self, key: ProblemKey, workload: Workload, tensors, variant_args: dict) -> tuple[list, list]:
+        """(accurate, same-dtype) reference results, out or (dq, dk, dv): the dense references with
+        the workload's causal / align / window, or for packed sequences attention_varlen_ref (its
+        gradients by autograd, as attention_backward_ref takes them from attention_ref)."""
         from autoflash.reference.backward import attention_backward_ref
+        from autoflash.reference.forward import attention_ref, attention_varlen_ref
 
         torch = self.torch
-        shape = (CHECK_BATCH, CHECK_HEADS, CHECK_SEQLEN, key.head_dim)
-        q, k, v, dout = self._tensors(key, shape, CHECK_KV_HEADS)
+        q, k, v, dout = tensors
+        opts = workload.launch_options()
         hi = (lambda t: t.double()) if q.dtype == torch.float32 else (lambda t: t)
-        got = self._calls(key, config, (q, k, v, dout))()
+        if workload.packed:
+            cu = (variant_args["cu_seqlens_q"], variant_args["cu_seqlens_k"])
+            if key.direction == "fwd":
+                return [attention_varlen_ref(q, k, v, *cu, upcast=up, **opts)[0] for up in (True, False)]
+            return [_varlen_grads(q, k, v, dout, cu, upcast=up, **opts) for up in (True, False)]
         if key.direction == "fwd":
-            pairs = {"out": (got[0], attention_ref(hi(q), hi(k), hi(v), causal=key.causal)[0],
-                             attention_ref(q, k, v, causal=key.causal, upcast=False)[0])}
-            factor = 2.0
+            return [attention_ref(hi(q), hi(k), hi(v), **opts)[0], attention_ref(q, k, v, upcast=False, **opts)[0]]
+        return [attention_backward_ref(hi(q), hi(k), hi(v), hi(dout), **opts),
+                attention_backward_ref(q, k, v, dout, upcast=False, **opts)]
+
+    def _check(self, key: ProblemKey, config: KernelConfig) -> dict | None:
+        """None when the config's result satisfies FlashAttention's rule against the reference on the
+        check problem (the key's variant included: its window, or packed sequences of random
+        lengths up to CHECK_SEQLEN), else a "wrong" result."""
+        from autoflash.reference.forward import within_tolerance
+
+        shape = Shape(CHECK_BATCH, CHECK_HEADS, CHECK_SEQLEN, key.head_dim)
+        workload = key.workload(shape, tokens=CHECK_TOKENS)
+        tensors = self._tensors(key, workload, CHECK_KV_HEADS)
+        args = self._variant_args(workload)
+        got = self._calls(key, config, tensors, args)()
+        ref, low = self._references(key, workload, tensors, args)
+        if key.direction == "fwd":
+            pairs, factor = {"out": (got[0], ref, low)}, 2.0
         else:
-            ref = attention_backward_ref(hi(q), hi(k), hi(v), hi(dout), causal=key.causal)
-            low = attention_backward_ref(q, k, v, dout, causal=key.causal, upcast=False)
-            pairs = {n: (g, r, t) for n, g, r, t in zip(("dq", "dk", "dv"), got, ref, low)}
-            factor = 3.0
+            pairs, factor = {n: (g, r, t) for n, g, r, t in zip(("dq", "dk", "dv"), got, ref, low)}, 3.0
         for name, (g, r, t) in pairs.items():
             ok, err, bound = within_tolerance(g, r, t, factor=factor)
             if not ok:
+                where = (f"{len(workload.lengths)} packed sequences of {workload.tokens} tokens" if workload.packed
+                         else f"batch {shape.batch}, seqlen {shape.seqlen}")
                 return {"status": "wrong", "err": err, "bound": bound,
                         "reason": f"{name}: max error {err:.4g} > bound {bound:.4g} (FlashAttention's rule, "
-                                  f"factor {factor:g}) at batch {shape[0]}, heads {shape[1]}/{CHECK_KV_HEADS}, "
-                                  f"seqlen {shape[2]}"}
+                                  f"factor {factor:g}) at {where}, heads {shape.heads}/{CHECK_KV_HEADS}"
+                                  + (f", window {workload.window}" if workload.window != (-1, -1) else "")}
         return None
 
     # ---------------------------------------------------------------- protocol
@@ -116,12 +165,16 @@ class CudaBackend:
         ms = []
         with self.torch.no_grad():
             for s in shapes:
-                fn = self._calls(key, config, self._tensors(key, (s.batch, s.heads, s.seqlen, s.head_dim)))
+                w = key.workload(s)
+                fn = self._calls(key, config, self._tensors(key, w), self._variant_args(w))
                 ms.append(time_cuda(self.torch, fn, reps=reps, warmup=warmup, flush=self._flush)["ms_median"])
         return {"status": "ok", "ms": ms}
 
     def baseline(self, key: ProblemKey, shapes: list[Shape], reps: int = 20, warmup: int = 3) -> dict:
-        """SDPA's FlashAttention backend on the same shapes (forward, or backward on a saved graph)."""
+        """SDPA's FlashAttention backend on the same shapes (forward, or backward on a saved graph);
+        "unsupported" for a variant key (SDPA_UNSUPPORTED says why)."""
+        if key.variant != "plain":
+            return {"status": "unsupported", "reason": SDPA_UNSUPPORTED[key.variant]}
         from torch.nn.attention import SDPBackend, sdpa_kernel
         from torch.nn.functional import scaled_dot_product_attention as sdpa
 
@@ -134,7 +187,7 @@ class CudaBackend:
         try:
             with sdpa_kernel(SDPBackend.FLASH_ATTENTION):
                 for s in shapes:
-                    q, k, v, dout = self._tensors(key, (s.batch, s.heads, s.seqlen, s.head_dim))
+                    q, k, v, dout = self._tensors(key, key.workload(s))
                     if key.direction == "fwd":
                         def fn():
                             return sdpa(q, k, v, is_causal=key.causal)
@@ -149,3 +202,17 @@ class CudaBackend:
         except RuntimeError as e:  # "No available kernel": this torch's flash backend refuses the key
             return {"status": "unsupported", "reason": str(e).strip().splitlines()[0]}
         return {"status": "ok", "ms": ms}
+
+
+def _varlen_grads(q, k, v, dout, cu_seqlens: tuple, *, upcast: bool, **options) -> tuple:
+    """(dq, dk, dv) of attention_varlen_ref's out for `dout`, by autograd on leaves in the compute
+    dtype (fp32 for 16-bit inputs when upcast, else the input dtype), as attention_backward_ref does."""
+    import torch
+
+    from autoflash.reference.forward import attention_varlen_ref
+
+    dtype = torch.promote_types(q.dtype, torch.float32) if upcast else q.dtype
+    leaves = [t.detach().to(dtype).requires_grad_(True) for t in (q, k, v)]
+    with torch.enable_grad():
+        out, _ = attention_varlen_ref(*leaves, *cu_seqlens, upcast=upcast, **options)
+        return torch.autograd.grad(out, leaves, grad_outputs=dout.detach().to(out.dtype))

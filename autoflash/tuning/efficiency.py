@@ -29,7 +29,7 @@ from pathlib import Path
 
 from autoflash.kernels.config import DIRECTIONS
 from autoflash.kernels.gpus import PROFILES, profile_arg
-from autoflash.tuning.problem import BUCKET_LABELS
+from autoflash.tuning.problem import BUCKET_LABELS, KEY_VARIANTS
 from autoflash.tune import CAUSAL_MODES, _head_dims, _list, _restriction
 from autoflash.tuning.study import SAMPLERS, KeyStudy, Settings, is_measured
 from autoflash.tuning.worker import _handle
@@ -125,6 +125,9 @@ def make_parser() -> argparse.ArgumentParser:
     p.add_argument("--head-dims", type=_head_dims, default=[64, 128])
     p.add_argument("--causal", choices=tuple(CAUSAL_MODES), default="both")
     p.add_argument("--seqlen-buckets", type=_list(str, BUCKET_LABELS), default=list(BUCKET_LABELS))
+    p.add_argument("--variants", type=_list(str, KEY_VARIANTS), default=["plain"],
+                   help=f"comma-separated subset of {','.join(KEY_VARIANTS)}, as autoflash.tune takes it (default "
+                        f"plain); the cost model runs each key's workload (a window's band, packed lengths)")
     p.add_argument("--space", type=_restriction, action="append", default=[], metavar="KNOB=V1,V2",
                    help="narrow one knob, as autoflash.tune does (repeatable; the default is always kept)")
     p.add_argument("--jobs", type=int, default=None, help="compile processes (default: all CPUs)")
@@ -152,7 +155,7 @@ def run(args) -> dict:
         raise ValueError(f"recorded timings {args.timings}: got gpu {backend.timings.get('gpu')!r}, "
                          f"expected {profile.name!r} (--gpu)")
     keys = build_keys(profile.name, directions=args.directions, dtypes=args.dtypes, head_dims=args.head_dims,
-                      causal=CAUSAL_MODES[args.causal], buckets=args.seqlen_buckets)
+                      causal=CAUSAL_MODES[args.causal], buckets=args.seqlen_buckets, variants=args.variants)
     spaces = prepare_spaces(keys, profile, restrict=dict(args.space), jobs=args.jobs, progress=not args.no_progress)
     rows = []
     for key in keys:
@@ -190,12 +193,12 @@ def format_table(report: dict) -> str:
     lines = [f"{report['gpu']}, {report['backend']}: n = measurements until the best so far is <= "
              f"{1 + g['within']:g} x the exhaustive best of N feasible configs ({g['seeds']} seeds; K = configs "
              f"that close; default = default / best)",
-             f"{'key':<28} {'N':>4} {'K':>3} {'default':>7} {'sampler':<10} {'median n':>8} {'worst n':>7} "
+             f"{'key':<34} {'N':>4} {'K':>3} {'default':>7} {'sampler':<10} {'median n':>8} {'worst n':>7} "
              f"{'n/N':>5}  ok"]
     fmt = lambda x, f: "never" if x is None else format(x, f)  # noqa: E731
     for r in report["keys"]:
         for name, s in r["samplers"].items():
-            lines.append(f"{r['key']:<28} {r['feasible']:>4} {r['within_tolerance']:>3} "
+            lines.append(f"{r['key']:<34} {r['feasible']:>4} {r['within_tolerance']:>3} "
                          f"{r['default_ms'] / r['best_ms']:>6.2f}x {name:<10} {fmt(s['median_n'], 'g'):>8} "
                          f"{fmt(s['worst_n'], 'g'):>7} {fmt(s['median_fraction'], '.2f'):>5}  "
                          f"{'yes' if s['pass'] else 'NO'}")

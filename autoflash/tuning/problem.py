@@ -1,12 +1,15 @@
 """ProblemKey: what a caller asks for (GPU, direction, dtype, head dim, causal, sequence-length
-bucket), kept apart from what is chosen for it (a KernelConfig). Tuned tables hold one winner per
-key; the tuner times each key on its representative shapes."""
+bucket and, where it can change the best tiles, a variant), kept apart from what is chosen for it (a
+KernelConfig). Tuned tables hold one winner per key; the tuner times each key on its representative
+shapes, each run as a Workload (the run-time side of the variant: window sizes, packed lengths)."""
 from __future__ import annotations
 
 import dataclasses
+import math
+import random
 from typing import Any
 
-from autoflash.kernels.config import DIRECTIONS, DTYPES, HEAD_DIM_MAX, HEAD_DIM_MIN, HEAD_DIM_STEP
+from autoflash.kernels.config import DIRECTIONS, DTYPES, HEAD_DIM_MAX, HEAD_DIM_MIN, HEAD_DIM_STEP, VARIANTS
 
 # Sequence-length buckets: (label, largest seqlen_k in the bucket or None, representative lengths).
 # Tile choices shift with length (short sequences want small tiles to fill the SMs); three buckets
@@ -21,6 +24,25 @@ BUCKET_LABELS = tuple(label for label, _, _ in SEQLEN_BUCKETS)
 # FlashAttention's benchmark_flash_attention.py does (16k tokens, hidden 2048).
 TOKENS, HIDDEN = 16384, 2048
 
+# The variants a key may name: those whose kernels visit other tiles than plain attention's, so that
+# another tile shape may win. "window": a sliding window, fewer key tiles per query block; "varlen":
+# packed sequences, one grid z per sequence with partial last tiles and idle blocks past each
+# sequence's end. Softcap, ALiBi and a key bias change the logits, not which tiles are visited:
+# they take their key's plain winner (the launcher turns their switches on). A variant's name is
+# the KernelConfig switch it turns on (config.VARIANTS).
+KEY_VARIANTS = ("plain", "window", "varlen")
+assert all(v in VARIANTS for v in KEY_VARIANTS[1:])
+# Window keys are timed with the window (min(WINDOW_LEFT_MAX, seqlen // WINDOW_FRACTION), 0): a band
+# well inside every timed length (windows in use run from Gemma 3's 1024 to Mistral's and Gemma 2's
+# 4096, a half or less of their contexts), so the key's tiles are tuned for a band, not a triangle.
+WINDOW_LEFT_MAX, WINDOW_FRACTION = 1024, 4
+VARLEN_SEED = 0  # packed keys: lengths drawn by random.Random seeded from this, the tokens and max_seqlen
+# Why a variant key has no SDPA-flash baseline (its time in the table is then null).
+SDPA_UNSUPPORTED = {
+    "window": "SDPA-flash has no sliding window (its flash backend takes no mask)",
+    "varlen": "SDPA-flash takes packed sequences only as nested tensors, which the tuner does not time",
+}
+
 
 def seqlen_bucket(seqlen_k: int) -> str:
     """The bucket label of a key length: "le1k" (<= 1024), "le4k" (<= 4096) or "gt4k"."""
@@ -34,7 +56,9 @@ def seqlen_bucket(seqlen_k: int) -> str:
 
 @dataclasses.dataclass(frozen=True)
 class Shape:
-    """One timed problem: (batch, heads, seqlen, head_dim), seqlen_q == seqlen_k."""
+    """One timed problem: (batch, heads, seqlen, head_dim), seqlen_q == seqlen_k. For a packed
+    (varlen) key, batch is the number of sequences and seqlen the longest one may have (max_seqlen);
+    the lengths themselves are its Workload's."""
 
     batch: int
     heads: int
@@ -42,14 +66,117 @@ class Shape:
     head_dim: int
 
 
+def window_for(seqlen: int) -> tuple[int, int]:
+    """The sliding window a window key is timed with at this length: (left, 0), left =
+    min(WINDOW_LEFT_MAX, seqlen // WINDOW_FRACTION)."""
+    return min(WINDOW_LEFT_MAX, seqlen // WINDOW_FRACTION), 0
+
+
+def packed_lengths(tokens: int, max_seqlen: int, seed: int = VARLEN_SEED) -> tuple[int, ...]:
+    """Sequence lengths drawn uniformly from 1..max_seqlen until they hold `tokens` tokens (the last
+    one cut to fit): the same lengths for the same arguments on every machine."""
+    for name, value in (("tokens", tokens), ("max_seqlen", max_seqlen)):
+        if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+            raise ValueError(f"packed_lengths: {name} got {value!r}, expected a positive int")
+    rng = random.Random(f"autoflash-varlen/{seed}/{tokens}/{max_seqlen}")
+    lengths: list[int] = []
+    left = tokens
+    while left:
+        n = min(left, rng.randint(1, max_seqlen))
+        lengths.append(n)
+        left -= n
+    return tuple(lengths)
+
+
+@dataclasses.dataclass(frozen=True)
+class Workload:
+    """One timed call of a key as the launcher takes it, beyond the tensors' shapes: every
+    sequence's length (queries = keys), whether they are packed (cu_seqlens, max_seqlen), and the
+    causal / align / window keywords. Plain and window calls are dense (batch, heads, seqlen, d)."""
+
+    heads: int
+    head_dim: int
+    lengths: tuple[int, ...]
+    max_seqlen: int
+    packed: bool
+    causal: bool
+    align: str = "top_left"
+    window: tuple[int, int] = (-1, -1)
+
+    @classmethod
+    def dense(cls, shape: Shape, causal: bool) -> "Workload":
+        """A plain call on `shape`: what every key was before variants."""
+        return cls(shape.heads, shape.head_dim, (shape.seqlen,) * shape.batch, shape.seqlen, False, causal)
+
+    @property
+    def tokens(self) -> int:
+        return sum(self.lengths)
+
+    def launch_options(self) -> dict[str, Any]:
+        """The launcher's causal, align and window keywords (cu_seqlens are tensors: the caller's)."""
+        return {"causal": self.causal, "align": self.align, "window": self.window}
+
+    def pairs(self, length: int) -> float:
+        """(query, key) pairs one sequence of `length` attends, as FlashAttention's FLOP count has it:
+        length^2, half that when causal; with a window (left, 0) the band's exact count."""
+        left = self.window[0]
+        if left >= 0:
+            w = min(left, length - 1)
+            return length * (w + 1) - w * (w + 1) / 2
+        return length * length / (2 if self.causal else 1)
+
+    def total_pairs(self) -> float:
+        return math.fsum(self.pairs(n) for n in self.lengths)
+
+
+def _check_variant(variant: Any, dtype: str, causal: bool) -> None:
+    """A key's variant: one of KEY_VARIANTS; a window key is causal, and only 16-bit dtypes have
+    variant kernels (KernelConfig refuses variant switches on fp32)."""
+    if variant not in KEY_VARIANTS:
+        raise ValueError(f"ProblemKey.variant: got {variant!r}, expected one of {KEY_VARIANTS}")
+    if variant == "window" and not causal:
+        raise ValueError("ProblemKey: got variant 'window' with causal False; expected causal True (a window key is "
+                         "a causal sliding window (left, 0), as Mistral, Gemma 2/3 and Qwen use)")
+    if variant != "plain" and dtype == "fp32":
+        raise ValueError(f"ProblemKey: got variant {variant!r} with dtype fp32; expected fp16 or bf16 (the variant "
+                         f"kernels run on tensor cores)")
+
+
+def variant_applies(variant: str, dtype: str, causal: bool) -> bool:
+    """Whether (variant, dtype, causal) can be a key: the combinations build_keys takes from a
+    product of options (window keys are causal; fp32 has plain keys only)."""
+    try:
+        _check_variant(variant, dtype, causal)
+    except ValueError:
+        return False
+    return True
+
+
 @dataclasses.dataclass(frozen=True)
 class ProblemKey:
+    """What a call asks for. `variant` (default "plain") is one of KEY_VARIANTS, the variants that
+    can change the best tiles:
+
+    - "plain": causal is SDPA's is_causal (top-left; queries and keys are equally long when timed).
+    - "window": a causal sliding window (left, 0), bottom-right aligned, as every model with one
+      runs it (Mistral, Gemma 2/3, Qwen 2): `causal` must be True and means exactly that the window
+      is causal on the right. The kernel is the window kernel (KernelConfig window=True, causal
+      False: the launcher folds causal into the window's right side of 0). A symmetric window
+      (w, w) has no key of its own.
+    - "varlen": packed sequences (cu_seqlens); `causal` is flash-attn's varlen causal, aligned
+      bottom-right per sequence.
+
+    Softcap, ALiBi and key-bias calls use their plain key's config (they change the logits, not
+    the tiles visited). The slug keeps its five parts for plain keys (tables written before
+    variants read as they were) and gains the variant as a sixth otherwise."""
+
     gpu: str  # a GpuProfile name, e.g. "h100"
     direction: str  # "fwd" or "bwd"
     dtype: str  # "fp16", "bf16" or "fp32"
     head_dim: int
     causal: bool
     seqlen_bucket: str  # one of BUCKET_LABELS
+    variant: str = "plain"  # one of KEY_VARIANTS
 
     def __post_init__(self) -> None:
         if not isinstance(self.gpu, str) or not self.gpu:
@@ -67,37 +194,72 @@ class ProblemKey:
             raise TypeError(f"ProblemKey.causal: got {self.causal!r}, expected a bool")
         if self.seqlen_bucket not in BUCKET_LABELS:
             raise ValueError(f"ProblemKey.seqlen_bucket: got {self.seqlen_bucket!r}, expected one of {BUCKET_LABELS}")
+        _check_variant(self.variant, self.dtype, self.causal)
 
     @property
     def slug(self) -> str:
-        """The key inside one GPU's table, e.g. "fwd/bf16/d128/causal/le4k"."""
-        return "/".join((self.direction, self.dtype, f"d{self.head_dim}", "causal" if self.causal else "full",
-                         self.seqlen_bucket))
+        """The key inside one GPU's table, e.g. "fwd/bf16/d128/causal/le4k", and with a variant
+        "fwd/bf16/d128/causal/le4k/window"."""
+        parts = [self.direction, self.dtype, f"d{self.head_dim}", "causal" if self.causal else "full",
+                 self.seqlen_bucket]
+        return "/".join(parts if self.variant == "plain" else [*parts, self.variant])
 
     @classmethod
     def from_slug(cls, gpu: str, slug: str) -> "ProblemKey":
+        """The key of a slug: five parts (plain) or six (the variant last)."""
         parts = slug.split("/") if isinstance(slug, str) else []
-        if (len(parts) != 5 or not parts[2].startswith("d") or not parts[2][1:].isdigit()
-                or parts[3] not in ("causal", "full")):
-            raise ValueError(f"problem key {slug!r} not understood; expected e.g. 'fwd/bf16/d128/causal/le4k'")
-        return cls(gpu, parts[0], parts[1], int(parts[2][1:]), parts[3] == "causal", parts[4])
+        if (len(parts) not in (5, 6) or not parts[2].startswith("d") or not parts[2][1:].isdigit()
+                or parts[3] not in ("causal", "full") or (len(parts) == 6 and parts[5] not in KEY_VARIANTS[1:])):
+            raise ValueError(f"problem key {slug!r} not understood; expected e.g. 'fwd/bf16/d128/causal/le4k' or, "
+                             f"with a variant ({', '.join(KEY_VARIANTS[1:])}), 'fwd/bf16/d128/causal/le4k/window'")
+        return cls(gpu, parts[0], parts[1], int(parts[2][1:]), parts[3] == "causal", parts[4], *parts[5:])
 
     def __str__(self) -> str:
         return f"{self.gpu}/{self.slug}"
 
     def to_dict(self) -> dict[str, Any]:
-        return dataclasses.asdict(self)
+        """The key's fields; a plain key leaves `variant` out, as keys were written before variants
+        (ProblemKey(**d) reads both)."""
+        d = dataclasses.asdict(self)
+        if self.variant == "plain":
+            del d["variant"]
+        return d
 
     def config_fields(self) -> dict[str, Any]:
-        """The KernelConfig fields a key fixes."""
-        return {"direction": self.direction, "dtype": self.dtype, "head_dim": self.head_dim, "causal": self.causal}
+        """The KernelConfig fields a key fixes: direction, dtype, head dim, causal, alignment and
+        every variant switch (the key's own on, the others off). A window key's kernel has causal
+        False (the window's right side of 0 carries it); window and causal varlen keys are
+        bottom-right aligned."""
+        placed = self.causal and self.variant != "plain"  # flash-attn's alignment: bottom right
+        fields = {"direction": self.direction, "dtype": self.dtype, "head_dim": self.head_dim,
+                  "causal": self.causal and self.variant != "window",
+                  "align": "bottom_right" if placed else "top_left"}
+        fields.update({switch: switch == self.variant for switch in VARIANTS})
+        return fields
 
     def matches(self, config) -> bool:
-        """Whether a KernelConfig was made for this key (same direction, dtype, head dim, causal)."""
+        """Whether a KernelConfig was made for this key (config_fields: same direction, dtype, head
+        dim, causal, alignment and variant switches)."""
         return all(getattr(config, f) == v for f, v in self.config_fields().items())
 
     def shapes(self) -> tuple[Shape, ...]:
-        """The shapes a config of this key is timed on: the bucket's lengths at TOKENS tokens."""
+        """The shapes a config of this key is timed on: the bucket's lengths at TOKENS tokens (for a
+        packed key, batch = the number of sequences packed into TOKENS tokens)."""
         lengths = next(lens for label, _, lens in SEQLEN_BUCKETS if label == self.seqlen_bucket)
         heads = max(1, HIDDEN // self.head_dim)
+        if self.variant == "varlen":
+            return tuple(Shape(len(packed_lengths(TOKENS, s)), heads, s, self.head_dim) for s in lengths)
         return tuple(Shape(max(1, TOKENS // s), heads, s, self.head_dim) for s in lengths)
+
+    def workload(self, shape: Shape, tokens: int = TOKENS) -> Workload:
+        """The call a shape of this key is timed with. plain: dense, causal top-left; window: dense,
+        window_for(seqlen), bottom-right; varlen: `tokens` tokens packed as packed_lengths(tokens,
+        shape.seqlen), max_seqlen = shape.seqlen, causal bottom-right (shape.batch is not read)."""
+        fields = self.config_fields()
+        if self.variant == "varlen":
+            return Workload(shape.heads, shape.head_dim, packed_lengths(tokens, shape.seqlen), shape.seqlen, True,
+                            self.causal, fields["align"])
+        plain = Workload.dense(shape, self.causal)
+        if self.variant == "window":
+            return dataclasses.replace(plain, align=fields["align"], window=window_for(shape.seqlen))
+        return plain

@@ -11,9 +11,14 @@ from autoflash.tuning.space import Candidate
 
 
 def key_flops(key: ProblemKey) -> float:
-    """FLOPs of one pass over the key's shapes (FlashAttention's count; x2.5 for the backward)."""
-    return sum(flops(s.batch, s.heads, s.seqlen, s.seqlen, s.head_dim, key.causal, key.direction)
-               for s in key.shapes())
+    """FLOPs of one pass over the key's shapes (FlashAttention's count; x2.5 for the backward), over
+    the (query, key) pairs each shape's workload attends: a window's band, packed sequences' own
+    lengths (for plain keys, flops(batch, heads, seqlen, seqlen, ...) as before)."""
+    total = 0.0
+    for s in key.shapes():
+        w = key.workload(s)
+        total += flops(1, w.heads, 1, 1, w.head_dim, False, key.direction) * w.total_pairs()
+    return total
 
 
 def key_tflops(key: ProblemKey, ms: float) -> float:
@@ -23,18 +28,19 @@ def key_tflops(key: ProblemKey, ms: float) -> float:
 def format_space(title: str, candidates: list[Candidate], *, show_rejected: bool = False) -> str:
     """A pruned space: the survivors with registers and shared memory, then counts of the rejected."""
     ok = [c for c in candidates if c.ok]
+    width = max([40, *(len(c.config.name) for c in candidates)])  # variant kernels have longer names
     lines = [f"{title}: {len(ok)} of {len(candidates)} candidates survive"]
     if ok:
-        lines.append(f"  {'config':<40} {'regs':>5} {'smem KiB':>9}")
+        lines.append(f"  {'config':<{width}} {'regs':>5} {'smem KiB':>9}")
         for c in sorted(ok, key=lambda c: c.config.name):
-            lines.append(f"  {c.config.name:<40} {c.registers:>5} {c.smem_bytes / 1024:>9.1f}")
+            lines.append(f"  {c.config.name:<{width}} {c.registers:>5} {c.smem_bytes / 1024:>9.1f}")
     rejected = collections.Counter(c.status for c in candidates if not c.ok)
     if rejected:
         lines.append("  rejected: " + ", ".join(f"{n} {why}" for why, n in sorted(rejected.items())))
     if show_rejected:
         for c in candidates:
             if not c.ok:
-                lines.append(f"  x {c.config.name:<38} {c.status}: {c.reason}")
+                lines.append(f"  x {c.config.name:<{width - 2}} {c.status}: {c.reason}")
     return "\n".join(lines)
 
 
@@ -45,14 +51,14 @@ def _ratio(num: float | None, den: float | None) -> str:
 def format_results(rows: list[dict]) -> str:
     """rows: {"key", "winner", "ms", "tflops", "sdpa_flash_ms", "default_ms", "evaluated", "failed"};
     x SDPA-flash and x default are speed-ups (their time over the winner's)."""
-    header = (f"{'key':<28} {'winner':<38} {'ms':>9} {'TFLOPs':>7} {'x SDPA-flash':>12} {'x default':>9} "
+    header = (f"{'key':<34} {'winner':<46} {'ms':>9} {'TFLOPs':>7} {'x SDPA-flash':>12} {'x default':>9} "
               f"{'evals':>5} {'failed':>6}")
     lines = [header, "-" * len(header)]
     for r in rows:
         if r.get("winner") is None:
-            lines.append(f"{r['key']:<28} {'(no config measured successfully)':<38}")
+            lines.append(f"{r['key']:<34} {'(no config measured successfully)':<46}")
             continue
-        lines.append(f"{r['key']:<28} {r['winner']:<38} {r['ms']:>9.4f} {r['tflops']:>7.1f} "
+        lines.append(f"{r['key']:<34} {r['winner']:<46} {r['ms']:>9.4f} {r['tflops']:>7.1f} "
                      f"{_ratio(r.get('sdpa_flash_ms'), r['ms']):>12} {_ratio(r.get('default_ms'), r['ms']):>9} "
                      f"{r['evaluated']:>5} {r['failed']:>6}")
     return "\n".join(lines)

@@ -10,21 +10,31 @@ from pathlib import Path
 
 from autoflash.kernels.config import KernelConfig
 from autoflash.kernels.gpus import GpuProfile
-from autoflash.tuning.problem import ProblemKey
+from autoflash.tuning.problem import ProblemKey, variant_applies
 from autoflash.tuning.report import key_tflops
 from autoflash.tuning.space import Candidate, constrain, default_for, enumerate_space
 from autoflash.tuning.study import KeyStudy, Outcome, Settings
 from autoflash.tuning.table import Entry, Result, Table, merge_into, table_path
 
 
-def build_keys(gpu: str, *, directions, dtypes, head_dims, causal, buckets) -> list[ProblemKey]:
-    return [ProblemKey(gpu, dr, dt, d, c, b)
-            for dr, dt, d, c, b in itertools.product(directions, dtypes, head_dims, causal, buckets)]
+def build_keys(gpu: str, *, directions, dtypes, head_dims, causal, buckets, variants=("plain",)) -> list[ProblemKey]:
+    """Every key of the options' product that can be one (variant_applies: window keys are causal,
+    fp32 has plain keys only); skipped_combinations says what was left out."""
+    return [ProblemKey(gpu, dr, dt, d, c, b, v)
+            for v, dr, dt, d, c, b in itertools.product(variants, directions, dtypes, head_dims, causal, buckets)
+            if variant_applies(v, dt, c)]
+
+
+def skipped_combinations(*, dtypes, causal, variants) -> list[str]:
+    """The (variant, dtype, causal) combinations of the options that make no key, described."""
+    return [f"{v} {dt} {'causal' if c else 'full'}" for v, dt, c in itertools.product(variants, dtypes, causal)
+            if not variant_applies(v, dt, c)]
 
 
 def _group(key: ProblemKey) -> tuple:
-    """Keys that share a search space (the bucket changes the shapes timed, not the kernels)."""
-    return key.direction, key.dtype, key.head_dim, key.causal
+    """Keys that share a search space (the bucket changes the shapes timed, not the kernels; the
+    variant changes the kernels)."""
+    return key.direction, key.dtype, key.head_dim, key.causal, key.variant
 
 
 def prepare_spaces(keys: list[ProblemKey], profile: GpuProfile, *, restrict: dict[str, tuple[int, ...]] | None = None,

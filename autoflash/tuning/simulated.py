@@ -6,7 +6,12 @@ name, so fault isolation is tested with real process deaths and real timeouts.
 The cost model is a plausibility model, not a prediction: FLOPs over the profile's peak, scaled by
 tile reuse, occupancy (shared memory, registers, threads), wave quantisation and pipelining, with a
 +-4% deterministic jitter per (config, shape). It gives the search a landscape with the features a
-real GPU has (smooth regions, cliffs at occupancy steps) and is never written to tuned/."""
+real GPU has (smooth regions, cliffs at occupancy steps) and is never written to tuned/. Variant keys
+run their Workload: a window visits fewer key tiles per query block (and wastes more at its edges
+with wide tiles), packed sequences pay for partial last tiles and idle blocks; both roughly.
+
+SDPA-flash has no sliding window and takes packed sequences only as nested tensors, which the tuner
+does not time: its baseline is "unsupported" for variant keys here as on a GPU."""
 from __future__ import annotations
 
 import fnmatch
@@ -20,11 +25,13 @@ from pathlib import Path
 from autoflash.bench.report import flops
 from autoflash.kernels.config import KernelConfig
 from autoflash.kernels.gpus import GpuProfile, get_profile
-from autoflash.tuning.problem import ProblemKey, Shape
+from autoflash.tuning.problem import SDPA_UNSUPPORTED, ProblemKey, Shape, Workload
 
 TIMINGS_FORMAT, TIMINGS_VERSION = "autoflash.timings", 1
 FAULT_KINDS = ("crash", "hang", "wrong", "error")
 LAUNCH_US = 4.0  # fixed cost of one launch, microseconds
+IDLE_WAVE_US = 2.0  # a wave of blocks past their sequence's end: read cu_seqlens, exit
+VARIANT_REGISTERS = 8  # band limits, sequence offsets: what variant switches add a thread (a guess)
 
 
 def _jitter(*parts: object) -> float:
@@ -32,22 +39,63 @@ def _jitter(*parts: object) -> float:
     return int.from_bytes(digest[:8], "little") / 2**64 * 2 - 1  # uniform in [-1, 1)
 
 
-def model_ms(config: KernelConfig, shape: Shape, profile: GpuProfile, registers: int | None = None) -> float:
-    """Modelled milliseconds of one call of `config` on `shape` (seqlen_q == seqlen_k)."""
+def _mask_efficiency(config: KernelConfig, workload: Workload, rows: int, streamed: int) -> float:
+    """The useful share of the tiles visited, over a workload's sequences (weighted by their work).
+
+    Causal: the half-masked diagonal tiles, 1 / (1 + rows / (2 L)). Window (left, 0): a band has two
+    masked edges (its diagonal and its left end) around left + 1 useful keys a row, each edge
+    charged as the causal diagonal is, and a wide tile of keys overshoots the band:
+    (left + 1) / (left + 1 + (rows + streamed) / 2). Packed sequences also compute whole tiles
+    past each sequence's end: L^2 over the rounded-up rows x keys. Rough on purpose: the ranking
+    needs the direction of each effect, not its size."""
+    left = workload.window[0]
+
+    def one(length: int) -> float:
+        if left >= 0:
+            e = (min(left, length - 1) + 1) / (min(left, length - 1) + 1 + (rows + streamed) / 2)
+        elif workload.causal:
+            e = 1 / (1 + rows / (2 * length))
+        else:
+            e = 1.0
+        if workload.packed:
+            e *= length * length / (math.ceil(length / rows) * rows * math.ceil(length / streamed) * streamed)
+        return e
+
+    if not workload.packed:  # every sequence alike: one length
+        return one(workload.max_seqlen)
+    work = [workload.pairs(n) for n in workload.lengths]
+    return math.fsum(work) / math.fsum(w / one(n) for w, n in zip(work, workload.lengths))
+
+
+def estimated_registers(config: KernelConfig) -> int:
+    """Registers a thread, when no compile says: the accumulators plus 64 for addresses, softmax
+    state and fragments, plus VARIANT_REGISTERS for a kernel carrying variant switches."""
     from autoflash.tuning.space import accumulator_registers
 
-    work = flops(shape.batch, shape.heads, shape.seqlen, shape.seqlen, shape.head_dim, config.causal,
-                 config.direction)
+    extra = VARIANT_REGISTERS if config.variants or config.align != "top_left" else 0
+    return min(255, (accumulator_registers(config) or 64) + 64 + extra)
+
+
+def model_ms(config: KernelConfig, shape: Shape, profile: GpuProfile, registers: int | None = None,
+             workload: Workload | None = None) -> float:
+    """Modelled milliseconds of one call of `config` on `shape` (seqlen_q == seqlen_k), run as
+    `workload` (ProblemKey.workload; default: dense, causal as the config): FLOPs of the pairs
+    attended, and for packed sequences the blocks each sequence needs, plus a short wave of idle
+    blocks past the shorter sequences' ends."""
+    w = workload or Workload.dense(shape, config.causal)
+    work = flops(1, w.heads, 1, 1, w.head_dim, False, config.direction) * w.total_pairs()
     peak = (profile.peak_tflops_bf16 or 100.0) * 1e12
     if not config.tensor_cores:
         peak /= 16  # SIMT fp32 FMA against tensor cores
-    regs = registers or min(255, (accumulator_registers(config) or 64) + 64)
+    regs = registers or estimated_registers(config)
     per_sm = max(1, min(profile.smem_per_sm // max(config.smem_bytes, 1),
                         profile.regs_per_sm // (regs * config.threads),
                         profile.max_threads_per_sm // config.threads, 32))
     rows, streamed = ((config.block_n, config.block_m) if config.direction == "bwd"
                       else (config.block_m, config.block_n))
-    blocks = math.ceil(shape.seqlen / rows) * shape.batch * shape.heads * config.head_split
+    per_head = w.heads * config.head_split
+    blocks = sum(math.ceil(n / rows) for n in w.lengths) * per_head
+    idle = len(w.lengths) * math.ceil(w.max_seqlen / rows) * per_head - blocks
     slots = profile.sm_count * per_sm
     waves = math.ceil(blocks / slots)
     e_wave = blocks / (waves * slots)
@@ -55,17 +103,17 @@ def model_ms(config: KernelConfig, shape: Shape, profile: GpuProfile, registers:
     e_occ = min(1.0, per_sm * config.num_warps / 12) ** 0.35  # latency hiding by resident warps
     e_pipe = {1: 0.82, 2: 1.0, 3: 1.02 if per_sm > 1 else 0.96}.get(config.num_stages, 1.0)
     e_split = 1 / (1 + 0.08 * (config.head_split - 1))  # S and dP recomputed per head-dim slice
-    e_causal = 1 / (1 + rows / (2 * shape.seqlen)) if config.causal else 1.0  # half-masked diagonal tiles
-    eff = 0.75 * e_tile * e_occ * e_wave * e_pipe * e_split * e_causal
-    ms = work / (peak * eff) * 1e3
+    e_mask = _mask_efficiency(config, w, rows, streamed)
+    eff = 0.75 * e_tile * e_occ * e_wave * e_pipe * e_split * e_mask
+    ms = work / (peak * eff) * 1e3 + math.ceil(idle / slots) * IDLE_WAVE_US * 1e-3
     return ms * (1 + 0.04 * _jitter(config.name, shape)) + LAUNCH_US * 1e-3
 
 
 def sdpa_model_ms(key: ProblemKey, shape: Shape, profile: GpuProfile) -> float:
-    """A stand-in for SDPA-flash: the built-in default's modelled time, 5% faster."""
+    """A stand-in for SDPA-flash: the built-in default's modelled time, 5% faster (plain keys)."""
     from autoflash.tuning.space import default_for
 
-    return 0.95 * model_ms(default_for(key, profile), shape, profile)
+    return 0.95 * model_ms(default_for(key, profile), shape, profile, workload=key.workload(shape))
 
 
 def load_timings(path: str | os.PathLike) -> dict:
@@ -143,12 +191,14 @@ class SimulatedBackend:
                                    f"({len(shapes)} shapes) in the timings file")
             result = {"status": "ok", "ms": list(ms), "err": 0.0, "bound": 0.0}
         else:
-            result = {"status": "ok", "ms": [model_ms(config, s, self.profile, registers) for s in shapes],
-                      "err": 0.0, "bound": 0.0}
+            result = {"status": "ok", "err": 0.0, "bound": 0.0,
+                      "ms": [model_ms(config, s, self.profile, registers, key.workload(s)) for s in shapes]}
         self._log(event="end", trial=trial, key=key.slug, config=config.name, status=result["status"])
         return result
 
     def baseline(self, key: ProblemKey, shapes: list[Shape], reps: int = 20, warmup: int = 3) -> dict:
+        if key.variant != "plain":
+            return {"status": "unsupported", "reason": SDPA_UNSUPPORTED[key.variant]}
         if self.timings is not None:
             ms = self.timings.get("sdpa_flash", {}).get(key.slug)
             if ms is None:

@@ -70,7 +70,9 @@ def _plausible(config: KernelConfig) -> bool:
 
 
 def enumerate_space(key: ProblemKey, default: KernelConfig | None = None) -> list[KernelConfig]:
-    """Every valid, plausible KernelConfig for `key` (the default first when given), no duplicates."""
+    """Every valid, plausible KernelConfig for `key` (the default first when given), no duplicates.
+    Each carries the key's fixed fields, the variant's switches included (ProblemKey.config_fields),
+    so the compile check and spill pruning see the kernels that will run."""
     names = list(knobs(key))
     out: dict[str, KernelConfig] = {}
     if default is not None:
@@ -157,11 +159,16 @@ def constrain(configs: Iterable[KernelConfig], profile: GpuProfile, *, jobs: int
 
 
 def default_for(key: ProblemKey, profile: GpuProfile) -> KernelConfig:
-    """The built-in config for a key: what the dispatcher runs without a tuned table."""
+    """The built-in config for a key: what the dispatcher runs without a tuned table. A variant key
+    takes the built-in tiles for kernels carrying variant switches (those the launcher picks when
+    given no config: the plain first choices spill with the band's registers at some head dims,
+    kernels.defaults) with the key's switches on (ProblemKey.config_fields). A window key picks its
+    tiles as a causal one does, as the launcher does (a window skips key blocks too)."""
     from autoflash.kernels.defaults import default_backward_config, default_config
 
     pick = default_backward_config if key.direction == "bwd" else default_config
-    return pick(key.head_dim, key.dtype, key.causal, profile)
+    base = pick(key.head_dim, key.dtype, key.causal, profile, variant=key.variant != "plain")
+    return base.replace(**key.config_fields())
 
 
 def param_values(candidates: Iterable[Candidate], key: ProblemKey) -> dict[str, tuple[int, ...]]:

@@ -5,6 +5,9 @@ written is validated first and replaced atomically under a file lock (`merge_int
 writing one table lose nothing and a crash never leaves a half-written table. Tables are immutable:
 `Table.entries` and `Table.provenance` are read-only `types.MappingProxyType` views, keyed by
 `ProblemKey.slug` and by provenance field. Schema: see SCHEMA_NAME / SCHEMA_VERSION and `Table.to_dict`.
+An entry's key holds "variant" only for a variant key ("window", "varlen"; see ProblemKey): absent, it
+is plain, so tables written before variants load unchanged. Every config of an entry must match its
+key (ProblemKey.matches: the variant's switches included).
 """
 from __future__ import annotations
 
@@ -34,6 +37,9 @@ _RESULT_KEYS = ("name", "config", "ms", "tflops", "registers", "smem_bytes")
 _ENTRY_KEYS = ("key", "winner", "default", "sdpa_flash_ms", "runner_ups", "shapes", "evaluated", "failed",
                "trials", "date")
 _TABLE_KEYS = ("schema", "version", "gpu", "template_hash", "provenance", "entries")
+# An entry's key: ProblemKey's fields. "variant" is written for variant keys only (ProblemKey.to_dict),
+# so a plain entry reads and writes as it did before variants, and a variant entry's slug has six parts.
+_KEY_KEYS = tuple(f.name for f in dataclasses.fields(ProblemKey) if f.name != "variant")
 
 
 class TableError(ValueError):
@@ -52,14 +58,16 @@ def _fail(where: str, at: str, got: Any, expected: str) -> TableError:
     return TableError(f"{where}: {at}: got {_show(got)}, expected {expected}")
 
 
-def _object(where: str, at: str, value: Any, keys: tuple[str, ...]) -> dict:
+def _object(where: str, at: str, value: Any, keys: tuple[str, ...], optional: tuple[str, ...] = ()) -> dict:
+    """A JSON object with exactly `keys`, and any of `optional`."""
     if not isinstance(value, dict):
         raise _fail(where, at, value, f"a JSON object with keys {list(keys)}")
     missing = [k for k in keys if k not in value]
-    unknown = sorted(k for k in value if k not in keys)
+    unknown = sorted(k for k in value if k not in keys and k not in optional)
     if missing or unknown:
+        also = f" (and optionally {list(optional)})" if optional else ""
         raise TableError(f"{where}: {at}: got keys {sorted(value)} (missing {missing}, unknown {unknown}), "
-                         f"expected exactly {list(keys)}")
+                         f"expected exactly {list(keys)}{also}")
     return value
 
 
@@ -168,7 +176,7 @@ class Entry:
                   gpu: str | None = None) -> "Entry":
         """Validate one entry; `slug` and `gpu` (when given) are what the enclosing table says it is."""
         d = _object(where, at, data, _ENTRY_KEYS)
-        raw = _object(where, f"{at}.key", d["key"], tuple(f.name for f in dataclasses.fields(ProblemKey)))
+        raw = _object(where, f"{at}.key", d["key"], _KEY_KEYS, optional=("variant",))
         try:
             key = ProblemKey(**raw)
         except (TypeError, ValueError) as e:
