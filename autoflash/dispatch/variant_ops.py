@@ -52,13 +52,30 @@ def _like(t: torch.Tensor, ref: torch.Tensor) -> torch.Tensor:
 
 # ------------------------------------------------------------------ the kernels
 def _config(q: torch.Tensor, direction: str, kw: dict, seqlen_k: int):
-    """A tuned config for the call's (head_dim, dtype, causal, seqlen bucket) when a table has one,
-    else None: the launcher then takes its built-in tiles for kernels carrying variant switches
-    (for a call without any, the same tiles as the selection's heuristic). A window counts as
-    causal (it too skips key blocks); packed sequences are bucketed by max_seqlen_k."""
+    """A tuned config for the call when a table has one for its key, else None (the launcher then
+    takes its built-in tiles for kernels carrying variant switches). The key's variant: packed
+    sequences are "varlen" (bucketed by max_seqlen_k), a causal sliding window (right side 0) is
+    "window", anything else "plain". A plain key's tuned tiles are used only for a call with no
+    switch at all: they were measured without the registers a switch needs (spills, see
+    autoflash.kernels.defaults), so a softcap, ALiBi, key-bias, bottom-right or two-sided-window
+    call takes the variant tiles instead."""
     profile = profile_for(q, "autoflash.dispatch.variant_ops")
-    banded = kw["causal"] or kw["window"] != (-1, -1)
-    selection = select_config(profile, direction, DTYPE_NAMES[q.dtype], q.shape[-1], banded, max(1, seqlen_k))
+    left, right = kw["window"]
+    windowed = (left, right) != (-1, -1)
+    if "cu_seqlens_k" in kw:
+        variant, causal = "varlen", kw["causal"]
+    elif windowed and (kw["causal"] or right == 0):
+        variant, causal = "window", True
+    else:
+        variant, causal = "plain", kw["causal"] or windowed
+    if variant == "plain" and (windowed or kw["softcap"] or kw["alibi_slopes"] is not None
+                               or kw["key_bias"] is not None or kw["align"] != "top_left"):
+        return None
+    try:
+        selection = select_config(profile, direction, DTYPE_NAMES[q.dtype], q.shape[-1], causal, max(1, seqlen_k),
+                                  variant=variant)
+    except ValueError:  # a variant with no tuner key (e.g. fp32): the built-in tiles
+        return None
     return None if selection.origin == HEURISTIC else selection.config
 
 

@@ -138,8 +138,8 @@ def resolve(q: torch.Tensor, k: torch.Tensor, causal: bool, *, align: str = "top
         _check_fp32("key_bias", key_bias, ((batch, lk),), q.device)
         bias_sb = key_bias.stride(0)
     alibi = alibi_slopes is not None
-    if not (causal or windowed or alibi):
-        align = "top_left"  # nothing to place: one kernel serves both
+    if not (causal or windowed or alibi) or (not varlen and lq == lk):
+        align = "top_left"  # nothing to place, or both diagonals coincide: one kernel serves both
     switches = {"align": align, "window": windowed, "softcap": softcap > 0, "alibi": alibi,
                 "key_bias": key_bias is not None, "varlen": varlen}
     pointers = tuple(t if t is not None else stand_in for t in (cu_seqlens_q, cu_seqlens_k, alibi_slopes, key_bias))

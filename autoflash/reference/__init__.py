@@ -1,6 +1,8 @@
-"""PyTorch references the kernels are held to: the plain and tiled forward with FlashAttention's
-accuracy rule (forward.py), and the tiled backward with autograd gradients (backward.py). The
-forward's names are re-exported here, as `autoflash.reference` offered them before it was a package."""
-from autoflash.reference.forward import LOG2E, attention_ref, attention_tiled, within_tolerance
+"""PyTorch references the kernels are held to: the plain, packed and tiled forward with
+FlashAttention's accuracy rule (forward.py), the tiled backward with autograd gradients
+(backward.py), and flash-attn's variants they share (variants.py). The forward's names are
+re-exported here, as `autoflash.reference` offered them before it was a package."""
+from autoflash.reference.forward import LOG2E, attention_ref, attention_tiled, attention_varlen_ref, within_tolerance
+from autoflash.reference.variants import band_mask
 
-__all__ = ["LOG2E", "attention_ref", "attention_tiled", "within_tolerance"]
+__all__ = ["LOG2E", "attention_ref", "attention_tiled", "attention_varlen_ref", "band_mask", "within_tolerance"]

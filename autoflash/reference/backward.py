@@ -8,6 +8,7 @@ import torch
 from autoflash.kernels.checks import check_qkv_shapes
 from autoflash.kernels.config import KernelConfig
 from autoflash.reference.forward import LOG2E, _FLOAT_DTYPES, _scale, _upcast_dtype, attention_ref, attention_tiled
+from autoflash.reference.variants import NO_WINDOW, config_score_mod
 
 
 def _check_like_q(name: str, t, q: torch.Tensor) -> None:
@@ -46,18 +47,24 @@ def attention_backward_tiled(
     config: KernelConfig,
     *,
     scale: float | None = None,
+    window=NO_WINDOW,
+    softcap: float = 0.0,
+    alibi_slopes: torch.Tensor | None = None,
+    key_bias: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """FlashAttention-2 backward following the kernel's loops for ``config``; returns (dq, dk, dv).
 
     q, out, dout: (B, Hq, Lq, D); k, v: (B, Hkv, Lk, D), Hq % Hkv == 0; lse: (B, Hq, Lq), the
     natural-log logsumexp from attention_ref / attention_tiled (+inf for a row that sees no key:
-    its P, and so its dq, is exactly 0). Causal comes from config.causal (top-left aligned).
+    its P, and so its dq, is exactly 0). causal and align come from ``config``; the variant
+    arguments are attention_tiled's (given exactly when config's switch is on).
 
     Preprocess Dvec = rowsum(dout * out). The outer loop runs over key blocks of block_n keys (one
-    CTA); the inner loop over query blocks of block_m rows, starting, when causal, at the first
-    block holding a row >= the block's first key. Per tile, in the log2 domain:
-    P = exp2(scale*log2e * q kᵀ - lse*log2e), dV += Pᵀ dO, dP = dO Vᵀ, dS = P (dP - Dvec),
-    dK += scale dSᵀ Q, dQ += scale dS K. dK/dV of a kv head sum over the query heads sharing it.
+    CTA); the inner loop over only the query blocks whose rows see one of the block's keys
+    (Band.query_blocks: both band edges). Per tile, in the log2 domain: P = exp2(S * log2e -
+    lse * log2e) with S the masked logits, dV += Pᵀ dO, dP = dO Vᵀ, dS = P (dP - Dvec) times
+    softcap's derivative 1 - tanh²(scale q.k / softcap) when capped, dK += scale dSᵀ Q,
+    dQ += scale dS K. dK/dV of a kv head sum over the query heads sharing it.
 
     Computes in fp32 (fp64 for fp64 inputs); gradients come back in that dtype with the shapes of
     q, k and v.
@@ -72,11 +79,12 @@ def attention_backward_tiled(
     hkv, lk = k.shape[1], k.shape[2]
     if d != config.head_dim:
         raise ValueError(f"head_dim: got {d}, expected config.head_dim = {config.head_dim}")
+    sc = _scale(scale, d)
+    mod = config_score_mod(config, q, k, sc, window=window, softcap=softcap, alibi_slopes=alibi_slopes,
+                           key_bias=key_bias)
     dtype = _upcast_dtype(q.dtype)
     group = hq // hkv
     br, bc = config.block_m, config.block_n
-    sc = _scale(scale, d)
-    scale_log2 = sc * LOG2E
     dev = q.device
 
     # Query-side tensors grouped under their kv head: (B, Hkv, group, Lq, ...); K, V broadcast.
@@ -91,7 +99,6 @@ def attention_backward_tiled(
     dq = torch.zeros(b, hkv, group, lq, d, dtype=dtype, device=dev)
     dk = torch.zeros(b, hkv, lk, d, dtype=dtype, device=dev)
     dv = torch.zeros(b, hkv, lk, d, dtype=dtype, device=dev)
-    zero = torch.zeros((), dtype=dtype, device=dev)
 
     for n_block in range((lk + bc - 1) // bc):
         # Slicing to Lk drops the padded keys >= Lk that the kernel masks to P = 0.
@@ -99,21 +106,17 @@ def attention_backward_tiled(
         k_j, v_j = kg[..., c0:c1, :], vg[..., c0:c1, :]
         dk_j = torch.zeros(b, hkv, group, c1 - c0, d, dtype=dtype, device=dev)
         dv_j = torch.zeros_like(dk_j)
-        cols = torch.arange(c0, c1, device=dev).unsqueeze(0)
-        # Causal: query blocks whose rows all lie above the block's first key contribute nothing.
-        m_start = c0 // br if config.causal else 0
-        for m_block in range(m_start, (lq + br - 1) // br):
+        cols = torch.arange(c0, c1, device=dev)
+        for m_block in mod.band.query_blocks(c0, bc, lq, br):
             r0, r1 = m_block * br, min((m_block + 1) * br, lq)
             q_i, do_i = qg[..., r0:r1, :], dog[..., r0:r1, :]
-            s2 = torch.matmul(q_i, k_j.transpose(-2, -1)) * scale_log2
-            # s2 is finite, so lse = +inf gives exp2(-inf) = 0, never NaN.
+            qk = torch.matmul(q_i, k_j.transpose(-2, -1))
+            s2 = mod.logits(qk, torch.arange(r0, r1, device=dev), cols) * LOG2E
+            # Masked logits are -inf and lse is never -inf, so P is 0 there, never NaN.
             p = torch.exp2(s2 - lse2[..., r0:r1, :])
-            if config.causal:
-                rows = torch.arange(r0, r1, device=dev).unsqueeze(1)
-                p = torch.where(cols > rows, zero, p)
             dv_j += torch.matmul(p.transpose(-2, -1), do_i)
             dp = torch.matmul(do_i, v_j.transpose(-2, -1))
-            ds = p * (dp - dvec[..., r0:r1, :])
+            ds = p * (dp - dvec[..., r0:r1, :]) * mod.cap_grad(qk)
             dk_j += torch.matmul(ds.transpose(-2, -1), q_i) * sc
             dq[..., r0:r1, :] += torch.matmul(ds, k_j) * sc
         # GQA: the kv head's gradient is the sum over the query heads that read it.
@@ -132,10 +135,16 @@ def attention_backward_ref(
     causal: bool = False,
     scale: float | None = None,
     upcast: bool = True,
-    **variant,
+    mask: torch.Tensor | None = None,
+    align: str = "top_left",
+    window=NO_WINDOW,
+    softcap: float = 0.0,
+    alibi_slopes: torch.Tensor | None = None,
+    key_bias: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Gradients (dq, dk, dv) of attention_ref's out for upstream gradient ``dout``, by autograd;
-    ``variant``: attention_ref's variant keywords (align, window, softcap, alibi_slopes, key_bias).
+    the keywords are attention_ref's (mask and the variants: align, window, softcap, alibi_slopes,
+    key_bias).
 
     upcast=True differentiates in fp32 (fp64 for fp64 inputs) and returns gradients in that dtype:
     the accuracy reference. upcast=False differentiates in the input dtype and returns gradients
@@ -155,28 +164,33 @@ def attention_backward_ref(
     # Leaves in the compute dtype, so the gradients are not rounded back to the input dtype.
     leaves = [t.detach().to(dtype).requires_grad_(True) for t in (q, k, v)]
     with torch.enable_grad():
-        out, _ = attention_ref(*leaves, causal=causal, scale=scale, upcast=upcast, **variant)
+        out, _ = attention_ref(*leaves, causal=causal, scale=scale, upcast=upcast, mask=mask, align=align,
+                               window=window, softcap=softcap, alibi_slopes=alibi_slopes, key_bias=key_bias)
         dq, dk, dv = torch.autograd.grad(out, leaves, grad_outputs=dout.detach().to(out.dtype))
     return dq, dk, dv
 
 
 class TiledAttention(torch.autograd.Function):
-    """Forward attention_tiled (returns out), backward attention_backward_tiled; lse is saved."""
+    """Forward attention_tiled (returns out), backward attention_backward_tiled; lse is saved.
+    apply(q, k, v, config, scale=None, window=(-1, -1), softcap=0.0, alibi_slopes=None,
+    key_bias=None): the variant arguments are attention_tiled's, and get no gradient."""
 
     @staticmethod
-    def forward(ctx, q, k, v, config, scale=None):
-        out, lse = attention_tiled(q, k, v, config, scale=scale)
+    def forward(ctx, q, k, v, config, scale=None, window=NO_WINDOW, softcap=0.0, alibi_slopes=None,
+                key_bias=None):
+        variant = dict(window=window, softcap=softcap, alibi_slopes=alibi_slopes, key_bias=key_bias)
+        out, lse = attention_tiled(q, k, v, config, scale=scale, **variant)
         ctx.save_for_backward(q, k, v, out, lse)
-        ctx.config, ctx.scale = config, scale
+        ctx.config, ctx.scale, ctx.variant = config, scale, variant
         return out
 
     @staticmethod
     def backward(ctx, dout):
         q, k, v, out, lse = ctx.saved_tensors
         dq, dk, dv = attention_backward_tiled(
-            q, k, v, out, lse, dout.to(out.dtype), ctx.config, scale=ctx.scale
+            q, k, v, out, lse, dout.to(out.dtype), ctx.config, scale=ctx.scale, **ctx.variant
         )
-        return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None
+        return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None, None, None, None, None
 
 
 def tiled_attention(
@@ -185,6 +199,12 @@ def tiled_attention(
     v: torch.Tensor,
     config: KernelConfig,
     scale: float | None = None,
+    *,
+    window=NO_WINDOW,
+    softcap: float = 0.0,
+    alibi_slopes: torch.Tensor | None = None,
+    key_bias: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """Differentiable tiled attention: out of attention_tiled, gradients of attention_backward_tiled."""
-    return TiledAttention.apply(q, k, v, config, scale)
+    """Differentiable tiled attention: out of attention_tiled, gradients of attention_backward_tiled
+    (w.r.t. q, k and v; the variant arguments are attention_tiled's)."""
+    return TiledAttention.apply(q, k, v, config, scale, window, softcap, alibi_slopes, key_bias)
