@@ -39,6 +39,16 @@ def target(request):
         yield "gpu"
 
 
+@pytest.fixture
+def one_thread():
+    """One intra-op thread: on tiny tensors more only add overhead, and on a busy machine OpenMP
+    spin-waiting makes the many small ops of gradcheck tens of times slower."""
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
 def _sweep_key(item) -> tuple:
     params = item.callspec.params
     return (item.originalname, params.get("d"), params.get("dtype"), params.get("causal"), params.get("variant"))

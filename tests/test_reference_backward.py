@@ -14,14 +14,7 @@ from autoflash.reference.backward import (
 )
 
 
-@pytest.fixture(autouse=True)
-def _one_thread():
-    # These tensors are tiny: intra-op threads only add overhead, and on a busy machine OpenMP
-    # spin-waiting makes the many small ops of gradcheck tens of times slower.
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def _inputs(b, hq, hkv, lq, lk, d, dtype=torch.float64, seed=0):

@@ -19,13 +19,7 @@ from autoflash.reference.forward import attention_ref, attention_tiled, attentio
 from autoflash.reference.variants import Band, band_mask
 
 
-@pytest.fixture(autouse=True)
-def _one_thread():
-    # Tiny tensors: intra-op threads only add overhead (and OpenMP spin-waits slow gradcheck).
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 # name: attention_ref's variant keywords; "alibi" ("heads" or "batch") and "bias" ask for tensors
