@@ -28,14 +28,19 @@ fi
 if [[ $step == sanitize || $step == all ]]; then
   # Both kernels at an odd shape (lengths not multiples of any tile, GQA, causal), forward and backward.
   # One log for both tools: the device tool brings back at most 8 files.
+  # Then the variant kernels (window + softcap + ALiBi over packed sequences, and key padding).
   for tool in memcheck racecheck; do
-    echo "=== compute-sanitizer --tool $tool" >> "$OUT/sanitizer.log"
-    compute-sanitizer --tool "$tool" --error-exitcode 9 \
-      python3 -m autoflash.selfcheck --shape 1,4,2,77,133,96 --dtype bf16 --causal --backward \
-      >> "$OUT/sanitizer.log" 2>&1
-    rc=$?
-    echo "compute-sanitizer $tool: exit $rc"
-    status=$(( status | rc ))
+    for flags in "--causal" "--causal --align bottom_right --window 16,0 --softcap 30 --alibi --varlen" \
+                 "--key-padding"; do
+      echo "=== compute-sanitizer --tool $tool, selfcheck $flags" >> "$OUT/sanitizer.log"
+      # shellcheck disable=SC2086  # $flags is a list of options
+      compute-sanitizer --tool "$tool" --error-exitcode 9 \
+        python3 -m autoflash.selfcheck --shape 1,4,2,77,133,96 --dtype bf16 --backward $flags \
+        >> "$OUT/sanitizer.log" 2>&1
+      rc=$?
+      echo "compute-sanitizer $tool ($flags): exit $rc"
+      status=$(( status | rc ))
+    done
   done
   tail -12 "$OUT/sanitizer.log"
 fi
