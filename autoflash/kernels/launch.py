@@ -16,7 +16,8 @@ from autoflash.kernels.compiler import compile_config
 from autoflash.kernels.config import KernelConfig
 from autoflash.kernels.defaults import default_backward_config, default_config
 from autoflash.kernels.gpus import GpuProfile, detect
-from autoflash.kernels.variants import Variant, resolve
+from autoflash.kernels.variants import (check_packed, empty_forward, heads_view, resolve, variant_scalars,
+                                        with_variant)
 from autoflash.reference.forward import LOG2E  # the kernels run the softmax in base 2
 
 DELTA_ROWS_PER_BLOCK = 4  # the backward's delta kernel: one warp per query row, 128 threads
@@ -184,24 +185,6 @@ def _strides(t: torch.Tensor, varlen: bool = False) -> tuple[int, ...]:
     return (0 if varlen else sb), sh, sm
 
 
-def _heads_view(t: torch.Tensor) -> torch.Tensor:
-    """(1, H, total, D) view of packed (total, H, D) rows."""
-    return t.transpose(0, 1).unsqueeze(0)
-
-
-def _check_packed(q, k, v) -> None:
-    for name, t in (("q", q), ("k", k), ("v", v)):
-        if not isinstance(t, torch.Tensor) or t.dim() != 3:
-            got = tuple(t.shape) if isinstance(t, torch.Tensor) else type(t).__name__
-            raise ValueError(f"{name}: got {got}; expected packed sequences (total, heads, head_dim) with cu_seqlens")
-
-
-def _variant_scalars(variant: Variant, lse: torch.Tensor, varlen: bool) -> tuple:
-    """lse_sb lse_sh alibi_sb bias_sb: LSE rows are (B, H, L) dense, (H, total) packed."""
-    lse_sb, lse_sh = (0, lse.stride(0)) if varlen else lse.stride()[:2]
-    return lse_sb, lse_sh, variant.alibi_sb, variant.bias_sb
-
-
 def flash_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool = False,
                   scale: float | None = None, config: KernelConfig | None = None, align: str = "top_left",
                   window=(-1, -1), softcap: float = 0.0, alibi_slopes: torch.Tensor | None = None,
@@ -227,12 +210,12 @@ def flash_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: 
     """
     varlen = cu_seqlens_q is not None or cu_seqlens_k is not None
     if varlen:
-        _check_packed(q, k, v)
-        q4, k4, v4 = _heads_view(q), _heads_view(k), _heads_view(v)
+        check_packed(q, k, v)
+        q4, k4, v4 = heads_view(q), heads_view(k), heads_view(v)
     else:
         q4, k4, v4 = q, k, v
     if varlen and 0 in (q.shape[0], k.shape[0]):  # no rows, or no keys for any row: nothing to launch
-        return _empty_forward(q, k, v, causal, scale, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
+        return empty_forward(q, k, v, causal, scale, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
                               alibi_slopes, softcap, window, align)
     dtype, scale, profile = _prepare(q4, k4, v4, causal, scale, "flash_forward")
     causal, variant = resolve(q4, k4, causal, align=align, window=window, softcap=softcap, alibi_slopes=alibi_slopes,
@@ -242,40 +225,22 @@ def flash_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: 
     hkv, lk = k4.shape[1], k4.shape[2]
     if varlen:
         b, lq, lk = cu_seqlens_q.numel() - 1, max_seqlen_q, max_seqlen_k
-    config = _with_variant(config or default_config(d, dtype, causal or variant.switches["window"], profile,
+    config = with_variant(config or default_config(d, dtype, causal or variant.switches["window"], profile,
                                                     variant.needs_registers), causal, variant)
     check_config(config, d, dtype, causal, profile, "fwd")
 
     out = torch.empty_like(q)
     lse = torch.empty((hq, q.shape[0]) if varlen else (b, hq, lq), dtype=torch.float32, device=q.device)
-    out4 = _heads_view(out) if varlen else out
+    out4 = heads_view(out) if varlen else out
     if lq == 0:
         return out, lse
     fn = kernel_functions(config, profile, q)[config.name]
     scalars = (*_strides(q4, varlen), *_strides(k4, varlen), *_strides(v4, varlen), *_strides(out4, varlen),
-               *_variant_scalars(variant, lse, varlen), lq, lk, hq // hkv, *variant.window,
+               *variant_scalars(variant, lse, varlen), lq, lk, hq // hkv, *variant.window,
                scale * LOG2E, *variant.softcap_factors(scale))
     _call(fn, (math.ceil(lq / config.block_m), hq, b), config.threads, config.smem_bytes, q.device, FWD_PARAMS,
           (q, k, v, out, lse, *variant.pointers), scalars, ("q", "k", "v", "out", "lse", *_VARIANT_POINTERS))
     return out, lse
-
-
-def _with_variant(config: KernelConfig, causal: bool, variant: Variant) -> KernelConfig:
-    """`config` with the call's variant switches (a default or tuned plain config takes them on)."""
-    if not isinstance(config, KernelConfig):
-        raise TypeError(f"config: got {type(config).__name__}, expected a KernelConfig")
-    return config.replace(causal=causal, **variant.switches)
-
-
-def _empty_forward(q, k, v, causal, scale, cu_q, cu_k, max_q, max_k, alibi_slopes, softcap, window, align):
-    """Packed sequences with no query rows or no keys at all: out 0, lse +inf (no key seen), after
-    the same argument checks as a launch."""
-    if not (q.dtype == k.dtype == v.dtype) or q.dtype not in (torch.float16, torch.bfloat16):
-        raise TypeError(f"q, k, v dtypes: got {q.dtype}, {k.dtype}, {v.dtype}; expected one of float16, bfloat16")
-    resolve(_heads_view(q), _heads_view(k), causal, align=align, window=window, softcap=softcap,
-            alibi_slopes=alibi_slopes, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k, max_seqlen_q=max_q, max_seqlen_k=max_k)
-    check_scale(scale, q.shape[-1])
-    return torch.zeros_like(q), torch.full((q.shape[1], q.shape[0]), math.inf, dtype=torch.float32, device=q.device)
 
 
 def flash_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
@@ -298,10 +263,10 @@ def flash_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torc
     """
     varlen = cu_seqlens_q is not None or cu_seqlens_k is not None
     if varlen:
-        _check_packed(q, k, v)
+        check_packed(q, k, v)
         if 0 in (q.shape[0], k.shape[0]):  # no rows or no keys: every gradient is 0
             return torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
-        q4, k4, v4 = _heads_view(q), _heads_view(k), _heads_view(v)
+        q4, k4, v4 = heads_view(q), heads_view(k), heads_view(v)
     else:
         q4, k4, v4 = q, k, v
     dtype, scale, profile = _prepare(q4, k4, v4, causal, scale, "flash_backward")
@@ -313,7 +278,7 @@ def flash_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torc
     for name, t in (("out", out), ("dout", dout)):
         check_like(name, t, q)
         if varlen:
-            check_like(name, _heads_view(t), q4)
+            check_like(name, heads_view(t), q4)
     b, hq, lq, d = q4.shape
     hkv, lk = k4.shape[1], k4.shape[2]
     total_q = lq
@@ -326,11 +291,11 @@ def flash_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torc
         got = f"{tuple(lse.shape)} {lse.dtype} on {lse.device}" if isinstance(lse, torch.Tensor) else type(lse).__name__
         raise ValueError(f"lse: got {got}; expected {lse_shape} float32 on {q.device} (the forward's LSE)")
     lse = lse.contiguous()
-    config = _with_variant(config or default_backward_config(d, dtype, causal or variant.switches["window"], profile,
+    config = with_variant(config or default_backward_config(d, dtype, causal or variant.switches["window"], profile,
                                                              variant.needs_registers), causal, variant)
     check_config(config, d, dtype, causal, profile, "bwd")
     fns = kernel_functions(config, profile, q)
-    out4, dout4 = (_heads_view(out), _heads_view(dout)) if varlen else (out, dout)
+    out4, dout4 = (heads_view(out), heads_view(dout)) if varlen else (out, dout)
 
     # delta per query row; packed rows are one long sequence to it, (H, total_q) like the LSE
     delta = torch.empty(lse_shape, dtype=torch.float32, device=q.device)
@@ -348,14 +313,14 @@ def flash_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torc
         shape = (k.shape[0], hq, d) if varlen else (b, hq, lk, d)
         dk_x = torch.empty(shape, dtype=q.dtype, device=q.device)
         dv_x = torch.empty_like(dk_x)
-    dk4, dv4 = (_heads_view(dk_x), _heads_view(dv_x)) if varlen else (dk_x, dv_x)
+    dk4, dv4 = (heads_view(dk_x), heads_view(dv_x)) if varlen else (dk_x, dv_x)
     n_blocks, split = math.ceil(lk / config.block_n), config.head_split
     tensors = (q, k, v, dout, lse, delta, dq_accum, dk_x, dv_x, *variant.pointers)
-    variant_scalars = _variant_scalars(variant, lse, varlen)
+    extra_scalars = variant_scalars(variant, lse, varlen)
     window_scalars = (lq, lk, group, *variant.window)
     float_scalars = (scale, scale * LOG2E, *variant.softcap_factors(scale))
     common = (*_strides(q4, varlen), *_strides(k4, varlen), *_strides(v4, varlen), *_strides(dout4, varlen),
-              *_strides(dk4, varlen), *_strides(dv4, varlen), *variant_scalars, *window_scalars, *float_scalars)
+              *_strides(dk4, varlen), *_strides(dv4, varlen), *extra_scalars, *window_scalars, *float_scalars)
     serial = deterministic and not dq_pass  # only the atomics need the fixed order
     for n_block0, blocks in ([(j, 1) for j in range(n_blocks)] if serial else [(0, n_blocks)]):
         if blocks:
@@ -365,12 +330,12 @@ def flash_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torc
 
     if dq_pass:
         dq = torch.empty_like(q)
-        dq4 = _heads_view(dq) if varlen else dq
+        dq4 = heads_view(dq) if varlen else dq
         if lq:
             _call(fns[f"{config.name}_dq"], (math.ceil(lq / config.block_m), hq, b), config.threads, config.smem_bytes,
                   q.device, DQ_PARAMS, (q, k, v, dout, lse, delta, dq, *variant.pointers),
                   (*_strides(q4, varlen), *_strides(k4, varlen), *_strides(v4, varlen), *_strides(dout4, varlen),
-                   *_strides(dq4, varlen), *variant_scalars, *window_scalars, *float_scalars),
+                   *_strides(dq4, varlen), *extra_scalars, *window_scalars, *float_scalars),
                   ("q", "k", "v", "dout", "lse", "delta", "dq", *_VARIANT_POINTERS))
     else:
         dq = torch.empty_like(q).copy_(dq_accum.transpose(0, 1) if varlen else dq_accum)

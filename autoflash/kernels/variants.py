@@ -1,7 +1,8 @@
 """The attention variants' arguments as the launcher takes them (flash-attn's features: alignment,
 sliding window, softcap, ALiBi, a key bias, packed sequences): checked, normalised to the fewest
 kernel switches that compute the same thing, and turned into the KernelConfig switches and the
-kernels' run-time arguments (templates/common/variants.cuh)."""
+kernels' run-time arguments (templates/common/variants.cuh); and the launcher's side of packed
+sequences (their (1, heads, total, d) views, LSE strides, the calls with nothing to launch)."""
 from __future__ import annotations
 
 import dataclasses
@@ -10,7 +11,8 @@ import math
 
 import torch
 
-from autoflash.kernels.config import ALIGNS
+from autoflash.kernels.checks import check_scale
+from autoflash.kernels.config import ALIGNS, KernelConfig
 
 LOG2E = 1.4426950408889634
 
@@ -144,3 +146,40 @@ def resolve(q: torch.Tensor, k: torch.Tensor, causal: bool, *, align: str = "top
                 "key_bias": key_bias is not None, "varlen": varlen}
     pointers = tuple(t if t is not None else stand_in for t in (cu_seqlens_q, cu_seqlens_k, alibi_slopes, key_bias))
     return causal, Variant(switches, pointers, (left, right), alibi_sb, bias_sb, float(softcap))
+
+
+# ---- packed sequences and configs, as the launcher needs them
+def heads_view(t: torch.Tensor) -> torch.Tensor:
+    """(1, H, total, D) view of packed (total, H, D) rows."""
+    return t.transpose(0, 1).unsqueeze(0)
+
+
+def check_packed(q, k, v) -> None:
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        if not isinstance(t, torch.Tensor) or t.dim() != 3:
+            got = tuple(t.shape) if isinstance(t, torch.Tensor) else type(t).__name__
+            raise ValueError(f"{name}: got {got}; expected packed sequences (total, heads, head_dim) with cu_seqlens")
+
+
+def variant_scalars(variant: Variant, lse: torch.Tensor, varlen: bool) -> tuple:
+    """lse_sb lse_sh alibi_sb bias_sb: LSE rows are (B, H, L) dense, (H, total) packed."""
+    lse_sb, lse_sh = (0, lse.stride(0)) if varlen else lse.stride()[:2]
+    return lse_sb, lse_sh, variant.alibi_sb, variant.bias_sb
+
+
+def with_variant(config: KernelConfig, causal: bool, variant: Variant) -> KernelConfig:
+    """`config` with the call's variant switches (a default or tuned plain config takes them on)."""
+    if not isinstance(config, KernelConfig):
+        raise TypeError(f"config: got {type(config).__name__}, expected a KernelConfig")
+    return config.replace(causal=causal, **variant.switches)
+
+
+def empty_forward(q, k, v, causal, scale, cu_q, cu_k, max_q, max_k, alibi_slopes, softcap, window, align):
+    """Packed sequences with no query rows or no keys at all: out 0, lse +inf (no key seen), after
+    the same argument checks as a launch."""
+    if not (q.dtype == k.dtype == v.dtype) or q.dtype not in (torch.float16, torch.bfloat16):
+        raise TypeError(f"q, k, v dtypes: got {q.dtype}, {k.dtype}, {v.dtype}; expected one of float16, bfloat16")
+    resolve(heads_view(q), heads_view(k), causal, align=align, window=window, softcap=softcap,
+            alibi_slopes=alibi_slopes, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k, max_seqlen_q=max_q, max_seqlen_k=max_k)
+    check_scale(scale, q.shape[-1])
+    return torch.zeros_like(q), torch.full((q.shape[1], q.shape[0]), math.inf, dtype=torch.float32, device=q.device)
