@@ -16,8 +16,7 @@ from autoflash.kernels.compiler import compile_config
 from autoflash.kernels.config import KernelConfig
 from autoflash.kernels.defaults import default_backward_config, default_config
 from autoflash.kernels.gpus import GpuProfile, detect
-from autoflash.kernels.variants import (check_packed, empty_forward, heads_view, resolve, variant_scalars,
-                                        with_variant)
+from autoflash.kernels.variants import empty_forward, heads_view, resolve, views, with_variant
 from autoflash.reference.forward import LOG2E  # the kernels run the softmax in base 2
 
 DELTA_ROWS_PER_BLOCK = 4  # the backward's delta kernel: one warp per query row, 128 threads
@@ -208,12 +207,7 @@ def flash_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: 
     max_seqlen_q / max_seqlen_k: packed sequences, q (total_q, heads_q, d), k, v (total_k, heads_kv,
     d), lse (heads_q, total_q). The cu_seqlens values are trusted (flash_attn_varlen_func checks them).
     """
-    varlen = cu_seqlens_q is not None or cu_seqlens_k is not None
-    if varlen:
-        check_packed(q, k, v)
-        q4, k4, v4 = heads_view(q), heads_view(k), heads_view(v)
-    else:
-        q4, k4, v4 = q, k, v
+    varlen, q4, k4, v4 = views(q, k, v, cu_seqlens_q, cu_seqlens_k)
     if varlen and 0 in (q.shape[0], k.shape[0]):  # no rows, or no keys for any row: nothing to launch
         return empty_forward(q, k, v, causal, scale, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
                               alibi_slopes, softcap, window, align)
@@ -236,7 +230,7 @@ def flash_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: 
         return out, lse
     fn = kernel_functions(config, profile, q)[config.name]
     scalars = (*_strides(q4, varlen), *_strides(k4, varlen), *_strides(v4, varlen), *_strides(out4, varlen),
-               *variant_scalars(variant, lse, varlen), lq, lk, hq // hkv, *variant.window,
+               *variant.scalars(lse), lq, lk, hq // hkv, *variant.window,
                scale * LOG2E, *variant.softcap_factors(scale))
     _call(fn, (math.ceil(lq / config.block_m), hq, b), config.threads, config.smem_bytes, q.device, FWD_PARAMS,
           (q, k, v, out, lse, *variant.pointers), scalars, ("q", "k", "v", "out", "lse", *_VARIANT_POINTERS))
@@ -261,14 +255,9 @@ def flash_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torc
     each block writes its query head's dK, dV and the heads that share a K/V head are summed in fp32
     afterwards.
     """
-    varlen = cu_seqlens_q is not None or cu_seqlens_k is not None
-    if varlen:
-        check_packed(q, k, v)
-        if 0 in (q.shape[0], k.shape[0]):  # no rows or no keys: every gradient is 0
-            return torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
-        q4, k4, v4 = heads_view(q), heads_view(k), heads_view(v)
-    else:
-        q4, k4, v4 = q, k, v
+    varlen, q4, k4, v4 = views(q, k, v, cu_seqlens_q, cu_seqlens_k)
+    if varlen and 0 in (q.shape[0], k.shape[0]):  # no rows or no keys: every gradient is 0
+        return torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
     dtype, scale, profile = _prepare(q4, k4, v4, causal, scale, "flash_backward")
     if not isinstance(deterministic, bool):
         raise TypeError(f"deterministic: got {deterministic!r}, expected a bool")
@@ -316,7 +305,7 @@ def flash_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torc
     dk4, dv4 = (heads_view(dk_x), heads_view(dv_x)) if varlen else (dk_x, dv_x)
     n_blocks, split = math.ceil(lk / config.block_n), config.head_split
     tensors = (q, k, v, dout, lse, delta, dq_accum, dk_x, dv_x, *variant.pointers)
-    extra_scalars = variant_scalars(variant, lse, varlen)
+    extra_scalars = variant.scalars(lse)
     window_scalars = (lq, lk, group, *variant.window)
     float_scalars = (scale, scale * LOG2E, *variant.softcap_factors(scale))
     common = (*_strides(q4, varlen), *_strides(k4, varlen), *_strides(v4, varlen), *_strides(dout4, varlen),

@@ -40,6 +40,11 @@ class Variant:
     def varlen(self) -> bool:
         return self.switches["varlen"]
 
+    def scalars(self, lse: torch.Tensor) -> tuple:
+        """lse_sb lse_sh alibi_sb bias_sb: LSE rows are (B, H, L) dense, (H, total) packed."""
+        lse_sb, lse_sh = (0, lse.stride(0)) if self.varlen else lse.stride()[:2]
+        return lse_sb, lse_sh, self.alibi_sb, self.bias_sb
+
     def softcap_factors(self, scale: float) -> tuple[float, float]:
         """(scale / cap, cap * log2 e): logits tanh(s * scale / cap) * cap in log2 units."""
         if not self.softcap:
@@ -154,17 +159,18 @@ def heads_view(t: torch.Tensor) -> torch.Tensor:
     return t.transpose(0, 1).unsqueeze(0)
 
 
-def check_packed(q, k, v) -> None:
+def views(q, k, v, cu_seqlens_q, cu_seqlens_k) -> tuple[bool, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(packed?, q, k, v as the kernels index them): packed sequences' (total, heads, head_dim) rows
+    as (1, heads, total, head_dim) views, dense (B, H, L, D) tensors as they are."""
+    if cu_seqlens_q is None and cu_seqlens_k is None:
+        return False, q, k, v
     for name, t in (("q", q), ("k", k), ("v", v)):
         if not isinstance(t, torch.Tensor) or t.dim() != 3:
             got = tuple(t.shape) if isinstance(t, torch.Tensor) else type(t).__name__
             raise ValueError(f"{name}: got {got}; expected packed sequences (total, heads, head_dim) with cu_seqlens")
+    return True, heads_view(q), heads_view(k), heads_view(v)
 
 
-def variant_scalars(variant: Variant, lse: torch.Tensor, varlen: bool) -> tuple:
-    """lse_sb lse_sh alibi_sb bias_sb: LSE rows are (B, H, L) dense, (H, total) packed."""
-    lse_sb, lse_sh = (0, lse.stride(0)) if varlen else lse.stride()[:2]
-    return lse_sb, lse_sh, variant.alibi_sb, variant.bias_sb
 
 
 def with_variant(config: KernelConfig, causal: bool, variant: Variant) -> KernelConfig:

@@ -42,15 +42,13 @@ __device__ __forceinline__ int ceil_div(int a, int b) { return floor_div<NONNEG>
 //   softcap  tanh(s * scale / cap) * cap * log2(e)        (cap_in = scale / cap, cap_out = cap log2 e)
 //   ALiBi    - slope * |i + diag - j| * log2(e)            added
 //   bias     bias[j] * log2(e)                              added (-inf masks the key)
-// ON is false for plain attention: the kernels then fold scale * log2(e) into their exp2 argument
-// as they always have, and never call logit().
+// With all three switches off (the kernels' SCORE_MOD false) the kernels fold scale * log2(e) into
+// their exp2 argument as they always have, and never call logit().
 template <bool SOFTCAP, bool ALIBI, bool KEY_BIAS>
 struct ScoreMod {
   float scale_log2, cap_in, cap_out, slope_log2;
   const float* bias;  // this batch's row of the key bias (KEY_BIAS)
   int diag;
-
-  static constexpr bool ON = SOFTCAP || ALIBI || KEY_BIAS;
 
   // The tanh of a capped score, kept by the backward for the cap's derivative 1 - tanh^2.
   __device__ __forceinline__ float capped(float s) const { return tanhf(s * cap_in); }
