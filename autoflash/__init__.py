@@ -29,6 +29,7 @@ _EXPORTS = {
     "flash_attn_varlen_func": "autoflash.dispatch.flash_api",
     "flash_attn_varlen_kvpacked_func": "autoflash.dispatch.flash_api",
     "flash_attn_varlen_qkvpacked_func": "autoflash.dispatch.flash_api",
+    "flash_attn_with_kvcache": "autoflash.dispatch.kvcache",
     "flash_backward": "autoflash.kernels.launch",
     "flash_forward": "autoflash.kernels.launch",
     "get_profile": "autoflash.kernels.gpus",

@@ -15,6 +15,8 @@ fp32 inputs), x_torch = PyTorch in the input dtype, F = 2 for out and 3 for dq, 
   python -m autoflash.selfcheck --emulate a100 --sanitize --backward --shape 1,4,2,77,133,96 --causal
   python -m autoflash.selfcheck --emulate h100 --sanitize --config bwd_hd128_bf16_m64n128w8s2
   python -m autoflash.selfcheck --emulate h100 --sanitize --backward --window 16,0 --softcap 30 --alibi --varlen
+  python -m autoflash.selfcheck --emulate h100 --sanitize --kvcache --shape 3,6,2,4,300,128 --causal --new 4 \
+      --paged 64 --splits 3 --rotary neox
   compute-sanitizer --tool memcheck python -m autoflash.selfcheck --backward
 With --sanitize every finding is printed with its kind, kernel, template file:line, block and thread.
 Exit status: 0 all within the rule (and, sanitizing, no finding), 1 a result outside it or a
@@ -70,6 +72,17 @@ def _parser() -> argparse.ArgumentParser:
                    help="a key bias masking a random suffix of each batch's keys (an SDPA key-padding mask)")
     v.add_argument("--varlen", action="store_true",
                    help="pack the batch as sequences of random lengths <= Lq, Lk (cu_seqlens)")
+    c = p.add_argument_group("KV cache (flash_attn_with_kvcache's decode kernels; Lk of --shape is the cache's "
+                             "capacity, each sequence holding a random number of keys, one none)")
+    c.add_argument("--kvcache", action="store_true", help="run flash_attn_with_kvcache instead of the prefill kernels")
+    c.add_argument("--new", type=int, default=0, metavar="N", help="append N new keys and values first")
+    c.add_argument("--paged", type=int, default=0, metavar="PAGE", help="a paged cache of PAGE-row pages")
+    c.add_argument("--splits", type=int, default=0, metavar="N", help="num_splits (0 chooses)")
+    c.add_argument("--rotary", choices=("none", "interleaved", "neox"), default="none",
+                   help="rotary embeddings on q and the new keys, over half the head dim")
+    c.add_argument("--leftpad", action="store_true", help="random left padding per sequence (dense cache)")
+    c.add_argument("--batch-idx", action="store_true", help="a cache with more rows than the batch, picked by "
+                   "cache_batch_idx (dense cache)")
     p.add_argument("--config", metavar="NAME", help="a kernel name, e.g. fwd_hd128_bf16_causal_m128n64w8s2 "
                    "(a bwd_... name checks the backward); dtype, head dim and causal follow from it")
     return p
@@ -107,6 +120,12 @@ def main(argv: list[str] | None = None) -> int:
         parser.error("--config with variant flags: the variant switches come from the flags; drop --config")
     if variant and dtype == "fp32":
         parser.error("the variants run on the fp16/bf16 kernels; use --dtype fp16 or bf16")
+    if args.kvcache and (fwd_cfg or bwd_cfg or backward or args.varlen or args.key_padding or dtype == "fp32"):
+        parser.error("--kvcache runs the fp16/bf16 decode kernels forward only: drop --config, --backward, --varlen, "
+                     "--key-padding and --dtype fp32")
+    if not args.kvcache and (args.new or args.paged or args.splits or args.rotary != "none" or args.leftpad
+                             or args.batch_idx):
+        parser.error("--new, --paged, --splits, --rotary, --leftpad and --batch-idx go with --kvcache")
     import contextlib
 
     import torch
@@ -121,8 +140,14 @@ def main(argv: list[str] | None = None) -> int:
     try:
         with context:
             emulation.clear_findings()
-            results = (_check_variant(args, shape, dtype, causal, backward) if variant
-                       else _check(args, shape, dtype, causal, fwd_cfg, bwd_cfg, backward))
+            if args.kvcache:
+                from autoflash.selfcheck_kvcache import check_kvcache
+
+                results = check_kvcache(args, shape, dtype, causal)
+            elif variant:
+                results = _check_variant(args, shape, dtype, causal, backward)
+            else:
+                results = _check(args, shape, dtype, causal, fwd_cfg, bwd_cfg, backward)
             findings = emulation.findings() if args.sanitize else []
     except (ValueError, TypeError, emulation.EmulationError) as e:  # e.g. a config that does not fit
         print(f"autoflash.selfcheck: {e}", file=sys.stderr)
@@ -130,7 +155,7 @@ def main(argv: list[str] | None = None) -> int:
     where = (f"emulated {args.emulate} on the CPU{' (sanitizer on)' if args.sanitize else ''}" if args.emulate
              else torch.cuda.get_device_name())
     print(f"{where}  shape b,hq,hkv,lq,lk,d = {shape}  {dtype}{'  causal' if causal else ''}"
-          f"{'  ' + _describe(args) if variant else ''}")
+          f"{'  ' + _describe(args) if variant or args.kvcache else ''}")
     failed = False
     for name, ok, err, bound in results:
         failed |= not ok
@@ -184,10 +209,15 @@ def _check(args, shape, dtype, causal, fwd_cfg, bwd_cfg, backward) -> list[tuple
 
 
 def _describe(args) -> str:
-    parts = [f"align {args.align}"] + ([f"window {args.window}"] if args.window != (-1, -1) else [])
+    parts = [f"align {'bottom_right' if args.kvcache else args.align}"]
+    parts += [f"window {args.window}"] if args.window != (-1, -1) else []
     parts += [f"softcap {args.softcap}"] if args.softcap else []
     parts += [name for name, on in (("alibi", args.alibi), ("key padding", args.key_padding), ("varlen", args.varlen))
               if on]
+    if args.kvcache:
+        parts += [f"kv cache: new {args.new}, {f'pages of {args.paged}' if args.paged else 'dense'}, splits "
+                  f"{args.splits or 'chosen'}, rotary {args.rotary}"
+                  + ", leftpad" * args.leftpad + ", cache_batch_idx" * args.batch_idx]
     return ", ".join(parts)
 
 

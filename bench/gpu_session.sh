@@ -42,6 +42,21 @@ if [[ $step == sanitize || $step == all ]]; then
       status=$(( status | rc ))
     done
   done
+  # The decode kernels (flash_attn_with_kvcache): paged + split + combine with an append and rotary,
+  # and a dense cache with left padding, a window and softcap.
+  for tool in memcheck racecheck; do
+    for flags in "--causal --new 4 --paged 64 --splits 3 --rotary neox" \
+                 "--window 20,0 --softcap 10 --new 2 --leftpad --splits 2"; do
+      echo "=== compute-sanitizer --tool $tool, selfcheck --kvcache $flags" >> "$OUT/sanitizer.log"
+      # shellcheck disable=SC2086
+      compute-sanitizer --tool "$tool" --error-exitcode 9 \
+        python3 -m autoflash.selfcheck --kvcache --shape 3,6,2,4,300,128 --dtype bf16 $flags \
+        >> "$OUT/sanitizer.log" 2>&1
+      rc=$?
+      echo "compute-sanitizer $tool (--kvcache $flags): exit $rc"
+      status=$(( status | rc ))
+    done
+  done
   tail -12 "$OUT/sanitizer.log"
 fi
 

@@ -11,7 +11,7 @@ import pytest
 
 from autoflash.kernels.compiler import Resources, compile_config, disassemble, static_smem_probe
 from autoflash.kernels.config import KernelConfig
-from autoflash.kernels.defaults import default_backward_config, default_config
+from autoflash.kernels.defaults import default_backward_config, default_config, default_decode_config
 from autoflash.kernels.gpus import get_profile
 
 HEAD_DIMS = (32, 40, 64, 96, 128, 160, 192, 256)
@@ -63,6 +63,13 @@ def _variant_default(make, d: int, switches: dict, prof) -> KernelConfig:
     return base.replace(causal=switches.get("causal", False), **{k: v for k, v in switches.items() if k != "causal"})
 
 
+# Decode (KV-cache) switch sets the decode defaults are held to: the cache alone, bottom-right causal
+# over pages split across blocks, and window + softcap + ALiBi split.
+DECODE_SETS = (dict(),
+               dict(causal=True, align="bottom_right", paged=True, split=True),
+               dict(window=True, softcap=True, alibi=True, align="bottom_right", split=True))
+
+
 def defaults():
     fwd = {(default_config(d, dt, c, prof), arch)
            for d in HEAD_DIMS for dt in DTYPES for c in (False, True) for arch, prof in ARCH_PROFILES.items()}
@@ -70,7 +77,9 @@ def defaults():
            for d in HEAD_DIMS for dt in DTYPES for c in (False, True) for arch, prof in ARCH_PROFILES.items()}
     variants = {(_variant_default(make, d, v, prof), arch) for make in (default_config, default_backward_config)
                 for d in HEAD_DIMS for v in VARIANT_SETS for arch, prof in ARCH_PROFILES.items()}
-    return sorted(fwd | bwd | variants, key=lambda x: (x[0].name, x[1]))
+    decode = {(default_decode_config(d, dt, prof, 256 if v.get("paged") else None, "window" in v).replace(**v), arch)
+              for d in HEAD_DIMS for dt in ("fp16", "bf16") for v in DECODE_SETS for arch, prof in ARCH_PROFILES.items()}
+    return sorted(fwd | bwd | variants | decode, key=lambda x: (x[0].name, x[1]))
 
 
 def _compile(job):

@@ -175,10 +175,13 @@ def _template_line(template: str, text: str) -> int:
 # name: (kind, direction, old, new, selfcheck flags, template text whose line the finding names or None,
 #        whether the results still meet the accuracy rule or None)
 MUTATIONS = {
-    # K rows up to seqlen_k inclusive: the mask hides the extra row, so the result stays right
-    "out-of-bounds": ("out-of-bounds", "fwd", "k_copy.copy_any(smem.k[t], (t_end - 1 - t) * BLOCK_N, seqlen_k);",
-                      "k_copy.copy_any(smem.k[t], (t_end - 1 - t) * BLOCK_N, seqlen_k + 1);", [],
-                      "k_copy.copy_any(smem.k[t]", True),
+    # K and V rows up to seqlen_k inclusive: the mask hides K's extra row, but V's (a guard band, NaN)
+    # reaches O through 0 * NaN
+    "out-of-bounds": ("out-of-bounds", "fwd", "copier.copy_any(tile, n, seqlen_k);",
+                      "copier.copy_any(tile, n, seqlen_k + 1);", [], "copier.copy_any(tile, n, seqlen_k)", False),
+    # a paged cache's rows counted from the page table's first page instead of each tile's own
+    "out-of-bounds-paged": ("out-of-bounds", "fwd", "(n % page_size) * copier.stride", "n * copier.stride",
+                            ["--kvcache", "--paged", "32"], "copier.copy_any_at(tile, shift", False),
     "race": ("race", "fwd", "  __syncthreads();\n\n  // -- coalesced store", "\n\n  // -- coalesced store", [],
              None, False),
     "misaligned": ("misaligned", "fwd", "ldmatrix_x4(a[mt], q_lane.at(2 * s, mt * 16));",
@@ -242,6 +245,26 @@ VARIANT_FLAGS = {
     "key-padding": ["--key-padding"],
     "varlen": ["--varlen", "--causal", "--align", "bottom_right", "--window", "9,3"],
 }
+
+
+# selfcheck's KV-cache flags (flash_attn_with_kvcache): paging, splits and the combine kernel, the
+# append with rotary, left padding, cache_batch_idx, variants
+KVCACHE_FLAGS = {
+    "paged-split-rotary": ["--shape", "3,6,2,4,300,64", "--causal", "--new", "4", "--paged", "64", "--splits", "3",
+                           "--rotary", "neox"],
+    "leftpad-window-softcap": ["--shape", "3,4,2,2,150,64", "--window", "20,0", "--softcap", "10", "--new", "2",
+                               "--leftpad", "--splits", "2"],
+    "batch-idx-alibi": ["--shape", "2,4,4,1,200,128", "--causal", "--alibi", "--batch-idx", "--new", "1",
+                        "--rotary", "interleaved"],
+}
+
+
+@pytest.mark.parametrize("name", sorted(KVCACHE_FLAGS))
+def test_kvcache_kernels_are_clean(capsys, name):
+    status = selfcheck(["--emulate", "h100", "--sanitize", "--kvcache", *KVCACHE_FLAGS[name]])
+    out = capsys.readouterr().out
+    assert status == 0, out
+    assert "sanitizer: 0 findings" in out and out.count(" ok") == 2, out
 
 
 @pytest.mark.parametrize("name", sorted(VARIANT_FLAGS))

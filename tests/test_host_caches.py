@@ -311,7 +311,7 @@ def _expected_bytes(params, tensors, scalars):
     return [NUMPY_TYPES[c](v).tobytes() for c, v in zip(codes, values)]
 
 
-@pytest.mark.parametrize("name", ["FWD_PARAMS", "DELTA_PARAMS", "BWD_PARAMS"])
+@pytest.mark.parametrize("name", ["FWD_PARAMS", "DELTA_PARAMS", "BWD_PARAMS", "COMBINE_PARAMS"])
 def test_cupy_gets_the_bytes_numpy_scalars_gave(name):
     from cupy.cuda.function import CPointer
 
@@ -336,7 +336,7 @@ def _c_code(param: str) -> str:
     return {"long long": "q", "int": "i", "float": "f"}[param.rsplit(" ", 1)[0]]
 
 
-@pytest.mark.parametrize("direction", ["fwd", "bwd", "bwd-dqpass"])
+@pytest.mark.parametrize("direction", ["fwd", "bwd", "bwd-dqpass", "fwd-split"])
 def test_the_packing_follows_the_templates_signatures(direction):
     """launch.py's parameter lists against the kernels' own, from the rendered source: a parameter
     added to a template and not to launch.py would shift every one after it."""
@@ -345,13 +345,17 @@ def test_the_packing_follows_the_templates_signatures(direction):
     from autoflash.kernels.codegen import render
     from autoflash.kernels.defaults import default_backward_config, default_config
 
-    make = default_config if direction == "fwd" else default_backward_config
+    make = default_config if direction.startswith("fwd") else default_backward_config
     config = make(64, "bf16", True, H100)
     if direction == "bwd-dqpass":
         config = config.replace(dq="pass")
+    if direction == "fwd-split":  # the KV-cache kernel and its combine kernel
+        config = config.replace(align="bottom_right", kvcache=True, paged=True, split=True)
     source = render(config)
-    expected = {config.name: launch.FWD_PARAMS} if direction == "fwd" else \
+    expected = {config.name: launch.FWD_PARAMS} if direction.startswith("fwd") else \
         {config.name: launch.BWD_PARAMS, f"{config.name}_delta": launch.DELTA_PARAMS}
+    if direction == "fwd-split":
+        expected[f"{config.name}_combine"] = launch.COMBINE_PARAMS
     if direction == "bwd-dqpass":
         expected[f"{config.name}_dq"] = launch.DQ_PARAMS
     assert set(expected) == set(config.symbols)
@@ -363,8 +367,10 @@ def test_the_packing_follows_the_templates_signatures(direction):
 
 
 def test_parameters_sit_at_their_c_offsets():
-    # templates/flash_fwd.cu.j2: 9 pointers, 16 long long, 5 int, 3 float; flash_bwd.cu.j2 likewise
-    assert [o for o, _ in launch.FWD_PARAMS.spans] == [8 * i for i in range(25)] + [200 + 4 * i for i in range(8)]
+    # templates/flash_fwd.cu.j2: 15 pointers, 17 long long, 8 int, 3 float; flash_bwd.cu.j2 likewise
+    assert [o for o, _ in launch.FWD_PARAMS.spans] == [8 * i for i in range(32)] + [256 + 4 * i for i in range(11)]
+    # flash_combine.cu.j2: 4 pointers, 5 long long, 4 int
+    assert [o for o, _ in launch.COMBINE_PARAMS.spans] == [8 * i for i in range(9)] + [72 + 4 * i for i in range(4)]
     assert launch.DELTA_PARAMS.struct.size == 76
     # 13 pointers and 22 long long end at 280; 5 int, 4 float, n_block0
     assert [o for o, _ in launch.BWD_PARAMS.spans][-10:] == [280 + 4 * i for i in range(10)]

@@ -12,9 +12,9 @@ the CPU inside autoflash.emulate()) and are differentiable and torch.compile-abl
 outside autoflash.emulate() they compute the PyTorch reference instead (in fp32: slow, for tests
 and for code that must run anywhere).
 
-What flash-attn has and this does not: attention dropout (dropout_p must be 0.0), paged KV caches
-(block_table), the returned attention probabilities (return_attn_probs gives None in their place,
-as flash-attn does without dropout).
+What flash-attn has and this does not: attention dropout (dropout_p must be 0.0), the returned
+attention probabilities (return_attn_probs gives None in their place, as flash-attn does without
+dropout). KV caches, paged ones included, are flash_attn_with_kvcache's (dispatch/kvcache.py).
 """
 from __future__ import annotations
 

@@ -166,3 +166,10 @@ def clear_cache() -> None:
     _tables.cache_clear()
     _selections.clear()
     _checked.clear()
+
+
+def select_decode(profile: GpuProfile, q, shape) -> tuple[KernelConfig | None, int]:
+    """The KV-cache kernel's tuned config and num_splits for a flash_attn_with_kvcache call (q and
+    the checked kernels.decode.CacheShape): (None, 0) where no tuned decode key matches, meaning the
+    built-in config (kernels.defaults.default_decode_config) and the split heuristic."""
+    return None, 0

@@ -19,34 +19,35 @@ _DTYPE_CODE = {
     "bf16": {"elem_type": "__nv_bfloat16", "mma": "mma_16816_bf16", "pack": "pack_bf16x2"},
     "fp32": {"elem_type": "float", "mma": None, "pack": None},
 }
-_MARK = "\x1e{}\x1f"  # invisible line marker, appended to template lines before rendering
-_MARK_RE = re.compile("\x1e(\\d+)\x1f")
+_MARK = "\x1e{}|{}\x1f"  # invisible (template, line) marker, appended to template lines before rendering
+_MARK_RE = re.compile("\x1e([^|\x1f]+)\\|(\\d+)\x1f")
 _TAG_RE = re.compile(r"\{%|%\}|\{#|#\}")
 
 
-def _mark_lines(source: str) -> str:
-    """Tags each template line that holds no Jinja statement with its line number."""
+def _mark_lines(source: str, name: str) -> str:
+    """Tags each template line that holds no Jinja statement with its template and line number."""
     out = []
     for n, line in enumerate(source.split("\n"), start=1):
-        out.append(line if _TAG_RE.search(line) else line + _MARK.format(n))
+        out.append(line if _TAG_RE.search(line) else line + _MARK.format(name, n))
     return "\n".join(out)
 
 
-def _resolve_lines(rendered: str, filename: str, directives: bool) -> str:
-    """Replaces the markers by `#line` directives wherever the template-to-output mapping jumps."""
+def _resolve_lines(rendered: str, directives: bool) -> str:
+    """Replaces the markers by `#line` directives wherever the template-to-output mapping jumps
+    (within a template, or into one it includes)."""
     out: list[str] = []
-    expected = None  # template line the next output line maps to without a directive
+    expected = None  # (template, line) the next output line maps to without a directive
     for i, line in enumerate(rendered.split("\n")):
         marks = _MARK_RE.findall(line)
         line = _MARK_RE.sub("", line)
         if marks and directives:
-            n = int(marks[-1])
+            name, n = marks[-1][0], int(marks[-1][1])
             # Line 1 is the kernel's title; the mapping starts right below it.
-            if i > 0 and n != expected:
-                out.append(f'#line {n} "{filename}"')
-            expected = n + 1
+            if i > 0 and (name, n) != expected:
+                out.append(f'#line {n} "templates/{name}"')
+            expected = (name, n + 1)
         elif expected is not None:
-            expected += 1
+            expected = (expected[0], expected[1] + 1)
         out.append(line)
     return "\n".join(out)
 
@@ -54,7 +55,7 @@ def _resolve_lines(rendered: str, filename: str, directives: bool) -> str:
 class _MarkingLoader(jinja2.FileSystemLoader):
     def get_source(self, environment, template):
         source, path, uptodate = super().get_source(environment, template)
-        return _mark_lines(source), path, uptodate
+        return _mark_lines(source, template), path, uptodate
 
 
 @functools.lru_cache(maxsize=1)
@@ -76,7 +77,7 @@ def render(config: KernelConfig, *, line_directives: bool = True) -> str:
     template_name = TEMPLATES[config.direction]
     template = _environment().get_template(template_name)
     text = template.render(cfg=config, version=__version__, **_DTYPE_CODE[config.dtype])
-    return _resolve_lines(text, f"templates/{template_name}", line_directives)
+    return _resolve_lines(text, line_directives)
 
 
 @functools.lru_cache(maxsize=1)

@@ -16,6 +16,10 @@ ALIGNS = ("top_left", "bottom_right")
 # kernel arguments.
 VARIANTS = ("window", "softcap", "alibi", "key_bias", "varlen")
 _VARIANT_TAGS = {"window": "win", "softcap": "cap", "alibi": "alibi", "key_bias": "kbias", "varlen": "varlen"}
+# The decode switches (flash_attn_with_kvcache), forward only, shown after the variants: keys from a
+# KV cache, paged through a block table, split across blocks (fp32 partials and a combine kernel).
+DECODE_SWITCHES = ("kvcache", "paged", "split")
+_DECODE_TAGS = {"kvcache": "kvc", "paged": "paged", "split": "split"}
 ELEM_BYTES = {"fp16": 2, "bf16": 2, "fp32": 4}
 HEAD_DIM_MIN, HEAD_DIM_MAX, HEAD_DIM_STEP = 32, 256, 8
 MAX_THREADS_PER_BLOCK = 1024
@@ -25,7 +29,7 @@ MMA_K = 16  # its k extent: tensor-core head dims are padded up to a multiple of
 _NAME_RE = re.compile(
     r"^(?P<direction>fwd|bwd)_hd(?P<head_dim>\d+)_(?P<dtype>fp16|bf16|fp32)(?P<causal>_causal)?(?P<br>_br)?"
     r"(?P<window>_win)?(?P<softcap>_cap)?(?P<alibi>_alibi)?(?P<key_bias>_kbias)?(?P<varlen>_varlen)?"
-    r"_m(?P<block_m>\d+)n(?P<block_n>\d+)w(?P<num_warps>\d+)s(?P<num_stages>\d+)(?:h(?P<head_split>\d+))?"
+    r"(?P<kvcache>_kvc)?(?P<paged>_paged)?(?P<split>_split)?_m(?P<block_m>\d+)n(?P<block_n>\d+)w(?P<num_warps>\d+)s(?P<num_stages>\d+)(?:h(?P<head_split>\d+))?"
     r"(?P<dq_pass>_dqpass)?(?P<v_in_regs>_vregs)?$"
 )
 
@@ -175,6 +179,13 @@ class KernelConfig:
     alibi: bool = False     # scores - slope * |i + diag - j| (run-time slopes, per head or batch x head)
     key_bias: bool = False  # scores + bias[batch, j] (fp32, -inf masks the key): SDPA key-padding masks
     varlen: bool = False    # packed sequences: (total, heads, d) with int32 cu_seqlens, one grid z per sequence
+    # ---- decode (forward, tensor cores): flash_attn_with_kvcache ----
+    # kvcache: batch b's keys are cache rows [leftpad[b], cache_seqlens[b]) of cache batch
+    # cache_batch_idx[b]; a run-time `qpack` folds the query heads sharing a K/V head into one
+    # block's rows (row r is query r / qpack), so each K/V tile is read once per (batch, kv-head).
+    kvcache: bool = False
+    paged: bool = False     # the cache in pages of a multiple of block_n rows, through an int32 block table
+    split: bool = False     # the key range split across blocks: fp32 partial O and LSE, merged by <name>_combine
 
     def __post_init__(self) -> None:
         for f in ("head_dim", "block_m", "block_n", "num_warps", "num_stages", "head_split"):
@@ -255,6 +266,19 @@ class KernelConfig:
         if self.key_bias and self.varlen:
             raise ValueError("KernelConfig: got key_bias and varlen; the key bias is per (batch, key) of a padded "
                              "batch, packed sequences need none (expected one of them)")
+        for f in DECODE_SWITCHES:
+            if not isinstance(getattr(self, f), bool):
+                raise TypeError(f"KernelConfig.{f}: got {getattr(self, f)!r}, expected a bool")
+        decode = [f for f in DECODE_SWITCHES if getattr(self, f)]
+        if decode and (self.direction != "fwd" or not self.tensor_cores):
+            raise ValueError(f"KernelConfig: got {', '.join(decode)} for {self.direction} {self.dtype}; the decode "
+                             f"switches are the fp16/bf16 forward's (expected direction 'fwd', dtype fp16 or bf16)")
+        if (self.paged or self.split) and not self.kvcache:
+            raise ValueError(f"KernelConfig: got {', '.join(decode)} without kvcache; paging and splitting are "
+                             f"switches of the KV-cache kernel (expected kvcache=True)")
+        if self.kvcache and (self.varlen or self.key_bias):
+            raise ValueError("KernelConfig: got kvcache with varlen or key_bias; a KV cache carries its per-batch "
+                             "lengths itself (expected varlen=False, key_bias=False)")
 
     def _validate_backward(self) -> None:
         if not self.tensor_cores:
@@ -305,6 +329,7 @@ class KernelConfig:
         split += ("_dqpass" if self.dq == "pass" else "") + ("_vregs" if self.v_in_regs else "")
         causal += "_br" if self.align == "bottom_right" else ""
         causal += "".join(f"_{_VARIANT_TAGS[f]}" for f in VARIANTS if getattr(self, f))
+        causal += "".join(f"_{_DECODE_TAGS[f]}" for f in DECODE_SWITCHES if getattr(self, f))
         return (
             f"{self.direction}_hd{self.head_dim}_{self.dtype}{causal}"
             f"_m{self.block_m}n{self.block_n}w{self.num_warps}s{self.num_stages}{split}"
@@ -315,7 +340,7 @@ class KernelConfig:
         """The kernels its source defines: the config's name, and for the backward its delta kernel
         (and its dQ pass when dq is "pass")."""
         if self.direction != "bwd":
-            return (self.name,)
+            return (self.name,) + ((f"{self.name}_combine",) if self.split else ())
         return (self.name, f"{self.name}_delta") + ((f"{self.name}_dq",) if self.dq == "pass" else ())
 
     @property
@@ -400,7 +425,8 @@ class KernelConfig:
         ints["head_split"] = int(g["head_split"] or 1)
         return cls(direction=g["direction"], dtype=g["dtype"], causal=bool(g["causal"]),
                    dq="pass" if g["dq_pass"] else "atomic", v_in_regs=bool(g["v_in_regs"]),
-                   align="bottom_right" if g["br"] else "top_left", **{f: bool(g[f]) for f in VARIANTS}, **ints)
+                   align="bottom_right" if g["br"] else "top_left", **{f: bool(g[f]) for f in VARIANTS + DECODE_SWITCHES},
+                   **ints)
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)

@@ -140,3 +140,29 @@ def default_backward_config(head_dim: int, dtype: str, causal: bool, profile: Gp
               head_split=h, **({"stages": stages[0]} if stages else {}))
          for m, n, w, h, *stages in _backward_candidates(head_dim, dtype, profile.arch, variant)),
         profile, f"the backward at head_dim={head_dim} {dtype}")
+
+
+def _decode_candidates(head_dim: int, page_size: int | None, variant: bool):
+    """(block_m, block_n, num_warps) of the KV-cache (decode) kernel, in order of preference:
+    FlashAttention-2's split-KV tiles (csrc/flash_attn/src/flash_fwd_launch_template.h,
+    run_mha_fwd_splitkv_dispatch: 64 query rows, 4 warps, 256 keys at d <= 64, 128 at d <= 128, 64
+    above), then narrower key tiles. A paged cache takes only key tiles dividing its page size.
+    `variant` (a window, softcap or ALiBi): 256 keys spill there (sm_80 d = 64, sm_90 d = 40), so
+    128 come first."""
+    first = 256 if head_dim <= 64 and not variant else 128 if head_dim <= 128 else 64
+    for block_n in (256, 128, 64, 32, 16):
+        if block_n <= first and (page_size is None or page_size % block_n == 0):
+            yield 64, block_n, 4
+
+
+@functools.lru_cache(maxsize=None)
+def default_decode_config(head_dim: int, dtype: str, profile: GpuProfile, page_size: int | None = None,
+                          variant: bool = False) -> KernelConfig:
+    """The built-in KV-cache kernel (kvcache on) for one head dim on one GPU: the first preferred
+    tile that fits, stages as _first_fitting picks them. `variant`: the kernel will carry a window,
+    softcap or ALiBi (see _decode_candidates). The variant, paging and split switches themselves are
+    the caller's to set."""
+    return _first_fitting(
+        (dict(head_dim=head_dim, dtype=dtype, block_m=m, block_n=n, num_warps=w, kvcache=True)
+         for m, n, w in _decode_candidates(head_dim, page_size, variant)),
+        profile, f"the KV-cache kernel at head_dim={head_dim} {dtype}")

@@ -16,7 +16,7 @@ from autoflash.kernels.compiler import compile_config
 from autoflash.kernels.config import KernelConfig
 from autoflash.kernels.defaults import default_backward_config, default_config
 from autoflash.kernels.gpus import GpuProfile, detect
-from autoflash.kernels.variants import empty_forward, heads_view, resolve, views, with_variant
+from autoflash.kernels.variants import empty_forward, heads_view, resolve, stand_in, views, with_variant
 from autoflash.reference.forward import LOG2E  # the kernels run the softmax in base 2
 
 DELTA_ROWS_PER_BLOCK = 4  # the backward's delta kernel: one warp per query row, 128 threads
@@ -136,9 +136,16 @@ class KernelParams:
 # delta also takes the variants' arguments: pointers cu_seqlens_q cu_seqlens_k alibi_slopes key_bias;
 # scalars lse_sb lse_sh alibi_sb bias_sb (after the strides), window_left window_right (after the
 # ints), softcap_in softcap_out (after the floats).
+# The forward also takes the decode switches' (kernels/decode.py): pointers cache_seqlens
+# cache_batch_idx cache_leftpad block_table o_accum lse_accum; block_table_sb (after bias_sb);
+# page_size num_splits qpack (after window_right).
 _VARIANT_POINTERS = ("cu_seqlens_q", "cu_seqlens_k", "alibi_slopes", "key_bias")
-FWD_PARAMS = KernelParams(9, "q" * 16 + "iiiii" + "fff")  # q k v o lse +4; 4 x 3 strides +4;
-#                                                        seqlen_q seqlen_k group +2; scale_log2 +2
+DECODE_POINTERS = ("cache_seqlens", "cache_batch_idx", "cache_leftpad", "block_table", "o_accum", "lse_accum")
+FWD_NAMES = ("q", "k", "v", "out", "lse", *_VARIANT_POINTERS, *DECODE_POINTERS)
+FWD_PARAMS = KernelParams(15, "q" * 17 + "i" * 8 + "fff")  # q k v o lse +4 +6; 4 x 3 strides +4 +1;
+#                                                  seqlen_q seqlen_k group +2 +3; scale_log2 +2
+COMBINE_PARAMS = KernelParams(4, "q" * 5 + "iiii")  # o_accum lse_accum o lse; o and lse strides; batch
+#                                                  heads rows num_splits (templates/flash_combine.cu.j2)
 DELTA_PARAMS = KernelParams(3, "q" * 6 + "i")  # o dout delta; 2 x 3 strides; seqlen_q
 BWD_PARAMS = KernelParams(13, "q" * 22 + "iiiii" + "ffff" + "i")  # q k v dout lse delta dq_accum dk dv +4;
 #                                       6 x 3 strides +4; seqlen_q seqlen_k group +2; scale scale_log2 +2; n_block0
@@ -230,10 +237,10 @@ def flash_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: 
         return out, lse
     fn = kernel_functions(config, profile, q)[config.name]
     scalars = (*_strides(q4, varlen), *_strides(k4, varlen), *_strides(v4, varlen), *_strides(out4, varlen),
-               *variant.scalars(lse), lq, lk, hq // hkv, *variant.window,
+               *variant.scalars(lse), 0, lq, lk, hq // hkv, *variant.window, 1, 1, 1,
                scale * LOG2E, *variant.softcap_factors(scale))
     _call(fn, (math.ceil(lq / config.block_m), hq, b), config.threads, config.smem_bytes, q.device, FWD_PARAMS,
-          (q, k, v, out, lse, *variant.pointers), scalars, ("q", "k", "v", "out", "lse", *_VARIANT_POINTERS))
+          (q, k, v, out, lse, *variant.pointers, *(stand_in(q.device),) * len(DECODE_POINTERS)), scalars, FWD_NAMES)
     return out, lse
 
 

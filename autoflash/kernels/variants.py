@@ -53,7 +53,7 @@ class Variant:
 
 
 @functools.lru_cache(maxsize=16)
-def _stand_in(device: torch.device) -> torch.Tensor:
+def stand_in(device: torch.device) -> torch.Tensor:
     """What the kernels get for the pointer of a switch that is off: never read."""
     return torch.zeros(1, dtype=torch.int32, device=device)
 
@@ -108,9 +108,10 @@ def _check_cu_seqlens(name: str, t, device: torch.device) -> int:
 
 def resolve(q: torch.Tensor, k: torch.Tensor, causal: bool, *, align: str = "top_left", window=(-1, -1),
             softcap: float = 0.0, alibi_slopes=None, key_bias=None, cu_seqlens_q=None, cu_seqlens_k=None,
-            max_seqlen_q=None, max_seqlen_k=None) -> tuple[bool, Variant]:
+            max_seqlen_q=None, max_seqlen_k=None, cache_len: int | None = None) -> tuple[bool, Variant]:
     """(causal as the kernels run it, the Variant) of a call. q, k are (B, H, L, D) views (for packed
-    sequences the (1, H, total, D) views of (total, H, D))."""
+    sequences the (1, H, total, D) views of (total, H, D)). cache_len: a KV cache's capacity, its
+    batches' key lengths being run-time values up to it (the alignment then always holds)."""
     if align not in ALIGNS:
         raise ValueError(f"align: got {align!r}, expected one of {ALIGNS}")
     varlen = cu_seqlens_q is not None or cu_seqlens_k is not None
@@ -130,13 +131,13 @@ def resolve(q: torch.Tensor, k: torch.Tensor, causal: bool, *, align: str = "top
     else:
         if max_seqlen_q is not None or max_seqlen_k is not None:
             raise ValueError("max_seqlen_q / max_seqlen_k: got a value without cu_seqlens; expected None")
-        batch, lq, lk = q.shape[0], q.shape[2], k.shape[2]
+        batch, lq, lk = q.shape[0], q.shape[2], k.shape[2] if cache_len is None else cache_len
     hq = q.shape[1]
     causal, windowed, left, right = _window(window, causal, align, lq, lk)
 
     if isinstance(softcap, bool) or not isinstance(softcap, (int, float)) or not math.isfinite(softcap) or softcap < 0:
         raise ValueError(f"softcap: got {softcap!r}, expected a finite number >= 0 (0 = no capping)")
-    stand_in = _stand_in(q.device)
+    unused = stand_in(q.device)
     alibi_sb = bias_sb = 0
     if alibi_slopes is not None:
         _check_fp32("alibi_slopes", alibi_slopes, ((hq,), (batch, hq)), q.device)
@@ -145,11 +146,11 @@ def resolve(q: torch.Tensor, k: torch.Tensor, causal: bool, *, align: str = "top
         _check_fp32("key_bias", key_bias, ((batch, lk),), q.device)
         bias_sb = key_bias.stride(0)
     alibi = alibi_slopes is not None
-    if not (causal or windowed or alibi) or (not varlen and lq == lk):
+    if not (causal or windowed or alibi) or (not varlen and cache_len is None and lq == lk):
         align = "top_left"  # nothing to place, or both diagonals coincide: one kernel serves both
     switches = {"align": align, "window": windowed, "softcap": softcap > 0, "alibi": alibi,
                 "key_bias": key_bias is not None, "varlen": varlen}
-    pointers = tuple(t if t is not None else stand_in for t in (cu_seqlens_q, cu_seqlens_k, alibi_slopes, key_bias))
+    pointers = tuple(t if t is not None else unused for t in (cu_seqlens_q, cu_seqlens_k, alibi_slopes, key_bias))
     return causal, Variant(switches, pointers, (left, right), alibi_sb, bias_sb, float(softcap))
 
 

@@ -44,8 +44,13 @@ struct TileCopy {
   // (the ragged last tile); without it every row must exist.
   template <bool CHECK>
   __device__ __forceinline__ void copy(uint4* tile, int row0, int rows) const {
-    const long long shift = row0 * stride;
-    const int rows_left = rows - row0;
+    copy_at<CHECK>(tile, row0 * stride, rows - row0);
+  }
+
+  // The same from a tile whose first row sits `shift` elements past row 0 (a page of a paged
+  // cache), `rows_left` of its rows existing.
+  template <bool CHECK>
+  __device__ __forceinline__ void copy_at(uint4* tile, long long shift, int rows_left) const {
     copy_full_blocks<CHECK, 0>(tile, shift, rows_left);
     if constexpr (CHUNKS & 4) copy_block<CHECK, 4, FULL>(tile, shift, rows_left);
     if constexpr (CHUNKS & 2) copy_block<CHECK, 2, C4>(tile, shift, rows_left);
@@ -57,6 +62,10 @@ struct TileCopy {
   __device__ __forceinline__ void copy_any(uint4* tile, int row0, int rows) const {
     if (row0 + ROWS <= rows) copy<false>(tile, row0, rows);
     else copy<true>(tile, row0, rows);
+  }
+  __device__ __forceinline__ void copy_any_at(uint4* tile, long long shift, int rows_left) const {
+    if (ROWS <= rows_left) copy_at<false>(tile, shift, rows_left);
+    else copy_at<true>(tile, shift, rows_left);
   }
 
  private:

@@ -30,6 +30,8 @@ using std::min;
 struct alignas(16) uint4 { unsigned x, y, z, w; };
 struct alignas(16) float4 { float x, y, z, w; };
 inline float4 make_float4(float x, float y, float z, float w) { return {x, y, z, w}; }
+struct alignas(8) float2 { float x, y; };
+inline float2 make_float2(float x, float y) { return {x, y}; }
 
 __forceinline__ void __syncthreads() { emu::syncthreads(); }
 __forceinline__ void __syncwarp(unsigned mask = 0xffffffffu) { emu::syncwarp(mask); }

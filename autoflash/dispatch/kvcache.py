@@ -1,0 +1,206 @@
+"""flash-attn 2.x's `flash_attn_with_kvcache` on autoflash's decode kernels: the same arguments,
+defaults, layouts and semantics. Inference only (no autograd, as in flash-attn).
+
+One call: every argument is checked (metadata first, then one read of the index tensors'
+values, so a bad cache_seqlens or block table is refused before the cache is touched); rotary
+embeddings go onto q and the new k; the new k and v are written into the cache in place (dense
+rows or pages); then the KV-cache kernel attends over each sequence's cached keys (split across
+blocks when the batch alone would leave SMs idle). On CPU tensors outside autoflash.emulate() the
+attention is the PyTorch reference instead (fp32, slow, for tests and code that must run anywhere).
+
+The rotary embedding and the append run as PyTorch operations before the kernel, where flash-attn
+fuses them into its kernel: the same results (the rotation in fp32, rounded once), a few more
+launches per step.
+"""
+from __future__ import annotations
+
+import torch
+
+from autoflash.kernels.decode import CacheShape, check_kvcache
+
+__all__ = ["flash_attn_with_kvcache"]
+
+
+def _check_flag(name: str, value) -> bool:
+    if not isinstance(value, bool):
+        raise TypeError(f"{name}: got {value!r}, expected a bool")
+    return value
+
+
+def _check_values(shape: CacheShape, cache_seqlens, cache_batch_idx, cache_leftpad, block_table, num_pages: int,
+                  cache_rows: int) -> None:
+    """The index tensors' values, read once (one synchronisation on a GPU; skipped while torch.compile
+    traces or a CUDA graph captures, where nothing may be read back): lengths within the cache, the
+    left padding within them, rows and pages that exist."""
+    if torch.compiler.is_compiling() or (torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()):
+        return
+    tensors = [t for t in (cache_seqlens, cache_batch_idx, cache_leftpad, block_table) if isinstance(t, torch.Tensor)]
+    if not tensors:
+        return
+    device = tensors[0].device
+    seqlens = cache_seqlens if isinstance(cache_seqlens, torch.Tensor) else \
+        torch.full((shape.batch,), cache_seqlens, dtype=torch.int32, device=device)
+    used = seqlens.long() + shape.seqlen_new
+    checks = {"seqlens": ((seqlens < 0) | (used > shape.capacity)).any()}
+    if cache_leftpad is not None:
+        checks["leftpad"] = ((cache_leftpad < 0) | (cache_leftpad > seqlens)).any()
+    if cache_batch_idx is not None:
+        checks["batch_idx"] = ((cache_batch_idx < 0) | (cache_batch_idx >= cache_rows)).any()
+    if block_table is not None:
+        pages_used = (used + shape.page_size - 1) // shape.page_size
+        live = torch.arange(block_table.shape[1], device=device)[None, :] < pages_used[:, None]
+        checks["block_table"] = (live & ((block_table < 0) | (block_table >= num_pages))).any()
+    flags = dict(zip(checks, torch.stack(list(checks.values())).tolist()))
+    if flags["seqlens"]:
+        got = seqlens.tolist()
+        raise ValueError(f"cache_seqlens: got {got[:16]}{' ...' if len(got) > 16 else ''} with {shape.seqlen_new} new "
+                         f"keys; expected 0 <= cache_seqlens and cache_seqlens + seqlen_new <= {shape.capacity} (the "
+                         f"cache's rows per sequence)")
+    if flags.get("leftpad"):
+        raise ValueError(f"cache_leftpad: got {cache_leftpad.tolist()[:16]}; expected 0 <= cache_leftpad <= "
+                         f"cache_seqlens ({seqlens.tolist()[:16]})")
+    if flags.get("batch_idx"):
+        raise ValueError(f"cache_batch_idx: got {cache_batch_idx.tolist()[:16]}; expected indices into the cache's "
+                         f"{cache_rows} rows")
+    if flags.get("block_table"):
+        raise ValueError(f"block_table: got page indices outside [0, {num_pages}) among the pages the sequences use; "
+                         f"expected indices of k_cache's {num_pages} pages")
+
+
+def _positions(cache_seqlens, cache_leftpad, batch: int, n: int, device, same: bool) -> torch.Tensor:
+    """(batch, n) int64 rotary positions: row i of sequence b at cache_seqlens[b] - leftpad[b] + i
+    (every row at its first position when `same`)."""
+    start = cache_seqlens.long() if isinstance(cache_seqlens, torch.Tensor) else \
+        torch.full((batch,), cache_seqlens, dtype=torch.long, device=device)
+    if cache_leftpad is not None:
+        start = start - cache_leftpad.long()
+    steps = torch.zeros(n, dtype=torch.long, device=device) if same else torch.arange(n, device=device)
+    return start[:, None] + steps[None, :]
+
+
+def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, positions: torch.Tensor,
+                 interleaved: bool) -> torch.Tensor:
+    """x (batch, seqlen, heads, d) rotated on its first 2 * cos.shape[1] dims at `positions` (batch,
+    seqlen): GPT-J pairs (2j, 2j + 1) when interleaved, GPT-NeoX pairs (j, j + r / 2) otherwise. The
+    rotation runs in fp32 and is rounded once."""
+    r = 2 * cos.shape[1]
+    c = cos[positions].float().unsqueeze(2)  # (batch, seqlen, 1, r / 2)
+    s = sin[positions].float().unsqueeze(2)
+    head = x[..., :r].float()
+    if interleaved:
+        pairs = head.unflatten(-1, (r // 2, 2))
+        x0, x1 = pairs[..., 0], pairs[..., 1]
+        rotated = torch.stack((x0 * c - x1 * s, x0 * s + x1 * c), dim=-1).flatten(-2)
+    else:
+        x0, x1 = head[..., :r // 2], head[..., r // 2:]
+        rotated = torch.cat((x0 * c - x1 * s, x0 * s + x1 * c), dim=-1)
+    out = x.clone()
+    out[..., :r] = rotated.to(x.dtype)
+    return out
+
+
+def _append(cache: torch.Tensor, new: torch.Tensor, cache_seqlens, cache_batch_idx, block_table,
+            page_size: int | None) -> None:
+    """new[b, i] into sequence b's row cache_seqlens[b] + i, in place (dense rows or pages)."""
+    b, n = new.shape[:2]
+    positions = _positions(cache_seqlens, None, b, n, new.device, False)
+    if block_table is not None:
+        rows = block_table.long().gather(1, positions // page_size)
+        positions = positions % page_size
+    else:
+        rows = (cache_batch_idx.long() if cache_batch_idx is not None
+                else torch.arange(b, device=new.device))[:, None].expand(b, n)
+    cache.index_put_((rows, positions), new)
+
+
+def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None, rotary_sin=None, cache_seqlens=None,
+                            cache_batch_idx=None, cache_leftpad=None, block_table=None, softmax_scale=None,
+                            causal=False, window_size=(-1, -1), softcap=0.0, rotary_interleaved=True,
+                            alibi_slopes=None, num_splits=0, return_softmax_lse=False):
+    """Attention of q over a KV cache, appending new keys and values first (flash-attn 2.x).
+
+    q: (batch, seqlen_q, heads, head_dim). k_cache, v_cache: (batch_cache, seqlen_cache, heads_kv,
+    head_dim), or with block_table paged: (num_pages, page_size, heads_kv, head_dim), page_size a
+    multiple of 16. k, v: (batch, seqlen_new, heads_kv, head_dim) or None: written into the cache at
+    rows cache_seqlens[b] .. cache_seqlens[b] + seqlen_new - 1, in place, before attention.
+    rotary_cos, rotary_sin: (seqlen_ro, rotary_dim / 2): rotary embeddings on q and the new k, applied
+    only with k and v, as flash-attn does (rotary_interleaved: GPT-J pairs, else GPT-NeoX halves);
+    new key i at position
+    cache_seqlens[b] - leftpad[b] + i, query i there too when causal or windowed, every query at
+    cache_seqlens[b] - leftpad[b] otherwise. cache_seqlens: int or int32 (batch,), the keys already
+    cached. cache_batch_idx: int32 (batch,), the cache rows the batch uses (dense cache only).
+    cache_leftpad: int32 (batch,), where each sequence's keys start (dense cache only).
+    block_table: int32 (batch, max_pages_per_sequence). softmax_scale defaults to 1/sqrt(head_dim);
+    causal, window_size=(left, right) and alibi_slopes ((heads,) or (batch, heads) fp32) are
+    bottom-right aligned; softcap > 0 caps the scores. num_splits: 0 chooses from the GPU and the
+    shape, 1 never splits, n > 1 splits the keys n ways. Returns out (batch, seqlen_q, heads,
+    head_dim), and with return_softmax_lse also the natural-log LSE (batch, heads, seqlen_q) fp32
+    (+inf for rows that see no key, whose out is 0)."""
+    shape = check_kvcache(q, k_cache, v_cache, k=k, v=v, rotary_cos=rotary_cos, rotary_sin=rotary_sin,
+                          cache_seqlens=cache_seqlens, cache_batch_idx=cache_batch_idx, cache_leftpad=cache_leftpad,
+                          block_table=block_table)
+    causal = _check_flag("causal", causal)
+    _check_flag("rotary_interleaved", rotary_interleaved)
+    _check_flag("return_softmax_lse", return_softmax_lse)
+    if (not isinstance(window_size, (tuple, list)) or len(window_size) != 2
+            or any(isinstance(w, bool) or not isinstance(w, int) for w in window_size)):
+        raise TypeError(f"window_size: got {window_size!r}, expected a pair of ints (left, right), -1 for unbounded")
+    if isinstance(num_splits, bool) or not isinstance(num_splits, int) or num_splits < 0:
+        raise ValueError(f"num_splits: got {num_splits!r}, expected an int >= 0 (0 chooses)")
+    from autoflash.kernels.checks import check_scale
+    from autoflash.kernels.variants import resolve
+
+    scale = check_scale(softmax_scale, shape.head_dim)
+    # The variant arguments' own checks, before the cache is touched (the kernels' path runs them again).
+    resolve(q.transpose(1, 2), k_cache.transpose(1, 2), causal, align="bottom_right", window=tuple(window_size),
+            softcap=softcap, alibi_slopes=alibi_slopes, cache_len=shape.capacity)
+    _check_values(shape, cache_seqlens, cache_batch_idx, cache_leftpad, block_table, k_cache.shape[0],
+                  k_cache.shape[0])
+
+    if rotary_cos is not None and k is not None:  # flash-attn rotates only when it appends
+        local = tuple(window_size) != (-1, -1)
+        q = apply_rotary(q, rotary_cos, rotary_sin,
+                         _positions(cache_seqlens, cache_leftpad, shape.batch, shape.seqlen_q, q.device,
+                                    same=not (causal or local)), rotary_interleaved)
+        k = apply_rotary(k, rotary_cos, rotary_sin,
+                         _positions(cache_seqlens, cache_leftpad, shape.batch, shape.seqlen_new, q.device, False),
+                         rotary_interleaved)
+    if k is not None:
+        _append(k_cache, k, cache_seqlens, cache_batch_idx, block_table, shape.page_size)
+        _append(v_cache, v, cache_seqlens, cache_batch_idx, block_table, shape.page_size)
+    seqused = cache_seqlens + shape.seqlen_new
+    if isinstance(seqused, torch.Tensor):
+        seqused = seqused.to(torch.int32)
+
+    kw = dict(cache_batch_idx=cache_batch_idx, cache_leftpad=cache_leftpad, block_table=block_table, causal=causal,
+              scale=scale, window=tuple(window_size), softcap=softcap, alibi_slopes=alibi_slopes)
+    if q.device.type == "cpu" and not _emulating():
+        out, lse = _reference(q, k_cache, v_cache, seqused, shape, kw)
+    else:
+        from autoflash.dispatch.selection import select_decode
+        from autoflash.kernels.decode import flash_decode
+        from autoflash.kernels.launch import profile_for
+
+        config, tuned_splits = select_decode(profile_for(q, "flash_attn_with_kvcache"), q, shape)
+        out, lse = flash_decode(q, k_cache, v_cache, seqused, num_splits=num_splits or tuned_splits, config=config,
+                                **kw)
+    return (out, lse) if return_softmax_lse else out
+
+
+def _emulating() -> bool:
+    from autoflash.emulation import active
+
+    return active() is not None
+
+
+def _reference(q, k_cache, v_cache, seqused, shape: CacheShape, kw: dict):
+    """The PyTorch reference on CPU tensors (no kernel): fp32, cast to q's dtype."""
+    from autoflash.reference.kvcache import attention_kvcache_ref
+
+    lengths = seqused.tolist() if isinstance(seqused, torch.Tensor) else [seqused] * shape.batch
+    leftpad = kw["cache_leftpad"].tolist() if kw["cache_leftpad"] is not None else None
+    out, lse = attention_kvcache_ref(q, k_cache, v_cache, lengths, cache_leftpad=leftpad,
+                                     block_table=kw["block_table"], cache_batch_idx=kw["cache_batch_idx"],
+                                     causal=kw["causal"], scale=kw["scale"], window=kw["window"],
+                                     softcap=kw["softcap"], alibi_slopes=kw["alibi_slopes"])
+    return out.to(q.dtype), lse

@@ -1,0 +1,302 @@
+"""The KV-cache (decode) launcher: flash_attn_with_kvcache's kernels. Queries (batch, seqlen_q, heads,
+d) attend to a cache (batch_cache, seqlen_cache, heads_kv, d), or its pages (num_pages, page_size,
+heads_kv, d) listed per batch by an int32 block table, each batch up to its own length. The forward
+template's kvcache switch runs it; with split on, num_splits blocks share each query block's keys
+and the config's _combine kernel merges their fp32 partials (templates/flash_combine.cu.j2).
+
+The query heads that share a K/V head are folded into one block's rows (row r = query r / group of
+head r % group), FlashAttention-2's seqlenq_ngroups_swapped generalised to any seqlen_q: each K/V
+tile is then read once per (batch, kv-head, split) instead of once per query head."""
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+
+import torch
+
+from autoflash.kernels.checks import DTYPE_NAMES, GRID_YZ_MAX, check_chunked_layout, check_scale
+from autoflash.kernels.config import HEAD_DIM_MAX, HEAD_DIM_MIN, HEAD_DIM_STEP, KernelConfig
+from autoflash.kernels.defaults import default_decode_config
+from autoflash.kernels.gpus import GpuProfile
+from autoflash.kernels.variants import resolve, with_variant
+
+MAX_SPLITS = 128  # FlashAttention-2's cap on num_splits (flash_api.cpp, set_params_splitkv)
+PAGE_MULTIPLE = 16  # page sizes the kernels take: multiples of the smallest key tile
+COMBINE_ROWS_PER_BLOCK = 4  # templates/flash_combine.cu.j2: one warp per row
+
+
+@dataclasses.dataclass(frozen=True)
+class CacheShape:
+    """A checked KV-cache call's sizes: capacity is the keys one batch row may hold (seqlen_cache,
+    or pages per sequence x page_size); page_size is None for a dense cache."""
+
+    batch: int
+    seqlen_q: int
+    heads: int
+    heads_kv: int
+    head_dim: int
+    capacity: int
+    page_size: int | None
+    seqlen_new: int  # rows of new k / v to append (0: none)
+
+    @property
+    def group(self) -> int:
+        return self.heads // self.heads_kv
+
+
+def _tensor(name: str, t) -> torch.Tensor:
+    if not isinstance(t, torch.Tensor):
+        raise TypeError(f"{name}: got {type(t).__name__}, expected a torch.Tensor")
+    return t
+
+
+def _int32_vector(name: str, t, batch: int, device: torch.device) -> None:
+    _tensor(name, t)
+    if t.dtype != torch.int32 or tuple(t.shape) != (batch,) or t.device != device:
+        raise ValueError(f"{name}: got {tuple(t.shape)} {t.dtype} on {t.device}; expected int32 of shape ({batch},) "
+                         f"on {device}")
+
+
+def check_kvcache(q, k_cache, v_cache, *, k=None, v=None, rotary_cos=None, rotary_sin=None, cache_seqlens=None,
+                  cache_batch_idx=None, cache_leftpad=None, block_table=None) -> CacheShape:
+    """Metadata checks of a flash_attn_with_kvcache call (shapes, dtypes, devices, layouts: nothing
+    that reads a value); raises ValueError / TypeError with what was got and what is accepted."""
+    for name, t in (("q", q), ("k_cache", k_cache), ("v_cache", v_cache)):
+        _tensor(name, t)
+        if t.dim() != 4:
+            raise ValueError(f"{name}: got shape {tuple(t.shape)}, expected 4 dims (batch, seqlen, heads, head_dim)"
+                             + (" or, paged, (num_pages, page_size, heads_kv, head_dim)" if name != "q" else ""))
+    if q.dtype not in (torch.float16, torch.bfloat16) or not (q.dtype == k_cache.dtype == v_cache.dtype):
+        raise TypeError(f"q, k_cache, v_cache dtypes: got {q.dtype}, {k_cache.dtype}, {v_cache.dtype}; expected one "
+                        f"of float16, bfloat16 for all three")
+    if not (q.device == k_cache.device == v_cache.device):
+        raise ValueError(f"q, k_cache, v_cache devices: got {q.device}, {k_cache.device}, {v_cache.device}; "
+                         f"expected one device")
+    batch, seqlen_q, heads, d = q.shape
+    if k_cache.shape != v_cache.shape:
+        raise ValueError(f"k_cache and v_cache shapes differ: got {tuple(k_cache.shape)} and {tuple(v_cache.shape)}")
+    rows, length, heads_kv, dk = k_cache.shape
+    if dk != d:
+        raise ValueError(f"head_dim: got {d} in q and {dk} in k_cache; expected one head_dim")
+    if not (HEAD_DIM_MIN <= d <= HEAD_DIM_MAX and d % HEAD_DIM_STEP == 0):
+        raise ValueError(f"head_dim: got {d}, expected a multiple of {HEAD_DIM_STEP} in [{HEAD_DIM_MIN}, "
+                         f"{HEAD_DIM_MAX}] (flash_attn_with_kvcache pads other head dims)")
+    if min(batch, seqlen_q, heads, heads_kv, rows) == 0:
+        raise ValueError(f"empty input: got q {tuple(q.shape)}, k_cache {tuple(k_cache.shape)}; expected batch, "
+                         f"seqlen_q, heads, heads_kv and cache rows >= 1")
+    if heads % heads_kv:
+        raise ValueError(f"heads: got {heads} query heads and {heads_kv} kv heads; expected kv heads dividing "
+                         f"query heads")
+    if batch > GRID_YZ_MAX or heads > GRID_YZ_MAX:
+        raise ValueError(f"q {tuple(q.shape)}: expected batch and heads <= {GRID_YZ_MAX}")
+    for name, t in (("q", q), ("k_cache", k_cache), ("v_cache", v_cache)):
+        check_chunked_layout(name, t)
+
+    page_size = None
+    if block_table is not None:
+        _tensor("block_table", block_table)
+        if block_table.dtype != torch.int32 or block_table.dim() != 2 or block_table.shape[0] != batch \
+                or block_table.shape[1] == 0 or block_table.device != q.device or block_table.stride(1) != 1:
+            raise ValueError(f"block_table: got {tuple(block_table.shape)} {block_table.dtype} on {block_table.device}; "
+                             f"expected int32 of shape ({batch}, pages_per_sequence >= 1) on {q.device}, rows "
+                             f"contiguous")
+        if length % PAGE_MULTIPLE:
+            raise ValueError(f"page size: got {length} (k_cache {tuple(k_cache.shape)} paged); expected a multiple "
+                             f"of {PAGE_MULTIPLE}")
+        if cache_batch_idx is not None:
+            raise ValueError("cache_batch_idx: got a tensor with a block_table; expected None (the block table "
+                             "already picks each sequence's pages)")
+        if cache_leftpad is not None:
+            raise ValueError("cache_leftpad: got a tensor with a block_table; expected None (a paged cache's "
+                             "sequences start at their first page)")
+        page_size, capacity = length, block_table.shape[1] * length
+    else:
+        capacity = length
+        if cache_batch_idx is None and rows != batch:
+            raise ValueError(f"k_cache: got {rows} cache rows for batch {batch}; expected {batch}, or "
+                             f"cache_batch_idx to pick rows")
+        if cache_batch_idx is not None:
+            _int32_vector("cache_batch_idx", cache_batch_idx, batch, q.device)
+    if cache_leftpad is not None:
+        _int32_vector("cache_leftpad", cache_leftpad, batch, q.device)
+    if cache_seqlens is None or isinstance(cache_seqlens, bool):
+        raise TypeError(f"cache_seqlens: got {cache_seqlens!r}, expected an int or an int32 tensor ({batch},)")
+    if isinstance(cache_seqlens, int):
+        if cache_seqlens < 0:
+            raise ValueError(f"cache_seqlens: got {cache_seqlens}, expected >= 0")
+    else:
+        _int32_vector("cache_seqlens", cache_seqlens, batch, q.device)
+
+    seqlen_new = 0
+    if (k is None) != (v is None):
+        raise ValueError("k, v: got one of them; expected both (new keys and values to append) or neither")
+    if k is not None:
+        for name, t in (("k", k), ("v", v)):
+            _tensor(name, t)
+            if t.dim() != 4 or t.shape[0] != batch or t.shape[2:] != (heads_kv, d) or t.dtype != q.dtype \
+                    or t.device != q.device:
+                raise ValueError(f"{name}: got {tuple(t.shape)} {t.dtype} on {t.device}; expected ({batch}, "
+                                 f"seqlen_new, {heads_kv}, {d}) {q.dtype} on {q.device}")
+        if k.shape != v.shape:
+            raise ValueError(f"k and v shapes differ: got {tuple(k.shape)} and {tuple(v.shape)}")
+        seqlen_new = k.shape[1]
+        if isinstance(cache_seqlens, int) and cache_seqlens + seqlen_new > capacity:
+            raise ValueError(f"cache_seqlens: got {cache_seqlens} with {seqlen_new} new keys; the cache holds "
+                             f"{capacity} per sequence (expected cache_seqlens + seqlen_new <= {capacity})")
+    elif isinstance(cache_seqlens, int) and cache_seqlens > capacity:
+        raise ValueError(f"cache_seqlens: got {cache_seqlens}; the cache holds {capacity} per sequence (expected "
+                         f"<= {capacity})")
+    if (rotary_cos is None) != (rotary_sin is None):
+        raise ValueError("rotary_cos, rotary_sin: got one of them; expected both or neither")
+    if rotary_cos is not None:
+        for name, t in (("rotary_cos", rotary_cos), ("rotary_sin", rotary_sin)):
+            _tensor(name, t)
+            if t.dim() != 2 or t.dtype != q.dtype or t.device != q.device:
+                raise ValueError(f"{name}: got {tuple(t.shape)} {t.dtype} on {t.device}; expected (seqlen_ro, "
+                                 f"rotary_dim / 2) {q.dtype} on {q.device}")
+        if rotary_cos.shape != rotary_sin.shape:
+            raise ValueError(f"rotary_cos and rotary_sin shapes differ: got {tuple(rotary_cos.shape)} and "
+                             f"{tuple(rotary_sin.shape)}")
+        rotary_dim = 2 * rotary_cos.shape[1]
+        if rotary_dim == 0 or rotary_dim > d or rotary_dim % 16:
+            raise ValueError(f"rotary dims: got rotary_cos {tuple(rotary_cos.shape)}, rotary_dim {rotary_dim}; "
+                             f"expected an even rotary_dim = 2 * rotary_cos.shape[1], a multiple of 16 (flash-attn's "
+                             f"rule) and <= head_dim {d}")
+        if rotary_cos.shape[0] < capacity:
+            raise ValueError(f"rotary_cos: got {rotary_cos.shape[0]} positions; expected at least the cache's "
+                             f"{capacity} (seqlen_ro >= seqlen_cache)")
+    return CacheShape(batch, seqlen_q, heads, heads_kv, d, capacity, page_size, seqlen_new)
+
+
+def choose_num_splits(blocks: int, sm_count: int, key_tiles: int, max_splits: int = MAX_SPLITS) -> int:
+    """Splits of the key range for `blocks` query blocks x (batch, head) pairs on `sm_count` SMs:
+    FlashAttention-2's num_splits_heuristic (csrc/flash_attn/flash_api.cpp). No split once the
+    blocks fill 80% of the SMs; otherwise the fewest splits whose wave efficiency (n_waves /
+    ceil(n_waves), n_waves = blocks * splits / SMs) is within 85% of the best, skipping split
+    counts that give the same tiles per split as one fewer."""
+    if blocks >= 0.8 * sm_count:
+        return 1
+    max_splits = max(1, min(max_splits, sm_count, key_tiles))
+    efficiency = []
+    for s in range(1, max_splits + 1):
+        waves = blocks * s / sm_count
+        efficiency.append(waves / math.ceil(waves))
+    best = max(efficiency)
+    for s in range(1, max_splits + 1):
+        eligible = s == 1 or math.ceil(key_tiles / s) != math.ceil(key_tiles / (s - 1))
+        if eligible and efficiency[s - 1] >= 0.85 * best:
+            return s
+    return 1
+
+
+@functools.lru_cache(maxsize=32)
+def _filled(value: int, n: int, device: torch.device) -> torch.Tensor:
+    """An int32 (n,) of `value` (never written: the kernels only read these)."""
+    return torch.full((n,), value, dtype=torch.int32, device=device)
+
+
+@functools.lru_cache(maxsize=32)
+def _arange(n: int, device: torch.device) -> torch.Tensor:
+    return torch.arange(n, dtype=torch.int32, device=device)
+
+
+def decode_config(shape: CacheShape, dtype: str, profile: GpuProfile, causal: bool, variant, num_splits: int,
+                  config: KernelConfig | None) -> KernelConfig:
+    """The kernel a call runs: `config` (a tuned or explicit one, kvcache on) or the built-in one,
+    with the call's variant, paging and split switches."""
+    if config is None:
+        heavy = any(variant.switches[k] for k in ("window", "softcap", "alibi"))
+        config = default_decode_config(shape.head_dim, dtype, profile, shape.page_size, heavy)
+    elif not isinstance(config, KernelConfig):
+        raise TypeError(f"config: got {type(config).__name__}, expected a KernelConfig")
+    config = with_variant(config, causal, variant).replace(kvcache=True, paged=shape.page_size is not None,
+                                                            split=num_splits > 1)
+    if (config.head_dim, config.dtype, config.direction) != (shape.head_dim, dtype, "fwd"):
+        raise ValueError(f"config {config.name}: expected a forward config for head_dim {shape.head_dim} {dtype}")
+    if shape.page_size is not None and shape.page_size % config.block_n:
+        raise ValueError(f"config {config.name}: key tiles of {config.block_n} do not divide the page size "
+                         f"{shape.page_size}; expected block_n dividing it")
+    config.check_fits(profile.smem_per_block_optin, profile.name)
+    return config
+
+
+def flash_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, cache_seqlens, *,
+                 cache_batch_idx: torch.Tensor | None = None, cache_leftpad: torch.Tensor | None = None,
+                 block_table: torch.Tensor | None = None, causal: bool = False, scale: float | None = None,
+                 window=(-1, -1), softcap: float = 0.0, alibi_slopes: torch.Tensor | None = None,
+                 num_splits: int = 0, config: KernelConfig | None = None):
+    """Attention of q (batch, seqlen_q, heads, d) over a KV cache on CUDA tensors (CPU tensors inside
+    autoflash.emulate(): the emulated kernels), flash-attn's layout. cache_seqlens (int or int32
+    (batch,)): each batch's keys, rows [cache_leftpad[b], cache_seqlens[b]) of cache row
+    cache_batch_idx[b] (or of the pages block_table[b] lists); their values are trusted
+    (flash_attn_with_kvcache checks them). causal, window and ALiBi are bottom-right aligned.
+    num_splits: 0 chooses (choose_num_splits), 1 runs unsplit, n > 1 splits the keys n ways (at most
+    MAX_SPLITS and the key tiles). Returns (out like q, lse (batch, heads, seqlen_q) fp32)."""
+    from autoflash.kernels.launch import COMBINE_PARAMS, FWD_NAMES, FWD_PARAMS, _call, kernel_functions, \
+        profile_for
+    from autoflash.reference.forward import LOG2E
+
+    shape = check_kvcache(q, k_cache, v_cache, cache_seqlens=cache_seqlens, cache_batch_idx=cache_batch_idx,
+                          cache_leftpad=cache_leftpad, block_table=block_table)
+    if not isinstance(causal, bool):
+        raise TypeError(f"causal: got {causal!r}, expected a bool")
+    if isinstance(num_splits, bool) or not isinstance(num_splits, int) or num_splits < 0:
+        raise ValueError(f"num_splits: got {num_splits!r}, expected an int >= 0 (0 chooses)")
+    profile = profile_for(q, "flash_attn_with_kvcache")
+    dtype, scale = DTYPE_NAMES[q.dtype], check_scale(scale, shape.head_dim)
+    b, lq, hq, d = q.shape
+    hkv, g = shape.heads_kv, shape.group
+    causal, variant = resolve(q.transpose(1, 2), k_cache.transpose(1, 2), causal, align="bottom_right",
+                              window=window, softcap=softcap, alibi_slopes=alibi_slopes, cache_len=shape.capacity)
+    # Fold a K/V head's query heads into the rows unless ALiBi needs each row's own head.
+    qpack = g if g > 1 and alibi_slopes is None else 1
+    heads, rows = hq // qpack, lq * qpack
+    config = decode_config(shape, dtype, profile, causal, variant, 1, config)
+    m_blocks = math.ceil(rows / config.block_m)
+    key_tiles = math.ceil(shape.capacity / config.block_n)
+    if num_splits == 0:
+        num_splits = choose_num_splits(b * heads * m_blocks, profile.sm_count, key_tiles)
+    num_splits = max(1, min(num_splits, MAX_SPLITS, key_tiles))
+    config = config.replace(split=num_splits > 1)
+
+    if qpack > 1:  # (B, Lq, Hkv * g, d) -> (B, Hkv, Lq * g, d): row i * g + j is query i of head kv * g + j
+        q4 = q.reshape(b, lq, hkv, g, d).permute(0, 2, 1, 3, 4).reshape(b, hkv, rows, d)
+        out4 = torch.empty_like(q4)
+    else:
+        q4 = q.transpose(1, 2)
+        out = torch.empty_like(q)
+        out4 = out.transpose(1, 2)
+    k4, v4 = k_cache.transpose(1, 2), v_cache.transpose(1, 2)  # pages: (num_pages, Hkv, page_size, d)
+    lse4 = torch.empty((b, heads, rows), dtype=torch.float32, device=q.device)
+
+    device = q.device
+    seqused = _filled(cache_seqlens, b, device) if isinstance(cache_seqlens, int) else cache_seqlens
+    batch_idx = cache_batch_idx if cache_batch_idx is not None else _arange(b, device)
+    leftpad = cache_leftpad if cache_leftpad is not None else _filled(0, b, device)
+    table = block_table if block_table is not None else _filled(0, 1, device)
+    split = num_splits > 1
+    o_accum = torch.empty((num_splits, b, heads, rows, d) if split else (1,), dtype=torch.float32, device=device)
+    lse_accum = torch.empty((num_splits, b, heads, rows) if split else (1,), dtype=torch.float32, device=device)
+
+    fns = kernel_functions(config, profile, q)
+    strides = lambda t: t.stride()[:3]  # noqa: E731 -- (batch or page, head, row)
+    scalars = (*strides(q4), *strides(k4), *strides(v4), *strides(out4), *lse4.stride()[:2], variant.alibi_sb, 0,
+               table.stride(0) if block_table is not None else 0,
+               rows, shape.capacity, 1 if qpack > 1 else g, *variant.window,
+               shape.page_size or 1, num_splits, qpack, scale * LOG2E, *variant.softcap_factors(scale))
+    tensors = (q4, k_cache, v_cache, out4, lse4, *variant.pointers, seqused, batch_idx, leftpad, table, o_accum,
+               lse_accum)
+    _call(fns[config.name], (m_blocks * num_splits, heads, b), config.threads, config.smem_bytes, device,
+          FWD_PARAMS, tensors, scalars, FWD_NAMES)
+    if split:
+        n_rows = b * heads * rows
+        _call(fns[f"{config.name}_combine"], (math.ceil(n_rows / COMBINE_ROWS_PER_BLOCK), 1, 1),
+              32 * COMBINE_ROWS_PER_BLOCK, 0, device, COMBINE_PARAMS, (o_accum, lse_accum, out4, lse4),
+              (*strides(out4), *lse4.stride()[:2], b, heads, rows, num_splits),
+              ("o_accum", "lse_accum", "out", "lse"))
+    if qpack > 1:  # back to (B, Lq, Hq, d) and (B, Hq, Lq)
+        out = out4.reshape(b, hkv, lq, g, d).permute(0, 2, 1, 3, 4).reshape(b, lq, hq, d)
+        lse = lse4.reshape(b, hkv, lq, g).permute(0, 1, 3, 2).reshape(b, hq, lq)
+        return out, lse
+    return out, lse4

@@ -1,0 +1,88 @@
+"""`python -m autoflash.selfcheck --kvcache`: flash_attn_with_kvcache once (the decode kernels, and
+the combine kernel when split) against the references: out under FlashAttention's rule, the cache
+after the append bit-equal to a reference append. Inputs carry guard bands when sanitizing."""
+from __future__ import annotations
+
+
+def check_kvcache(args, shape, dtype, causal) -> list[tuple[str, bool, float, float]]:
+    import random
+
+    import torch
+
+    from autoflash.dispatch.kvcache import flash_attn_with_kvcache
+    from autoflash.emulation.guards import guarded_randn
+    from autoflash.kernels.checks import TORCH_DTYPES
+    from autoflash.reference.forward import within_tolerance
+    from autoflash.reference.kvcache import append_ref, attention_kvcache_ref, rotary
+
+    b, hq, hkv, lq, capacity, d = shape
+    dt = TORCH_DTYPES[dtype]
+    device = "cpu" if args.emulate else "cuda"
+    g = torch.Generator().manual_seed(args.seed)
+    rng = random.Random(args.seed)
+    if args.paged and (args.leftpad or args.batch_idx):
+        raise ValueError("--paged: a paged cache takes no --leftpad or --batch-idx (flash-attn's rule)")
+
+    def flash_layout(n, h, length):  # (n, length, h, d) with guard bands after rows and sequences
+        return guarded_randn(n, h, length, d, dt, g, layout="bshd").transpose(1, 2).to(device)
+
+    q = flash_layout(b, hq, lq)
+    new = args.new
+    block_table = batch_idx = leftpad = None
+    if args.paged:
+        per_seq = -(-capacity // args.paged)
+        pages = b * per_seq + 1
+        k_cache, v_cache = flash_layout(pages, hkv, args.paged), flash_layout(pages, hkv, args.paged)
+        block_table = torch.randperm(pages, generator=g)[:b * per_seq].reshape(b, per_seq).to(torch.int32)
+        capacity = per_seq * args.paged
+    else:
+        rows = b + 2 if args.batch_idx else b
+        k_cache, v_cache = flash_layout(rows, hkv, capacity), flash_layout(rows, hkv, capacity)
+        if args.batch_idx:
+            batch_idx = torch.randperm(rows, generator=g)[:b].to(torch.int32)
+    if new > capacity:
+        raise ValueError(f"--new: got {new}, expected at most the cache's {capacity} rows")
+    seqlens = [rng.randint(0, capacity - new) for _ in range(b)]
+    if b > 1:  # an empty cache among them
+        seqlens[rng.randrange(b)] = 0
+    if args.leftpad:
+        leftpad = torch.tensor([rng.randint(0, n) for n in seqlens], dtype=torch.int32)
+    k = v = cos = sin = None
+    if new:
+        k, v = flash_layout(b, hkv, new), flash_layout(b, hkv, new)
+    interleaved = args.rotary == "interleaved"
+    if args.rotary != "none":
+        cos, sin = (torch.randn(capacity, d // 32 * 8, generator=g).to(device, dt) for _ in range(2))
+    kw = dict(causal=causal, window_size=args.window, softcap=args.softcap)
+    if args.alibi:
+        kw["alibi_slopes"] = (torch.rand(b, hq, generator=g) * 0.3).to(device)
+
+    # the reference: rotary, append, attention (fp32 and in the input dtype), on copies
+    k_ref, v_ref = k_cache.detach().cpu().clone(), v_cache.detach().cpu().clone()
+    starts = [n - (int(leftpad[i]) if leftpad is not None else 0) for i, n in enumerate(seqlens)]
+    q_ref, k_new = q.cpu(), k.cpu() if k is not None else None
+    if cos is not None and new:  # rotary comes with an append only (flash-attn's rule)
+        moving = causal or tuple(args.window) != (-1, -1)
+        q_ref = rotary(q_ref, cos.cpu(), sin.cpu(), [[s + i * moving for i in range(lq)] for s in starts], interleaved)
+        k_new = rotary(k_new, cos.cpu(), sin.cpu(), [[s + i for i in range(new)] for s in starts], interleaved)
+    if new:
+        append_ref(k_ref, k_new, seqlens, block_table, batch_idx)
+        append_ref(v_ref, v.cpu(), seqlens, block_table, batch_idx)
+    used = [n + new for n in seqlens]
+    ref_kw = dict(cache_leftpad=leftpad.tolist() if leftpad is not None else None, block_table=block_table,
+                  cache_batch_idx=batch_idx, causal=causal, window=tuple(args.window), softcap=args.softcap,
+                  alibi_slopes=kw["alibi_slopes"].cpu() if args.alibi else None)
+    ref_out, _ = attention_kvcache_ref(q_ref.float(), k_ref.float(), v_ref.float(), used, **ref_kw)
+    torch_out, _ = attention_kvcache_ref(q_ref, k_ref, v_ref, used, upcast=False, **ref_kw)
+
+    out = flash_attn_with_kvcache(
+        q, k_cache, v_cache, k, v, cos, sin, torch.tensor(seqlens, dtype=torch.int32, device=device),
+        None if batch_idx is None else batch_idx.to(device), None if leftpad is None else leftpad.to(device),
+        None if block_table is None else block_table.to(device), rotary_interleaved=interleaved,
+        num_splits=args.splits, **kw)
+    if device == "cuda":
+        torch.cuda.synchronize()
+    same = torch.equal(k_cache.cpu(), k_ref) and torch.equal(v_cache.cpu(), v_ref)
+    return [("out", *within_tolerance(out.cpu().transpose(1, 2), ref_out.transpose(1, 2), torch_out.transpose(1, 2),
+                                      factor=2.0)),
+            ("kv", same, 0.0 if same else 1.0, 0.0)]

@@ -1,0 +1,234 @@
+"""flash_attn_with_kvcache on the decode kernels against the references, flash-attn's
+test_flash_attn_kvcache grid at emulator sizes: seqlen_q 1..128, new k/v appended or not, dense and
+paged caches (page sizes 16..256), cache_seqlens including 0, cache_batch_idx and left padding,
+rotary (GPT-J and GPT-NeoX, part or all of the head dim), MHA/GQA/MQA, causal, windows, softcap and
+ALiBi, unsplit and split. Each case checks:
+- out within FlashAttention's rule (2x PyTorch's own error in the input dtype, both against the fp32
+  reference), the LSE within 1e-3;
+- the cache after the call bit-equal to a reference append (rotary included);
+- split and unsplit runs of the kernel agreeing within fp32 rounding (LSE 1e-5 relative, out within
+  one rounding of the output dtype).
+Cases run on a GPU (`gpu` marker) and on the emulator; the emulated draws are sampled per run
+(conftest.py: one per (variant, dtype, d), plus a share of the rest; AUTOFLASH_SWEEP=full runs all)."""
+import random
+
+import pytest
+import torch
+
+from autoflash import flash_attn_with_kvcache
+from autoflash.kernels.decode import flash_decode
+from autoflash.reference.forward import within_tolerance
+from autoflash.reference.kvcache import append_ref, attention_kvcache_ref, rotary
+
+from gpu_inputs import TORCH_DTYPES, device
+
+VARIANTS = {
+    "plain": {},
+    "causal": dict(causal=True),
+    "window": dict(window_size=(7, 2)),
+    "window-causal": dict(window_size=(19, -1), causal=True),
+    "softcap": dict(softcap=4.0, causal=True),
+    "alibi": dict(alibi=True, causal=True),
+}
+# flash-attn's (seqlen_q, seqlen_k) pairs scaled to the emulator: seqlen_k is the cache's capacity
+PAIRS = ((1, 128), (1, 339), (3, 299), (16, 200), (64, 256), (128, 128), (5, 17))
+LAYOUTS = ("dense", "batch_idx", "leftpad", "paged-16", "paged-64", "paged-256")
+HEADS = {"mha": (4, 4), "gqa": (6, 2), "mqa": (3, 1)}
+ROTARY = (None, ("interleaved", 0.5), ("interleaved", 1.0), ("neox", 0.5), ("neox", 1.0))
+
+
+def _case(draw: int) -> dict:
+    """One draw of the grid beyond (variant, dtype, d): every option of each axis comes up within a
+    few draws (draw i takes option i mod n of each, shuffled per axis), the lengths are random."""
+    rng = random.Random(draw)
+    pick = lambda options, salt: options[(draw + salt) % len(options)]  # noqa: E731
+    return dict(pair=pick(PAIRS, 0), layout=pick(LAYOUTS, 3), heads=pick(list(HEADS), 1), rotary=pick(ROTARY, 2),
+                new_kv=pick((True, False, True), 5), splits=pick((0, 1, 3), 4), rng=rng)
+
+
+def _inputs(case: dict, d: int, dt, dev: str, g: torch.Generator):
+    (lq, capacity), (hq, hkv) = case["pair"], HEADS[case["heads"]]
+    rng, layout = case["rng"], case["layout"]
+    b = 3
+    new = 0 if not case["new_kv"] else min(lq, capacity)
+    seqlens = [rng.randint(0, capacity - new) for _ in range(b)]
+    seqlens[rng.randrange(b)] = 0  # an empty cache among them
+    t = {"q": torch.randn(b, lq, hq, d, generator=g).to(dev, dt)}
+    block_table = batch_idx = leftpad = None
+    if layout.startswith("paged"):
+        page = int(layout.split("-")[1])
+        per_seq = -(-capacity // page)
+        pages = b * per_seq + 2
+        t["k_cache"], t["v_cache"] = (torch.randn(pages, page, hkv, d, generator=g).to(dev, dt) for _ in range(2))
+        block_table = torch.randperm(pages, generator=g)[:b * per_seq].reshape(b, per_seq).to(torch.int32)
+        capacity = per_seq * page
+    else:
+        rows = b + 2 if layout == "batch_idx" else b
+        t["k_cache"], t["v_cache"] = (torch.randn(rows, capacity, hkv, d, generator=g).to(dev, dt) for _ in range(2))
+        if layout == "batch_idx":
+            batch_idx = torch.randperm(rows, generator=g)[:b].to(torch.int32)
+        if layout == "leftpad":
+            leftpad = torch.tensor([rng.randint(0, s) for s in seqlens], dtype=torch.int32)
+    if new:
+        t["k"], t["v"] = (torch.randn(b, new, hkv, d, generator=g).to(dev, dt) for _ in range(2))
+    if case["rotary"]:
+        style, fraction = case["rotary"]
+        half = int(d * fraction) // 16 * 8  # rotary_dim a multiple of 16
+        t["rotary_cos"], t["rotary_sin"] = (torch.randn(capacity, half, generator=g).to(dev, dt) for _ in range(2))
+    index = dict(cache_seqlens=torch.tensor(seqlens, dtype=torch.int32, device=dev),
+                 block_table=None if block_table is None else block_table.to(dev),
+                 cache_batch_idx=None if batch_idx is None else batch_idx.to(dev),
+                 cache_leftpad=None if leftpad is None else leftpad.to(dev))
+    return t, index, seqlens
+
+
+def _variant_kw(spec: dict, b: int, hq: int, dev: str, g) -> dict:
+    kw = {k: v for k, v in spec.items() if k != "alibi"}
+    if spec.get("alibi"):  # flash-attn's tests draw slopes as rand * 0.3
+        kw["alibi_slopes"] = (torch.rand(b, hq, generator=g) * 0.3).to(dev)
+    return kw
+
+
+def _reference(t: dict, index: dict, seqlens: list[int], kw: dict, interleaved: bool):
+    """(k_cache, v_cache after the reference append, fp32 reference out/lse, out in the input dtype)."""
+    cpu = {k: v.cpu() for k, v in t.items()}
+    idx = {k: (v.cpu() if v is not None else None) for k, v in index.items()}
+    q, k_cache, v_cache = cpu["q"], cpu["k_cache"].clone(), cpu["v_cache"].clone()
+    leftpad = idx["cache_leftpad"].tolist() if idx["cache_leftpad"] is not None else [0] * len(seqlens)
+    k = cpu.get("k")
+    if "rotary_cos" in cpu and k is not None:  # rotary comes with an append only (flash-attn's rule)
+        local = kw.get("window_size", (-1, -1)) != (-1, -1)
+        moving = kw.get("causal", False) or local
+        start = [s - p for s, p in zip(seqlens, leftpad)]
+        pos_q = [[s + (i if moving else 0) for i in range(q.shape[1])] for s in start]
+        q = rotary(q, cpu["rotary_cos"], cpu["rotary_sin"], pos_q, interleaved)
+        k = rotary(k, cpu["rotary_cos"], cpu["rotary_sin"], [[s + i for i in range(k.shape[1])] for s in start],
+                   interleaved)
+    new = 0
+    if k is not None:
+        new = k.shape[1]
+        append_ref(k_cache, k, seqlens, idx["block_table"], idx["cache_batch_idx"])
+        append_ref(v_cache, cpu["v"], seqlens, idx["block_table"], idx["cache_batch_idx"])
+    used = [s + new for s in seqlens]
+    args = dict(cache_leftpad=leftpad if idx["cache_leftpad"] is not None else None, block_table=idx["block_table"],
+                cache_batch_idx=idx["cache_batch_idx"], causal=kw.get("causal", False),
+                window=tuple(kw.get("window_size", (-1, -1))), softcap=kw.get("softcap", 0.0),
+                alibi_slopes=kw["alibi_slopes"].cpu() if "alibi_slopes" in kw else None)
+    ref_out, ref_lse = attention_kvcache_ref(q.float(), k_cache.float(), v_cache.float(), used, **args)
+    torch_out, _ = attention_kvcache_ref(q, k_cache, v_cache, used, upcast=False, **args)
+    return k_cache, v_cache, ref_out, ref_lse, torch_out
+
+
+def _split_agrees(t: dict, index: dict, used: torch.Tensor, kw: dict, dt) -> None:
+    """The kernel unsplit and split three ways over the cache as it now is. The LSE agrees within
+    fp32 rounding. O differs by more: each split rounds its probabilities P to the input dtype
+    relative to its own running max, so the two runs round P differently (flash-attn's split-KV
+    does the same); the difference is bounded by that rounding, eps * max |v|, plus the output's
+    own rounding. (test_splits_agree_within_fp32_rounding removes the P rounding and holds O to fp32.)"""
+    launch = dict(cache_batch_idx=index["cache_batch_idx"], cache_leftpad=index["cache_leftpad"],
+                  block_table=index["block_table"], causal=kw.get("causal", False),
+                  window=tuple(kw.get("window_size", (-1, -1))), softcap=kw.get("softcap", 0.0),
+                  alibi_slopes=kw.get("alibi_slopes"))
+    q = t["q"]  # rotary left out here: both runs see the same queries either way
+    one, lse_one = flash_decode(q, t["k_cache"], t["v_cache"], used, num_splits=1, **launch)
+    three, lse_three = flash_decode(q, t["k_cache"], t["v_cache"], used, num_splits=3, **launch)
+    finite = torch.isfinite(lse_one)
+    assert torch.equal(finite, torch.isfinite(lse_three)) and torch.equal(lse_one[~finite], lse_three[~finite])
+    assert torch.allclose(lse_one[finite], lse_three[finite], rtol=1e-5, atol=1e-5), \
+        f"lse split vs unsplit: {(lse_one - lse_three)[finite].abs().max():.3e}"
+    diff = (one.float() - three.float()).abs()
+    eps = torch.finfo(dt).eps
+    bound = eps * (t["v_cache"].float().abs().max() + one.float().abs())
+    assert bool((diff <= bound).all()), f"out split vs unsplit: {diff.max():.3e}"
+
+
+@pytest.mark.sweep
+@pytest.mark.parametrize("draw", range(30))
+@pytest.mark.parametrize("d", [64, 128])
+@pytest.mark.parametrize("dtype", ["fp16", "bf16"])
+@pytest.mark.parametrize("variant", sorted(VARIANTS))
+def test_kvcache_meets_flashattention_rule(target, variant, dtype, d, draw):
+    case = _case(draw)
+    dev, dt = device(target), TORCH_DTYPES[dtype]
+    g = torch.Generator().manual_seed(hash((variant, dtype, d, draw)) % 2**31)
+    t, index, seqlens = _inputs(case, d, dt, dev, g)
+    kw = _variant_kw(VARIANTS[variant], t["q"].shape[0], t["q"].shape[2], dev, g)
+    interleaved = bool(case["rotary"]) and case["rotary"][0] == "interleaved"
+    k_ref, v_ref, ref_out, ref_lse, torch_out = _reference(t, index, seqlens, kw, interleaved)
+    before = (t["k_cache"].clone(), t["v_cache"].clone())
+
+    out, lse = flash_attn_with_kvcache(t["q"], t["k_cache"], t["v_cache"], t.get("k"), t.get("v"),
+                                       t.get("rotary_cos"), t.get("rotary_sin"), rotary_interleaved=interleaved,
+                                       num_splits=case["splits"], return_softmax_lse=True, **index, **kw)
+    what = f"{case['layout']} {case['heads']} pair {case['pair']} seqlens {seqlens} rotary {case['rotary']}"
+    assert torch.equal(t["k_cache"].cpu(), k_ref) and torch.equal(t["v_cache"].cpu(), v_ref), f"cache ({what})"
+    if "k" not in t:
+        assert torch.equal(t["k_cache"], before[0]) and torch.equal(t["v_cache"], before[1])
+    ok, err, bound = within_tolerance(out.cpu().transpose(1, 2), ref_out.transpose(1, 2),
+                                      torch_out.transpose(1, 2), factor=2.0)
+    assert ok, f"out: err {err:.3e} > bound {bound:.3e} ({what})"
+    finite = torch.isfinite(ref_lse)
+    assert torch.equal(torch.isfinite(lse.cpu()), finite), f"rows that see no key ({what})"
+    assert (lse.cpu()[finite] - ref_lse[finite]).abs().max().item() <= 1e-3 if finite.any() else True
+    assert not out.cpu()[~finite.transpose(1, 2)].any(), f"rows that see no key must be 0 ({what})"
+    used = index["cache_seqlens"] + (t["k"].shape[1] if "k" in t else 0)
+    _split_agrees(t, index, used.to(torch.int32), kw, dt)
+
+
+def test_int_cache_seqlens_and_no_new_keys(target):
+    """An int cache_seqlens is every sequence's length; without k, v the cache is only read."""
+    dev = device(target)
+    g = torch.Generator().manual_seed(3)
+    q = torch.randn(2, 1, 4, 64, generator=g).to(dev, torch.bfloat16)
+    k_cache, v_cache = (torch.randn(2, 90, 2, 64, generator=g).to(dev, torch.bfloat16) for _ in range(2))
+    out = flash_attn_with_kvcache(q, k_cache, v_cache, cache_seqlens=57)
+    ref, _ = attention_kvcache_ref(q.cpu().float(), k_cache.cpu().float(), v_cache.cpu().float(), [57, 57])
+    low, _ = attention_kvcache_ref(q.cpu(), k_cache.cpu(), v_cache.cpu(), [57, 57], upcast=False)
+    ok, err, bound = within_tolerance(out.cpu(), ref, low, factor=2.0)
+    assert ok, f"out: err {err:.3e} > bound {bound:.3e}"
+
+
+def test_a_split_that_sees_no_key_leaves_the_others_exact(target):
+    """Window (3, 0) over a long cache: most splits hold no visible key (LSE -inf in the partials);
+    the combine gives the unsplit result."""
+    dev = device(target)
+    g = torch.Generator().manual_seed(5)
+    q = torch.randn(1, 2, 2, 64, generator=g).to(dev, torch.float16)
+    k_cache, v_cache = (torch.randn(1, 400, 2, 64, generator=g).to(dev, torch.float16) for _ in range(2))
+    kw = dict(window=(3, 0), causal=True)
+    one, lse_one = flash_decode(q, k_cache, v_cache, 333, num_splits=1, **kw)
+    many, lse_many = flash_decode(q, k_cache, v_cache, 333, num_splits=7, **kw)
+    assert torch.allclose(lse_one, lse_many, rtol=1e-5, atol=1e-5)
+    assert (one.float() - many.float()).abs().max().item() <= torch.finfo(torch.float16).eps * 2
+
+
+@pytest.mark.parametrize("splits", [1, 4])
+def test_empty_caches_give_zero_rows(target, splits):
+    dev = device(target)
+    q = torch.randn(2, 3, 4, 32).to(dev, torch.bfloat16)
+    k_cache = torch.randn(2, 64, 2, 32).to(dev, torch.bfloat16)
+    out, lse = flash_decode(q, k_cache, k_cache.clone(), 0, num_splits=splits, causal=True)
+    assert not out.any() and bool(torch.isinf(lse).all()) and bool((lse > 0).all())
+
+
+@pytest.mark.parametrize("dtype", ["fp16", "bf16"])
+def test_splits_agree_within_fp32_rounding(target, dtype):
+    """Every key tile holds a copy of the key that scores highest, so every split's running max is
+    the row's max from its first tile on and both runs round the same P: split and unsplit then
+    differ only by fp32 summation order and the combine's arithmetic, one output rounding at most."""
+    dev, dt = device(target), TORCH_DTYPES[dtype]
+    g = torch.Generator().manual_seed(11)
+    b, h, d, length = 2, 3, 64, 300
+    q = torch.randn(b, 1, h, d, generator=g)
+    k_cache = torch.randn(b, length, h, d, generator=g) * 0.1
+    top = 3 * q[:, 0] / q[:, 0].norm(dim=-1, keepdim=True)  # (b, h, d)
+    for j in range(0, length, 16):  # every tile of every key-tile width the kernels take
+        k_cache[:, j] = top
+    v_cache = torch.randn(b, length, h, d, generator=g)
+    q, k_cache, v_cache = (x.to(dev, dt) for x in (q, k_cache, v_cache))
+    one, lse_one = flash_decode(q, k_cache, v_cache, length, num_splits=1)
+    for splits in (2, 3):
+        many, lse_many = flash_decode(q, k_cache, v_cache, length, num_splits=splits)
+        assert torch.allclose(lse_one, lse_many, rtol=1e-6, atol=1e-6)
+        diff = (one.float() - many.float()).abs()
+        assert bool((diff <= torch.finfo(dt).eps * one.float().abs() + 1e-6).all()), f"{splits} splits: {diff.max():.3e}"

@@ -1,0 +1,88 @@
+"""flash_attn_with_kvcache refuses bad input with an error that says what it got and what it takes,
+before the cache is touched (nothing appended, nothing launched)."""
+import pytest
+import torch
+
+from autoflash import flash_attn_with_kvcache
+
+B, L, H, HK, D = 2, 64, 4, 2, 32
+
+
+def _inputs(paged: bool = False):
+    g = torch.Generator().manual_seed(0)
+    q = torch.randn(B, 1, H, D, generator=g).to(torch.bfloat16)
+    shape = (6, 32, HK, D) if paged else (B, L, HK, D)
+    k_cache, v_cache = (torch.randn(shape, generator=g).to(torch.bfloat16) for _ in range(2))
+    k, v = (torch.randn(B, 1, HK, D, generator=g).to(torch.bfloat16) for _ in range(2))
+    table = torch.tensor([[0, 1], [2, 3]], dtype=torch.int32) if paged else None
+    return dict(q=q, k_cache=k_cache, v_cache=v_cache, k=k, v=v, block_table=table,
+                cache_seqlens=torch.tensor([3, 5], dtype=torch.int32))
+
+
+CASES = {
+    "block_table int64": (True, dict(block_table=torch.tensor([[0, 1], [2, 3]])), "block_table: got (2, 2) torch.int64"),
+    "block_table 1-D": (True, dict(block_table=torch.tensor([0, 1], dtype=torch.int32)), "block_table: got (2,)"),
+    "block_table batch": (True, dict(block_table=torch.zeros(3, 2, dtype=torch.int32)), "expected int32 of shape (2,"),
+    "block_table page past the cache": (True, dict(block_table=torch.tensor([[0, 9], [2, 3]], dtype=torch.int32),
+                                                  cache_seqlens=torch.tensor([40, 5], dtype=torch.int32)),
+                                        "outside [0, 6)"),
+    "cache_seqlens past the cache": (False, dict(cache_seqlens=torch.tensor([3, 64], dtype=torch.int32)),
+                                     "cache_seqlens + seqlen_new <= 64"),
+    "cache_seqlens int past the cache": (False, dict(cache_seqlens=64), "cache_seqlens + seqlen_new <= 64"),
+    "cache_seqlens negative": (False, dict(cache_seqlens=torch.tensor([-1, 2], dtype=torch.int32)),
+                               "0 <= cache_seqlens"),
+    "cache_seqlens int64": (False, dict(cache_seqlens=torch.tensor([1, 2])), "cache_seqlens: got (2,) torch.int64"),
+    "cache_seqlens missing": (False, dict(cache_seqlens=None), "cache_seqlens: got None"),
+    "paged past the table": (True, dict(cache_seqlens=torch.tensor([64, 0], dtype=torch.int32)),
+                             "cache_seqlens + seqlen_new <= 64"),
+    "page size": (True, dict(k_cache=torch.zeros(6, 24, HK, D, dtype=torch.bfloat16),
+                             v_cache=torch.zeros(6, 24, HK, D, dtype=torch.bfloat16)), "page size: got 24"),
+    "rotary dims odd": (False, dict(rotary_cos=torch.zeros(L, 3, dtype=torch.bfloat16),
+                                    rotary_sin=torch.zeros(L, 3, dtype=torch.bfloat16)), "rotary_dim 6"),
+    "rotary dims past head_dim": (False, dict(rotary_cos=torch.zeros(L, 24, dtype=torch.bfloat16),
+                                              rotary_sin=torch.zeros(L, 24, dtype=torch.bfloat16)), "<= head_dim 32"),
+    "rotary too short": (False, dict(rotary_cos=torch.zeros(10, 8, dtype=torch.bfloat16),
+                                     rotary_sin=torch.zeros(10, 8, dtype=torch.bfloat16)), "got 10 positions"),
+    "rotary cos only": (False, dict(rotary_cos=torch.zeros(L, 8, dtype=torch.bfloat16)), "both or neither"),
+    "k without v": (False, dict(v=None), "expected both"),
+    "k heads": (False, dict(k=torch.zeros(B, 1, H, D, dtype=torch.bfloat16), v=torch.zeros(B, 1, H, D,
+                                                                                        dtype=torch.bfloat16)),
+                "k: got (2, 1, 4, 32)"),
+    "leftpad past seqlens": (False, dict(cache_leftpad=torch.tensor([4, 0], dtype=torch.int32)),
+                             "0 <= cache_leftpad <= cache_seqlens"),
+    "leftpad paged": (True, dict(cache_leftpad=torch.zeros(B, dtype=torch.int32)), "cache_leftpad: got a tensor"),
+    "batch_idx paged": (True, dict(cache_batch_idx=torch.zeros(B, dtype=torch.int32)), "cache_batch_idx: got a"),
+    "batch_idx past the cache": (False, dict(cache_batch_idx=torch.tensor([0, 2], dtype=torch.int32)),
+                                 "indices into the cache's 2 rows"),
+    "head_dim": (False, dict(q=torch.zeros(B, 1, H, 36, dtype=torch.bfloat16),
+                             k_cache=torch.zeros(B, L, HK, 36, dtype=torch.bfloat16),
+                             v_cache=torch.zeros(B, L, HK, 36, dtype=torch.bfloat16), k=None, v=None),
+                 "head_dim: got 36"),
+    "dtype": (False, dict(q=torch.zeros(B, 1, H, D)), "expected one of float16, bfloat16"),
+    "heads": (False, dict(q=torch.zeros(B, 1, 3, D, dtype=torch.bfloat16)), "kv heads dividing"),
+    "num_splits": (False, dict(num_splits=-1), "num_splits: got -1"),
+    "window": (False, dict(window_size=5), "window_size: got 5"),
+    "softcap": (False, dict(softcap=-1.0), "softcap: got -1.0"),
+    "alibi shape": (False, dict(alibi_slopes=torch.zeros(3)), "alibi_slopes: got (3,)"),
+}
+
+
+@pytest.mark.parametrize("name", sorted(CASES))
+def test_bad_input_is_refused_before_the_cache_is_touched(name):
+    paged, changes, message = CASES[name]
+    kw = _inputs(paged)
+    kw.update(changes)
+    before = (kw["k_cache"].clone(), kw["v_cache"].clone())
+    with pytest.raises((ValueError, TypeError)) as info:
+        flash_attn_with_kvcache(**kw)
+    assert message in str(info.value), str(info.value)
+    assert torch.equal(kw["k_cache"], before[0]) and torch.equal(kw["v_cache"], before[1])
+
+
+def test_good_input_runs_and_appends():
+    """The cases above start from inputs that work: the refusals are the changes' doing."""
+    for paged in (False, True):
+        kw = _inputs(paged)
+        before = kw["k_cache"].clone()
+        out = flash_attn_with_kvcache(**kw)
+        assert out.shape == kw["q"].shape and not torch.equal(kw["k_cache"], before)
