@@ -232,3 +232,35 @@ def test_splits_agree_within_fp32_rounding(target, dtype):
         assert torch.allclose(lse_one, lse_many, rtol=1e-6, atol=1e-6)
         diff = (one.float() - many.float()).abs()
         assert bool((diff <= torch.finfo(dt).eps * one.float().abs() + 1e-6).all()), f"{splits} splits: {diff.max():.3e}"
+
+
+def _op_inputs(g):
+    q = torch.randn(2, 2, 4, 32, generator=g).to(torch.bfloat16)
+    k_cache, v_cache = (torch.randn(2, 40, 2, 32, generator=g).to(torch.bfloat16) for _ in range(2))
+    k, v = (torch.randn(2, 2, 2, 32, generator=g).to(torch.bfloat16) for _ in range(2))
+    cos, sin = (torch.randn(40, 8, generator=g).to(torch.bfloat16) for _ in range(2))
+    return q, k_cache, v_cache, k, v, cos, sin, torch.tensor([3, 17], dtype=torch.int32)
+
+
+def test_the_op_passes_opcheck():
+    """autoflash::flash_kvcache (CPU reference path): schema with its mutated caches, fake tensors."""
+    q, k_cache, v_cache, k, v, cos, sin, seqlens = _op_inputs(torch.Generator().manual_seed(1))
+    torch.library.opcheck(torch.ops.autoflash.flash_kvcache.default,
+                          (q, k_cache, v_cache, k, v, cos, sin, seqlens, 0, None, None, None, None, None, True, -1, -1,
+                           0.0, True, 0))
+
+
+def test_torch_compile_fullgraph_matches_eager():
+    """One graph (no break), the same output and the same cache contents as the eager call."""
+    def step(q, k_cache, v_cache, k, v, cos, sin, seqlens):
+        return flash_attn_with_kvcache(q, k_cache, v_cache, k, v, cos, sin, seqlens, causal=True,
+                                       return_softmax_lse=True)
+
+    eager_in = _op_inputs(torch.Generator().manual_seed(2))
+    compiled_in = [t.clone() for t in eager_in]
+    out, lse = step(*eager_in)
+    torch._dynamo.reset()
+    out_c, lse_c = torch.compile(step, fullgraph=True, backend="aot_eager")(*compiled_in)
+    assert torch.equal(out, out_c) and torch.equal(lse, lse_c)
+    assert torch.equal(eager_in[1], compiled_in[1]) and torch.equal(eager_in[2], compiled_in[2])
+    assert not torch.equal(eager_in[1], _op_inputs(torch.Generator().manual_seed(2))[1])  # it did append

@@ -11,12 +11,17 @@ attention is the PyTorch reference instead (fp32, slow, for tests and code that 
 The rotary embedding and the append run as PyTorch operations before the kernel, where flash-attn
 fuses them into its kernel: the same results (the rotation in fp32, rounded once), a few more
 launches per step.
+
+No `from __future__ import annotations` here: torch.library reads the op's annotations as types.
 """
-from __future__ import annotations
+from typing import Optional
 
 import torch
 
+from autoflash.dispatch.variant_ops import _like
+from autoflash.kernels.checks import check_scale
 from autoflash.kernels.decode import CacheShape, check_kvcache
+from autoflash.kernels.variants import resolve
 
 __all__ = ["flash_attn_with_kvcache"]
 
@@ -125,21 +130,23 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
     rows cache_seqlens[b] .. cache_seqlens[b] + seqlen_new - 1, in place, before attention.
     rotary_cos, rotary_sin: (seqlen_ro, rotary_dim / 2): rotary embeddings on q and the new k, applied
     only with k and v, as flash-attn does (rotary_interleaved: GPT-J pairs, else GPT-NeoX halves);
-    new key i at position
-    cache_seqlens[b] - leftpad[b] + i, query i there too when causal or windowed, every query at
-    cache_seqlens[b] - leftpad[b] otherwise. cache_seqlens: int or int32 (batch,), the keys already
-    cached. cache_batch_idx: int32 (batch,), the cache rows the batch uses (dense cache only).
-    cache_leftpad: int32 (batch,), where each sequence's keys start (dense cache only).
-    block_table: int32 (batch, max_pages_per_sequence). softmax_scale defaults to 1/sqrt(head_dim);
-    causal, window_size=(left, right) and alibi_slopes ((heads,) or (batch, heads) fp32) are
-    bottom-right aligned; softcap > 0 caps the scores. num_splits: 0 chooses from the GPU and the
-    shape, 1 never splits, n > 1 splits the keys n ways. Returns out (batch, seqlen_q, heads,
+    new key i at position cache_seqlens[b] - leftpad[b] + i, query i there too when causal or
+    windowed, every query at cache_seqlens[b] - leftpad[b] otherwise. cache_seqlens: int or int32
+    (batch,), the keys already cached. cache_batch_idx: int32 (batch,), the cache rows the batch uses
+    (dense cache only). cache_leftpad: int32 (batch,), where each sequence's keys start (dense cache
+    only). block_table: int32 (batch, max_pages_per_sequence). softmax_scale defaults to
+    1/sqrt(head_dim); causal, window_size=(left, right) and alibi_slopes ((heads,) or (batch, heads)
+    fp32) are bottom-right aligned; softcap > 0 caps the scores. num_splits: 0 chooses from the GPU
+    and the shape, 1 never splits, n > 1 splits the keys n ways. Returns out (batch, seqlen_q, heads,
     head_dim), and with return_softmax_lse also the natural-log LSE (batch, heads, seqlen_q) fp32
-    (+inf for rows that see no key, whose out is 0)."""
-    shape = check_kvcache(q, k_cache, v_cache, k=k, v=v, rotary_cos=rotary_cos, rotary_sin=rotary_sin,
-                          cache_seqlens=cache_seqlens, cache_batch_idx=cache_batch_idx, cache_leftpad=cache_leftpad,
-                          block_table=block_table)
-    causal = _check_flag("causal", causal)
+    (+inf for rows that see no key, whose out is 0).
+
+    One custom op, autoflash::flash_kvcache (mutating k_cache and v_cache), so torch.compile traces
+    it as a single node."""
+    check_kvcache(q, k_cache, v_cache, k=k, v=v, rotary_cos=rotary_cos, rotary_sin=rotary_sin,
+                  cache_seqlens=cache_seqlens, cache_batch_idx=cache_batch_idx, cache_leftpad=cache_leftpad,
+                  block_table=block_table)
+    _check_flag("causal", causal)
     _check_flag("rotary_interleaved", rotary_interleaved)
     _check_flag("return_softmax_lse", return_softmax_lse)
     if (not isinstance(window_size, (tuple, list)) or len(window_size) != 2
@@ -147,33 +154,57 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
         raise TypeError(f"window_size: got {window_size!r}, expected a pair of ints (left, right), -1 for unbounded")
     if isinstance(num_splits, bool) or not isinstance(num_splits, int) or num_splits < 0:
         raise ValueError(f"num_splits: got {num_splits!r}, expected an int >= 0 (0 chooses)")
-    from autoflash.kernels.checks import check_scale
-    from autoflash.kernels.variants import resolve
+    if isinstance(softcap, bool) or not isinstance(softcap, (int, float)):
+        raise TypeError(f"softcap: got {softcap!r}, expected a float >= 0 (0 = no capping)")
+    if softmax_scale is not None and (isinstance(softmax_scale, bool) or not isinstance(softmax_scale, (int, float))):
+        raise TypeError(f"softmax_scale: got {softmax_scale!r}, expected a float or None")
+    seqlens_tensor = cache_seqlens if isinstance(cache_seqlens, torch.Tensor) else None
+    out, lse = flash_kvcache(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, seqlens_tensor,
+                             cache_seqlens if seqlens_tensor is None else 0, cache_batch_idx, cache_leftpad,
+                             block_table, alibi_slopes, None if softmax_scale is None else float(softmax_scale),
+                             causal, window_size[0], window_size[1], float(softcap), rotary_interleaved, num_splits)
+    return (out, lse) if return_softmax_lse else out
 
+
+@torch.library.custom_op("autoflash::flash_kvcache", mutates_args=("k_cache", "v_cache"))
+def flash_kvcache(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, k: Optional[torch.Tensor],
+                  v: Optional[torch.Tensor], rotary_cos: Optional[torch.Tensor], rotary_sin: Optional[torch.Tensor],
+                  cache_seqlens: Optional[torch.Tensor], cache_seqlens_int: int,
+                  cache_batch_idx: Optional[torch.Tensor], cache_leftpad: Optional[torch.Tensor],
+                  block_table: Optional[torch.Tensor], alibi_slopes: Optional[torch.Tensor],
+                  softmax_scale: Optional[float], causal: bool, window_left: int, window_right: int, softcap: float,
+                  rotary_interleaved: bool, num_splits: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """flash_attn_with_kvcache's work: the checks that read values, rotary, the append into k_cache
+    and v_cache, then attention: (out like q, lse (batch, heads, seqlen_q) fp32). cache_seqlens: the
+    tensor, or None and cache_seqlens_int for every sequence."""
+    seqlens = cache_seqlens if cache_seqlens is not None else cache_seqlens_int
+    window = (window_left, window_right)
+    shape = check_kvcache(q, k_cache, v_cache, k=k, v=v, rotary_cos=rotary_cos, rotary_sin=rotary_sin,
+                          cache_seqlens=seqlens, cache_batch_idx=cache_batch_idx, cache_leftpad=cache_leftpad,
+                          block_table=block_table)
     scale = check_scale(softmax_scale, shape.head_dim)
     # The variant arguments' own checks, before the cache is touched (the kernels' path runs them again).
-    resolve(q.transpose(1, 2), k_cache.transpose(1, 2), causal, align="bottom_right", window=tuple(window_size),
+    resolve(q.transpose(1, 2), k_cache.transpose(1, 2), causal, align="bottom_right", window=window,
             softcap=softcap, alibi_slopes=alibi_slopes, cache_len=shape.capacity)
-    _check_values(shape, cache_seqlens, cache_batch_idx, cache_leftpad, block_table, k_cache.shape[0],
-                  k_cache.shape[0])
+    _check_values(shape, seqlens, cache_batch_idx, cache_leftpad, block_table, k_cache.shape[0], k_cache.shape[0])
 
     if rotary_cos is not None and k is not None:  # flash-attn rotates only when it appends
-        local = tuple(window_size) != (-1, -1)
+        local = window != (-1, -1)
         q = apply_rotary(q, rotary_cos, rotary_sin,
-                         _positions(cache_seqlens, cache_leftpad, shape.batch, shape.seqlen_q, q.device,
+                         _positions(seqlens, cache_leftpad, shape.batch, shape.seqlen_q, q.device,
                                     same=not (causal or local)), rotary_interleaved)
         k = apply_rotary(k, rotary_cos, rotary_sin,
-                         _positions(cache_seqlens, cache_leftpad, shape.batch, shape.seqlen_new, q.device, False),
+                         _positions(seqlens, cache_leftpad, shape.batch, shape.seqlen_new, q.device, False),
                          rotary_interleaved)
     if k is not None:
-        _append(k_cache, k, cache_seqlens, cache_batch_idx, block_table, shape.page_size)
-        _append(v_cache, v, cache_seqlens, cache_batch_idx, block_table, shape.page_size)
-    seqused = cache_seqlens + shape.seqlen_new
+        _append(k_cache, k, seqlens, cache_batch_idx, block_table, shape.page_size)
+        _append(v_cache, v, seqlens, cache_batch_idx, block_table, shape.page_size)
+    seqused = seqlens + shape.seqlen_new
     if isinstance(seqused, torch.Tensor):
         seqused = seqused.to(torch.int32)
 
     kw = dict(cache_batch_idx=cache_batch_idx, cache_leftpad=cache_leftpad, block_table=block_table, causal=causal,
-              scale=scale, window=tuple(window_size), softcap=softcap, alibi_slopes=alibi_slopes)
+              scale=scale, window=window, softcap=softcap, alibi_slopes=alibi_slopes)
     if q.device.type == "cpu" and not _emulating():
         out, lse = _reference(q, k_cache, v_cache, seqused, shape, kw)
     else:
@@ -184,7 +215,15 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
         config, tuned_splits = select_decode(profile_for(q, "flash_attn_with_kvcache"), q, shape)
         out, lse = flash_decode(q, k_cache, v_cache, seqused, num_splits=num_splits or tuned_splits, config=config,
                                 **kw)
-    return (out, lse) if return_softmax_lse else out
+    return _like(out, q), lse.contiguous()  # the strides the fake implementation promises
+
+
+@flash_kvcache.register_fake
+def _flash_kvcache_fake(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens, cache_seqlens_int,
+                        cache_batch_idx, cache_leftpad, block_table, alibi_slopes, softmax_scale, causal, window_left,
+                        window_right, softcap, rotary_interleaved, num_splits):
+    b, lq, h, _ = q.shape
+    return torch.empty_like(q), q.new_empty((b, h, lq), dtype=torch.float32)
 
 
 def _emulating() -> bool:

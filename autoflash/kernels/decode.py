@@ -90,8 +90,9 @@ def check_kvcache(q, k_cache, v_cache, *, k=None, v=None, rotary_cos=None, rotar
                          f"query heads")
     if batch > GRID_YZ_MAX or heads > GRID_YZ_MAX:
         raise ValueError(f"q {tuple(q.shape)}: expected batch and heads <= {GRID_YZ_MAX}")
-    for name, t in (("q", q), ("k_cache", k_cache), ("v_cache", v_cache)):
-        check_chunked_layout(name, t)
+    if not torch.compiler.is_compiling():  # data pointers exist at run time only, where the op checks again
+        for name, t in (("q", q), ("k_cache", k_cache), ("v_cache", v_cache)):
+            check_chunked_layout(name, t)
 
     page_size = None
     if block_table is not None:
