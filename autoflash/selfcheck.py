@@ -126,6 +126,8 @@ def main(argv: list[str] | None = None) -> int:
     if not args.kvcache and (args.new or args.paged or args.splits or args.rotary != "none" or args.leftpad
                              or args.batch_idx):
         parser.error("--new, --paged, --splits, --rotary, --leftpad and --batch-idx go with --kvcache")
+    if args.rotary != "none" and not args.new:
+        parser.error("--rotary goes onto the new keys as they are appended: add --new N (flash-attn's rule)")
     import contextlib
 
     import torch

@@ -59,9 +59,9 @@ def check_kvcache(args, shape, dtype, causal) -> list[tuple[str, bool, float, fl
 
     # the reference: rotary, append, attention (fp32 and in the input dtype), on copies
     k_ref, v_ref = k_cache.detach().cpu().clone(), v_cache.detach().cpu().clone()
-    starts = [n - (int(leftpad[i]) if leftpad is not None else 0) for i, n in enumerate(seqlens)]
+    starts = seqlens  # rotary positions are cache rows, left padding or not (flash-attn's rule)
     q_ref, k_new = q.cpu(), k.cpu() if k is not None else None
-    if cos is not None and new:  # rotary comes with an append only (flash-attn's rule)
+    if cos is not None:  # --rotary goes with --new (flash-attn's rule)
         moving = causal or tuple(args.window) != (-1, -1)
         q_ref = rotary(q_ref, cos.cpu(), sin.cpu(), [[s + i * moving for i in range(lq)] for s in starts], interleaved)
         k_new = rotary(k_new, cos.cpu(), sin.cpu(), [[s + i for i in range(new)] for s in starts], interleaved)

@@ -71,7 +71,7 @@ def _inputs(case: dict, d: int, dt, dev: str, g: torch.Generator):
             leftpad = torch.tensor([rng.randint(0, s) for s in seqlens], dtype=torch.int32)
     if new:
         t["k"], t["v"] = (torch.randn(b, new, hkv, d, generator=g).to(dev, dt) for _ in range(2))
-    if case["rotary"]:
+    if case["rotary"] and new:  # rotary goes with an append (flash-attn's rule)
         style, fraction = case["rotary"]
         half = int(d * fraction) // 16 * 8  # rotary_dim a multiple of 16
         t["rotary_cos"], t["rotary_sin"] = (torch.randn(capacity, half, generator=g).to(dev, dt) for _ in range(2))
@@ -96,10 +96,10 @@ def _reference(t: dict, index: dict, seqlens: list[int], kw: dict, interleaved: 
     q, k_cache, v_cache = cpu["q"], cpu["k_cache"].clone(), cpu["v_cache"].clone()
     leftpad = idx["cache_leftpad"].tolist() if idx["cache_leftpad"] is not None else [0] * len(seqlens)
     k = cpu.get("k")
-    if "rotary_cos" in cpu and k is not None:  # rotary comes with an append only (flash-attn's rule)
+    if "rotary_cos" in cpu:  # with an append only (flash-attn's rule); positions are cache rows, leftpad or not
         local = kw.get("window_size", (-1, -1)) != (-1, -1)
         moving = kw.get("causal", False) or local
-        start = [s - p for s, p in zip(seqlens, leftpad)]
+        start = seqlens
         pos_q = [[s + (i if moving else 0) for i in range(q.shape[1])] for s in start]
         q = rotary(q, cpu["rotary_cos"], cpu["rotary_sin"], pos_q, interleaved)
         k = rotary(k, cpu["rotary_cos"], cpu["rotary_sin"], [[s + i for i in range(k.shape[1])] for s in start],
@@ -264,3 +264,25 @@ def test_torch_compile_fullgraph_matches_eager():
     assert torch.equal(out, out_c) and torch.equal(lse, lse_c)
     assert torch.equal(eager_in[1], compiled_in[1]) and torch.equal(eager_in[2], compiled_in[2])
     assert not torch.equal(eager_in[1], _op_inputs(torch.Generator().manual_seed(2))[1])  # it did append
+
+
+@pytest.mark.parametrize("blocks, sms, tiles", [(8, 108, 64), (1, 132, 1024), (32, 132, 16), (4, 170, 3),
+                                                (200, 108, 64), (64, 108, 7)])
+def test_num_splits_heuristic_follows_flash_attention(blocks, sms, tiles):
+    """FlashAttention-2's rule: no split once the blocks fill 80% of 2 x SMs; else the fewest splits
+    whose wave efficiency is within 85% of the best, among split counts that change tiles per split."""
+    import math
+
+    from autoflash.kernels.decode import choose_num_splits
+
+    s = choose_num_splits(blocks, sms, tiles)
+    slots = 2 * sms
+    if blocks >= 0.8 * slots or tiles == 1:
+        assert s == 1
+        return
+    cap = min(128, slots, tiles)
+    eligible = [n for n in range(1, cap + 1) if n == 1 or math.ceil(tiles / n) != math.ceil(tiles / (n - 1))]
+    eff = {n: blocks * n / slots / math.ceil(blocks * n / slots) for n in eligible}
+    best = max(eff.values())
+    assert 1 <= s <= cap and s in eligible
+    assert eff[s] >= 0.85 * best and all(eff[n] < 0.85 * best for n in eligible if n < s)

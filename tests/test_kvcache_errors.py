@@ -43,6 +43,8 @@ CASES = {
                                               rotary_sin=torch.zeros(L, 24, dtype=torch.bfloat16)), "<= head_dim 32"),
     "rotary too short": (False, dict(rotary_cos=torch.zeros(10, 8, dtype=torch.bfloat16),
                                      rotary_sin=torch.zeros(10, 8, dtype=torch.bfloat16)), "got 10 positions"),
+    "rotary without k": (False, dict(k=None, v=None, rotary_cos=torch.zeros(L, 8, dtype=torch.bfloat16),
+                                     rotary_sin=torch.zeros(L, 8, dtype=torch.bfloat16)), "expected k and v too"),
     "rotary cos only": (False, dict(rotary_cos=torch.zeros(L, 8, dtype=torch.bfloat16)), "both or neither"),
     "k without v": (False, dict(v=None), "expected both"),
     "k heads": (False, dict(k=torch.zeros(B, 1, H, D, dtype=torch.bfloat16), v=torch.zeros(B, 1, H, D,

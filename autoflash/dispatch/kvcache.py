@@ -72,13 +72,11 @@ def _check_values(shape: CacheShape, cache_seqlens, cache_batch_idx, cache_leftp
                          f"expected indices of k_cache's {num_pages} pages")
 
 
-def _positions(cache_seqlens, cache_leftpad, batch: int, n: int, device, same: bool) -> torch.Tensor:
-    """(batch, n) int64 rotary positions: row i of sequence b at cache_seqlens[b] - leftpad[b] + i
-    (every row at its first position when `same`)."""
+def _positions(cache_seqlens, batch: int, n: int, device, same: bool) -> torch.Tensor:
+    """(batch, n) int64 positions: row i of sequence b at cache_seqlens[b] + i, its absolute cache
+    row, left padding or not (flash-attn's rule; every row at cache_seqlens[b] when `same`)."""
     start = cache_seqlens.long() if isinstance(cache_seqlens, torch.Tensor) else \
         torch.full((batch,), cache_seqlens, dtype=torch.long, device=device)
-    if cache_leftpad is not None:
-        start = start - cache_leftpad.long()
     steps = torch.zeros(n, dtype=torch.long, device=device) if same else torch.arange(n, device=device)
     return start[:, None] + steps[None, :]
 
@@ -108,7 +106,7 @@ def _append(cache: torch.Tensor, new: torch.Tensor, cache_seqlens, cache_batch_i
             page_size: int | None) -> None:
     """new[b, i] into sequence b's row cache_seqlens[b] + i, in place (dense rows or pages)."""
     b, n = new.shape[:2]
-    positions = _positions(cache_seqlens, None, b, n, new.device, False)
+    positions = _positions(cache_seqlens, b, n, new.device, False)
     if block_table is not None:
         rows = block_table.long().gather(1, positions // page_size)
         positions = positions % page_size
@@ -128,10 +126,10 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
     head_dim), or with block_table paged: (num_pages, page_size, heads_kv, head_dim), page_size a
     multiple of 16. k, v: (batch, seqlen_new, heads_kv, head_dim) or None: written into the cache at
     rows cache_seqlens[b] .. cache_seqlens[b] + seqlen_new - 1, in place, before attention.
-    rotary_cos, rotary_sin: (seqlen_ro, rotary_dim / 2): rotary embeddings on q and the new k, applied
-    only with k and v, as flash-attn does (rotary_interleaved: GPT-J pairs, else GPT-NeoX halves);
-    new key i at position cache_seqlens[b] - leftpad[b] + i, query i there too when causal or
-    windowed, every query at cache_seqlens[b] - leftpad[b] otherwise. cache_seqlens: int or int32
+    rotary_cos, rotary_sin: (seqlen_ro, rotary_dim / 2): rotary embeddings on q and the new k (they
+    need k and v, as in flash-attn; rotary_interleaved: GPT-J pairs, else GPT-NeoX halves); new key i
+    at position cache_seqlens[b] + i (its cache row, left padding or not), query i there too when
+    causal or windowed, every query at cache_seqlens[b] otherwise. cache_seqlens: int or int32
     (batch,), the keys already cached. cache_batch_idx: int32 (batch,), the cache rows the batch uses
     (dense cache only). cache_leftpad: int32 (batch,), where each sequence's keys start (dense cache
     only). block_table: int32 (batch, max_pages_per_sequence). softmax_scale defaults to
@@ -188,13 +186,12 @@ def flash_kvcache(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
             softcap=softcap, alibi_slopes=alibi_slopes, cache_len=shape.capacity)
     _check_values(shape, seqlens, cache_batch_idx, cache_leftpad, block_table, k_cache.shape[0], k_cache.shape[0])
 
-    if rotary_cos is not None and k is not None:  # flash-attn rotates only when it appends
+    if rotary_cos is not None:  # with k, v (check_kvcache): flash-attn rotates as it appends
         local = window != (-1, -1)
         q = apply_rotary(q, rotary_cos, rotary_sin,
-                         _positions(seqlens, cache_leftpad, shape.batch, shape.seqlen_q, q.device,
-                                    same=not (causal or local)), rotary_interleaved)
-        k = apply_rotary(k, rotary_cos, rotary_sin,
-                         _positions(seqlens, cache_leftpad, shape.batch, shape.seqlen_new, q.device, False),
+                         _positions(seqlens, shape.batch, shape.seqlen_q, q.device, same=not (causal or local)),
+                         rotary_interleaved)
+        k = apply_rotary(k, rotary_cos, rotary_sin, _positions(seqlens, shape.batch, shape.seqlen_new, q.device, False),
                          rotary_interleaved)
     if k is not None:
         _append(k_cache, k, seqlens, cache_batch_idx, block_table, shape.page_size)

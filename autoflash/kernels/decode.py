@@ -151,6 +151,9 @@ def check_kvcache(q, k_cache, v_cache, *, k=None, v=None, rotary_cos=None, rotar
     if (rotary_cos is None) != (rotary_sin is None):
         raise ValueError("rotary_cos, rotary_sin: got one of them; expected both or neither")
     if rotary_cos is not None:
+        if k is None:
+            raise ValueError("rotary_cos, rotary_sin: got them without k, v; rotary embeddings go onto the new keys "
+                             "as they are appended (and onto q then), as in flash-attn: expected k and v too")
         for name, t in (("rotary_cos", rotary_cos), ("rotary_sin", rotary_sin)):
             _tensor(name, t)
             if t.dim() != 2 or t.dtype != q.dtype or t.device != q.device:
@@ -172,23 +175,22 @@ def check_kvcache(q, k_cache, v_cache, *, k=None, v=None, rotary_cos=None, rotar
 
 def choose_num_splits(blocks: int, sm_count: int, key_tiles: int, max_splits: int = MAX_SPLITS) -> int:
     """Splits of the key range for `blocks` query blocks x (batch, head) pairs on `sm_count` SMs:
-    FlashAttention-2's num_splits_heuristic (csrc/flash_attn/flash_api.cpp). No split once the
-    blocks fill 80% of the SMs; otherwise the fewest splits whose wave efficiency (n_waves /
-    ceil(n_waves), n_waves = blocks * splits / SMs) is within 85% of the best, skipping split
+    FlashAttention-2's num_splits_heuristic (csrc/flash_attn/flash_api.cpp, set_params_splitkv),
+    which counts two 128-thread blocks per SM (slots = 2 x SMs, since v2.5.7). No split once the
+    blocks fill 80% of the slots; otherwise the fewest splits whose wave efficiency (n_waves /
+    ceil(n_waves), n_waves = blocks * splits / slots) is within 85% of the best, skipping split
     counts that give the same tiles per split as one fewer."""
-    if blocks >= 0.8 * sm_count:
+    slots = 2 * sm_count
+    if blocks >= 0.8 * slots:
         return 1
-    max_splits = max(1, min(max_splits, sm_count, key_tiles))
-    efficiency = []
+    max_splits = max(1, min(max_splits, slots, key_tiles))
+    efficiency = {}
     for s in range(1, max_splits + 1):
-        waves = blocks * s / sm_count
-        efficiency.append(waves / math.ceil(waves))
-    best = max(efficiency)
-    for s in range(1, max_splits + 1):
-        eligible = s == 1 or math.ceil(key_tiles / s) != math.ceil(key_tiles / (s - 1))
-        if eligible and efficiency[s - 1] >= 0.85 * best:
-            return s
-    return 1
+        if s == 1 or math.ceil(key_tiles / s) != math.ceil(key_tiles / (s - 1)):  # eligible
+            waves = blocks * s / slots
+            efficiency[s] = waves / math.ceil(waves)
+    best = max(efficiency.values())
+    return next(s for s, e in efficiency.items() if e >= 0.85 * best)
 
 
 @functools.lru_cache(maxsize=32)
