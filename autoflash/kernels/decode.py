@@ -204,17 +204,17 @@ def _arange(n: int, device: torch.device) -> torch.Tensor:
     return torch.arange(n, dtype=torch.int32, device=device)
 
 
-def decode_config(shape: CacheShape, dtype: str, profile: GpuProfile, causal: bool, variant, num_splits: int,
+def decode_config(shape: CacheShape, dtype: str, profile: GpuProfile, causal: bool, variant,
                   config: KernelConfig | None) -> KernelConfig:
-    """The kernel a call runs: `config` (a tuned or explicit one, kvcache on) or the built-in one,
-    with the call's variant, paging and split switches."""
+    """The kernel a call runs, unsplit: `config` (a tuned or explicit one) or the built-in one, with
+    the call's variant and paging switches and kvcache on."""
     if config is None:
         heavy = any(variant.switches[k] for k in ("window", "softcap", "alibi"))
         config = default_decode_config(shape.head_dim, dtype, profile, shape.page_size, heavy)
     elif not isinstance(config, KernelConfig):
         raise TypeError(f"config: got {type(config).__name__}, expected a KernelConfig")
     config = with_variant(config, causal, variant).replace(kvcache=True, paged=shape.page_size is not None,
-                                                            split=num_splits > 1)
+                                                            split=False)
     if (config.head_dim, config.dtype, config.direction) != (shape.head_dim, dtype, "fwd"):
         raise ValueError(f"config {config.name}: expected a forward config for head_dim {shape.head_dim} {dtype}")
     if shape.page_size is not None and shape.page_size % config.block_n:
@@ -255,7 +255,7 @@ def flash_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, 
     # Fold a K/V head's query heads into the rows unless ALiBi needs each row's own head.
     qpack = g if g > 1 and alibi_slopes is None else 1
     heads, rows = hq // qpack, lq * qpack
-    config = decode_config(shape, dtype, profile, causal, variant, 1, config)
+    config = decode_config(shape, dtype, profile, causal, variant, config)
     m_blocks = math.ceil(rows / config.block_m)
     key_tiles = math.ceil(shape.capacity / config.block_n)
     if num_splits == 0:
