@@ -64,6 +64,13 @@ if [[ $step == bench || $step == all ]]; then
   # FlashAttention's sweep, bf16, d 64 and 128, all directions; JSON + PNGs for bench/results/<device>/.
   python3 -m autoflash.bench --dtype bf16 --head-dims 64,128 --out "$OUT" 2>&1 | tee "$OUT/bench.log" | tail -60
   status=$(( status | ${PIPESTATUS[0]} ))
+  # Decode steps over KV caches (1k..128k) against SDPA: GB/s of K+V read and the share of HBM
+  # bandwidth; dense and paged. Text into bench.log (the 8-file limit).
+  for paging in "" "--page-size 256"; do
+    # shellcheck disable=SC2086
+    python3 -m autoflash.bench decode $paging 2>&1 | tee -a "$OUT/bench.log" | tail -20
+    status=$(( status | ${PIPESTATUS[0]} ))
+  done
 fi
 if [[ $step == tune ]]; then
   # Issue 6's tune: d 64,128 x fp16,bf16 x causal on/off x fwd,bwd, the 2k-4k bucket first (the

@@ -1,17 +1,17 @@
 """Benchmarks: the kernels against torch SDPA's backends on a GPU (kernels.py), autoflash.attention's
 per-call overhead (dispatch.py), a small model trained on both (train.py), the host emulator's speed
-(emulator.py), a static SASS side-by-side with FlashAttention-2 in torch's wheel (sass.py, no GPU);
+(emulator.py), decode steps over a KV cache against SDPA (decode.py), a static SASS side-by-side with FlashAttention-2 in torch's wheel (sass.py, no GPU);
 CUDA-event timing shared with the tuner (timing.py) and the reports (report.py).
 
     python -m autoflash.bench [--help]            # the kernel benchmark (GPU)
-    python -m autoflash.bench dispatch|train|emulator|sass --help
+    python -m autoflash.bench dispatch|train|emulator|sass|decode --help
 """
 from __future__ import annotations
 
 import sys
 
 SUBCOMMANDS = {"dispatch": "autoflash.bench.dispatch", "train": "autoflash.bench.train",
-               "emulator": "autoflash.bench.emulator", "sass": "autoflash.bench.sass"}
+               "emulator": "autoflash.bench.emulator", "sass": "autoflash.bench.sass", "decode": "autoflash.bench.decode"}
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -37,12 +37,12 @@ def _check_values(shape: CacheShape, cache_seqlens, cache_batch_idx, cache_leftp
     """The index tensors' values, read once (one synchronisation on a GPU; skipped while torch.compile
     traces or a CUDA graph captures, where nothing may be read back): lengths within the cache, the
     left padding within them, rows and pages that exist."""
-    if torch.compiler.is_compiling() or (torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()):
-        return
     tensors = [t for t in (cache_seqlens, cache_batch_idx, cache_leftpad, block_table) if isinstance(t, torch.Tensor)]
-    if not tensors:
+    if not tensors or torch.compiler.is_compiling():
         return
     device = tensors[0].device
+    if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+        return
     seqlens = cache_seqlens if isinstance(cache_seqlens, torch.Tensor) else \
         torch.full((shape.batch,), cache_seqlens, dtype=torch.int32, device=device)
     used = seqlens.long() + shape.seqlen_new
