@@ -4,6 +4,7 @@
     python -m autoflash.tune --gpu h100                # on an H100: tune, write tuned/h100.json
     python -m autoflash.tune --gpu h100 --head-dims 128 --dtypes bf16 --causal on --directions fwd
     python -m autoflash.tune --gpu h100 --variants plain,window,varlen --dry-run
+    python -m autoflash.tune --gpu h100 --decode --head-dims 128 --dtypes bf16   # KV-cache (decode) keys
 
 A problem key is (GPU, direction, dtype, head_dim, causal, seqlen bucket, variant). The variant
 (--variants; plain only by default) names the kernels whose best tiles can differ from plain
@@ -32,6 +33,16 @@ the runner-ups are merged into <out>/<gpu>.json as soon as the key is done (atom
 lock; other keys in the table are kept). Without --out the table goes to $AUTOFLASH_TUNED_DIR, else
 tuned/ of a source checkout, else ~/.local/share/autoflash/tuned, which the dispatcher reads.
 
+--decode tunes flash_attn_with_kvcache's kernels instead: a decode key is (GPU, dtype, head_dim,
+queries per step q1 | q2-16, cache length le4k | le32k | gt32k, batch b1-4 | b5-32 | gt32, dense or
+paged), timed on full caches (Llama 3 8B's heads: 32 query heads per 8 K/V heads at d = 128; pages of
+256 rows; q2-16 causal at 8 queries, q1 non-causal). Its knobs are the KV-cache kernel's tiles
+(block_m 16/32/64, block_n, warps, stages; a paged key's block_n divides 256) and num_splits (0 = the
+run-time heuristic, 1 = none, up to 32), stored with the winner. Its figure of merit is memory
+bound: bytes of K + V read per second, and that as a share of the GPU's HBM bandwidth, printed
+beside SDPA's on the same caches. --directions, --causal, --seqlen-buckets and --variants do not
+apply to decode keys.
+
 Measuring needs the named GPU: without a GPU, or on another one, the command says so and exits 2.
 --backend simulated stands in for the GPU (a cost model or recorded timings, for tests and demos;
 it requires --out and never claims a measurement).
@@ -47,9 +58,11 @@ from pathlib import Path
 from autoflash.kernels.config import DIRECTIONS, DTYPES, HEAD_DIM_MAX, HEAD_DIM_MIN, HEAD_DIM_STEP
 from autoflash.kernels.gpus import PROFILES, profile_arg
 from autoflash.tuning.problem import BUCKET_LABELS, KEY_VARIANTS, SEQLEN_BUCKETS, WINDOW_FRACTION, WINDOW_LEFT_MAX
+from autoflash.tuning.decode import BATCH_BUCKETS, BATCH_LABELS, CACHE_BUCKETS, CACHE_LABELS, PAGE_SIZE, Q_LABELS
 from autoflash.tuning.study import SAMPLERS, Settings
 
 CAUSAL_MODES = {"off": (False,), "on": (True,), "both": (False, True)}
+PAGED_MODES = {"off": (False,), "on": (True,), "both": (False, True)}
 DIRECTION_MODES = {"fwd": ("fwd",), "bwd": ("bwd",), "all": DIRECTIONS}
 EXIT_NO_DEVICE = 2
 
@@ -79,16 +92,18 @@ def _head_dims(text: str) -> list[int]:
 
 
 def _restriction(text: str) -> tuple[str, tuple[int, ...]]:
-    from autoflash.tuning.space import BACKWARD_KNOBS
+    from autoflash.tuning.space import BACKWARD_KNOBS, DECODE_KNOBS
 
+    names = [*BACKWARD_KNOBS, *(k for k in DECODE_KNOBS if k not in BACKWARD_KNOBS)]
     name, sep, values = text.partition("=")
-    if not sep or name not in BACKWARD_KNOBS:
-        raise argparse.ArgumentTypeError(f"got {text!r}, expected KNOB=V1,V2 with KNOB one of "
-                                         f"{', '.join(BACKWARD_KNOBS)}")
+    if not sep or name not in names:
+        raise argparse.ArgumentTypeError(f"got {text!r}, expected KNOB=V1,V2 with KNOB one of {', '.join(names)}")
     return name, tuple(_list(int)(values))
 
 
 def make_parser() -> argparse.ArgumentParser:
+    cache = ", ".join(f"{label} timed at {'/'.join(f'{n // 1024}k' for n in lens)}" for label, _, lens in CACHE_BUCKETS)
+    batch = ", ".join(f"{label} at {'/'.join(map(str, bs))}" for label, _, bs in BATCH_BUCKETS)
     buckets = "; ".join(f"{label}: seqlen {'<= ' + str(up) if up else '> 4096'}, timed at {','.join(map(str, lens))}"
                         for label, up, lens in SEQLEN_BUCKETS)
     p = argparse.ArgumentParser(prog="python -m autoflash.tune", description=__doc__,
@@ -114,7 +129,19 @@ def make_parser() -> argparse.ArgumentParser:
                         f"varlen = packed sequences of random lengths up to the bucket's length")
     g.add_argument("--space", type=_restriction, action="append", default=[], metavar="KNOB=V1,V2",
                    help="narrow one knob of the space, e.g. --space num_stages=2 --space block_m=64,128 "
-                        "(repeatable; the built-in default is always kept)")
+                        "(repeatable; the built-in default is always kept; num_splits for decode keys)")
+    d = p.add_argument_group("decode keys (flash_attn_with_kvcache)")
+    d.add_argument("--decode", action="store_true",
+                   help="tune the KV-cache (decode) keys instead of the prefill ones (--dtypes and --head-dims "
+                        "apply; the options below pick the buckets)")
+    d.add_argument("--q-buckets", type=_list(str, Q_LABELS), default=list(Q_LABELS),
+                   help=f"queries per step: comma-separated subset of {','.join(Q_LABELS)} (default all)")
+    d.add_argument("--cache-buckets", type=_list(str, CACHE_LABELS), default=list(CACHE_LABELS),
+                   help=f"cache lengths: subset of {','.join(CACHE_LABELS)} (default all; {cache})")
+    d.add_argument("--batch-buckets", type=_list(str, BATCH_LABELS), default=list(BATCH_LABELS),
+                   help=f"batch sizes: subset of {','.join(BATCH_LABELS)} (default all; {batch})")
+    d.add_argument("--paged", choices=tuple(PAGED_MODES), default="both",
+                   help=f"off (dense caches), on (pages of {PAGE_SIZE} rows) or both (default)")
     g.add_argument("--show-rejected", action="store_true", help="with --dry-run, list each rejected config and why")
     s = p.add_argument_group("search")
     s.add_argument("--budget", type=int, default=40, help="measurements per key, the default's included (default 40)")
@@ -163,6 +190,9 @@ def _check_args(p: argparse.ArgumentParser, args) -> None:
 def _space_title(key) -> str:
     """A search space's title in the dry-run listing: what its kernels are (the bucket only changes
     the shapes timed, so one space serves every bucket)."""
+    if key.is_decode:
+        return (f"{key.gpu} decode {key.dtype} d{key.head_dim} {key.q_bucket} "
+                f"{'paged ' + str(PAGE_SIZE) if key.paged else 'dense'}")
     title = f"{key.gpu} {key.direction} {key.dtype} d{key.head_dim} {'causal' if key.causal else 'full'}"
     return title if key.variant == "plain" else f"{title} {key.variant}"
 
@@ -236,8 +266,18 @@ def main(argv: list[str] | None = None) -> int:
 def _keys(parser: argparse.ArgumentParser, args, gpu: str) -> list:
     """The problem keys of the options; a note on stderr for the combinations that make none, and a
     usage error when none is left."""
-    from autoflash.tuning.runner import build_keys, skipped_combinations
+    from autoflash.tuning.runner import build_decode_keys, build_keys, skipped_combinations
 
+    if args.decode:
+        keys = build_decode_keys(gpu, dtypes=args.dtypes, head_dims=args.head_dims, q_buckets=args.q_buckets,
+                                 cache_buckets=args.cache_buckets, batch_buckets=args.batch_buckets,
+                                 paged=PAGED_MODES[args.paged])
+        if not keys:
+            parser.error(f"--decode --dtypes: got {','.join(args.dtypes)}; expected fp16 or bf16 (the KV-cache "
+                         f"kernels' dtypes)")
+        if "fp32" in args.dtypes:
+            print("autoflash.tune: no decode keys for fp32 (the KV-cache kernels run fp16 and bf16)", file=sys.stderr)
+        return keys
     causal = CAUSAL_MODES[args.causal]
     keys = build_keys(gpu, directions=DIRECTION_MODES[args.directions], dtypes=args.dtypes, head_dims=args.head_dims,
                       causal=causal, buckets=args.seqlen_buckets, variants=args.variants)

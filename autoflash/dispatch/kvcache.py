@@ -210,6 +210,10 @@ def flash_kvcache(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
         from autoflash.kernels.launch import profile_for
 
         config, tuned_splits = select_decode(profile_for(q, "flash_attn_with_kvcache"), q, shape)
+        if window != (-1, -1) or softcap or alibi_slopes is not None:
+            # Tuned tiles were measured without these switches' registers (they may spill with them,
+            # see kernels.defaults): the built-in tiles for the kernel, the tuned split count still.
+            config = None
         out, lse = flash_decode(q, k_cache, v_cache, seqused, num_splits=num_splits or tuned_splits, config=config,
                                 **kw)
     return _like(out, q), lse.contiguous()  # the strides the fake implementation promises

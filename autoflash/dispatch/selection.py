@@ -171,5 +171,45 @@ def clear_cache() -> None:
 def select_decode(profile: GpuProfile, q, shape) -> tuple[KernelConfig | None, int]:
     """The KV-cache kernel's tuned config and num_splits for a flash_attn_with_kvcache call (q and
     the checked kernels.decode.CacheShape): (None, 0) where no tuned decode key matches, meaning the
-    built-in config (kernels.defaults.default_decode_config) and the split heuristic."""
+    built-in config (kernels.defaults.default_decode_config) and the split heuristic.
+
+    The decode key (ProblemKey.decode) is q's dtype, the head dim, and the buckets of seqlen_q,
+    the cache's capacity (keys a sequence may hold: the lengths themselves are tensor values, never
+    read here), the batch, and paged or not; tables are looked up in select_config's order. A
+    seqlen_q above 16 has no decode key; a paged call whose page size the tuned key tile does not
+    divide (keys are tuned with pages of 256) falls back too. Reads q's dtype only: no tensor
+    contents, no synchronisation. Cached as select_config is."""
+    from autoflash.kernels.checks import DTYPE_NAMES
+    from autoflash.tuning import decode as dk
+
+    dtype = DTYPE_NAMES.get(q.dtype)
+    q_bucket = dk.q_bucket(shape.seqlen_q)
+    if dtype not in ("fp16", "bf16") or q_bucket is None:
+        return None, 0
+    buckets = (q_bucket, dk.cache_bucket(max(1, shape.capacity)), dk.batch_bucket(shape.batch))
+    user = os.environ.get(USER_DIR_ENV)
+    files = _files_state(profile.name, user)
+    templates = _template_hash()
+    key = ("decode", profile, dtype, shape.head_dim, *buckets, shape.page_size, templates, user, files)
+    chosen = _selections.get(key)
+    if chosen is None:
+        chosen = _select_decode(profile, dtype, shape.head_dim, buckets, shape.page_size, templates, _folders(user),
+                                files)
+        if len(_selections) >= SELECTION_CACHE_MAX:
+            _selections.clear()
+        _selections[key] = chosen
+    return chosen
+
+
+def _select_decode(profile: GpuProfile, dtype: str, head_dim: int, buckets: tuple[str, str, str],
+                   page_size: int | None, template_hash: str, folders, files) -> tuple[KernelConfig | None, int]:
+    key = ProblemKey.decode(profile.name, dtype, head_dim, *buckets, page_size is not None)
+    for _path, table in _tables(profile.name, template_hash, folders, files):
+        entry = table.get(key)
+        if entry is None:
+            continue
+        config = entry.winner.config
+        if config.smem_bytes > profile.smem_per_block_optin or (page_size is not None and page_size % config.block_n):
+            continue  # a cut-down part, or pages the tuned key tile does not divide: the next table, or none
+        return config, entry.winner.num_splits or 0
     return None, 0

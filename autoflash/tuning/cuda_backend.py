@@ -3,7 +3,8 @@ on a small problem (a wrong result fails the trial, with its error size), then t
 events on the key's representative shapes: warm-up, L2 flushed before every repetition, median of
 the repetitions. Each shape runs as the key's Workload (ProblemKey.workload): a window key with its
 sliding window, bottom-right aligned; a packed key with cu_seqlens. Any CUDA error here kills at most
-this worker, never the study."""
+this worker, never the study. Decode keys are
+measured by cuda_decode.py."""
 from __future__ import annotations
 
 import sys
@@ -34,6 +35,7 @@ class CudaBackend:
                                f"(profile {self.profile.name!r}); tune on the GPU you name, or name this one")
         self._inputs: dict[tuple, tuple] = {}
         self._cu_seqlens: dict[Workload, object] = {}
+        self._decode: dict = {}  # (dtype, DecodeWorkload) -> its tensors (cuda_decode.decode_tensors)
         self.device = "cuda"  # where inputs are made ("cpu" under autoflash.emulate(), for tests)
         self._flush = None
 
@@ -155,8 +157,15 @@ class CudaBackend:
     # ---------------------------------------------------------------- protocol
     def measure(self, key: ProblemKey, config: KernelConfig, shapes: list[Shape], registers: int | None,
                 trial: int | None = None, reps: int = 20, warmup: int = 3) -> dict:
+        """Check, then time `config` (a decode key's: a space.DecodePoint) on the key's shapes."""
         from autoflash.bench.timing import flush_buffer, time_cuda
 
+        if self._flush is None:
+            self._flush = flush_buffer(self.torch)
+        if key.is_decode:
+            from autoflash.tuning.cuda_decode import measure_decode
+
+            return measure_decode(self, key, config, shapes, reps, warmup)
         wrong = self._check(key, config)
         if wrong is not None:
             return wrong
@@ -172,7 +181,15 @@ class CudaBackend:
 
     def baseline(self, key: ProblemKey, shapes: list[Shape], reps: int = 20, warmup: int = 3) -> dict:
         """SDPA's FlashAttention backend on the same shapes (forward, or backward on a saved graph);
-        "unsupported" for a variant key (SDPA_UNSUPPORTED says why)."""
+        "unsupported" for a variant key (SDPA_UNSUPPORTED says why); a decode key's: cuda_decode."""
+        if key.is_decode:
+            from autoflash.bench.timing import flush_buffer
+
+            if self._flush is None:
+                self._flush = flush_buffer(self.torch)
+            from autoflash.tuning.cuda_decode import baseline_decode
+
+            return baseline_decode(self, key, shapes, reps, warmup)
         if key.variant != "plain":
             return {"status": "unsupported", "reason": SDPA_UNSUPPORTED[key.variant]}
         from torch.nn.attention import SDPBackend, sdpa_kernel

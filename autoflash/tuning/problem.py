@@ -1,7 +1,9 @@
 """ProblemKey: what a caller asks for (GPU, direction, dtype, head dim, causal, sequence-length
 bucket and, where it can change the best tiles, a variant), kept apart from what is chosen for it (a
 KernelConfig). Tuned tables hold one winner per key; the tuner times each key on its representative
-shapes, each run as a Workload (the run-time side of the variant: window sizes, packed lengths)."""
+shapes, each run as a Workload (the run-time side of the variant: window sizes, packed lengths).
+Decode keys (variant "decode": flash_attn_with_kvcache's kernels) bucket queries per step, cache
+length, batch and paging instead; their buckets and timed calls are tuning/decode.py's."""
 from __future__ import annotations
 
 import dataclasses
@@ -10,6 +12,7 @@ import random
 from typing import Any
 
 from autoflash.kernels.config import DIRECTIONS, DTYPES, HEAD_DIM_MAX, HEAD_DIM_MIN, HEAD_DIM_STEP, VARIANTS
+from autoflash.tuning import decode as dk
 
 # Sequence-length buckets: (label, largest seqlen_k in the bucket or None, representative lengths).
 # Tile choices shift with length (short sequences want small tiles to fill the SMs); three buckets
@@ -37,6 +40,11 @@ assert all(v in VARIANTS for v in KEY_VARIANTS[1:])
 # 4096, a half or less of their contexts), so the key's tiles are tuned for a band, not a triangle.
 WINDOW_LEFT_MAX, WINDOW_FRACTION = 1024, 4
 VARLEN_SEED = 0  # packed keys: lengths drawn by random.Random seeded from this, the tokens and max_seqlen
+# A decode key (flash_attn_with_kvcache's kernels; buckets and workloads in tuning/decode.py) is a
+# ProblemKey with this variant and its own fields: it is not one of KEY_VARIANTS (--variants), the
+# tuner's --decode makes them.
+DECODE = "decode"
+_DECODE_FIELDS = ("q_bucket", "batch_bucket", "paged")
 # Why a variant key has no SDPA-flash baseline (its time in the table is then null).
 SDPA_UNSUPPORTED = {
     "window": "SDPA-flash has no sliding window (its flash backend takes no mask)",
@@ -132,6 +140,11 @@ class Workload:
 def _check_variant(variant: Any, dtype: str, causal: bool) -> None:
     """A key's variant: one of KEY_VARIANTS; a window key is causal, and only 16-bit dtypes have
     variant kernels (KernelConfig refuses variant switches on fp32)."""
+    if variant == DECODE:
+        if dtype == "fp32":
+            raise ValueError("ProblemKey: got variant 'decode' with dtype fp32; expected fp16 or bf16 (the KV-cache "
+                             "kernels run on tensor cores)")
+        return
     if variant not in KEY_VARIANTS:
         raise ValueError(f"ProblemKey.variant: got {variant!r}, expected one of {KEY_VARIANTS}")
     if variant == "window" and not causal:
@@ -168,7 +181,13 @@ class ProblemKey:
 
     Softcap, ALiBi and key-bias calls use their plain key's config (they change the logits, not
     the tiles visited). The slug keeps its five parts for plain keys (tables written before
-    variants read as they were) and gains the variant as a sixth otherwise."""
+    variants read as they were) and gains the variant as a sixth otherwise.
+
+    A decode key (variant "decode", made by ProblemKey.decode) is a flash_attn_with_kvcache call's:
+    direction "fwd", seqlen_bucket the cache-length bucket (decode.CACHE_LABELS), and q_bucket,
+    batch_bucket and paged set (None, None and False on every other key); causal is whether its
+    queries are (q2-16 keys are timed causal, q1 keys not). Its slug is
+    "decode/bf16/d128/q1/le32k/b1-4/dense" (or ".../paged")."""
 
     gpu: str  # a GpuProfile name, e.g. "h100"
     direction: str  # "fwd" or "bwd"
@@ -176,7 +195,21 @@ class ProblemKey:
     head_dim: int
     causal: bool
     seqlen_bucket: str  # one of BUCKET_LABELS
-    variant: str = "plain"  # one of KEY_VARIANTS
+    variant: str = "plain"  # one of KEY_VARIANTS, or DECODE
+    q_bucket: str | None = None  # decode keys: decode.Q_LABELS
+    batch_bucket: str | None = None  # decode keys: decode.BATCH_LABELS
+    paged: bool = False  # decode keys: a paged cache (pages of decode.PAGE_SIZE rows when timed)
+
+    @classmethod
+    def decode(cls, gpu: str, dtype: str, head_dim: int, q_bucket: str, cache_bucket: str, batch_bucket: str,
+               paged: bool) -> "ProblemKey":
+        """A decode key; causal follows the query bucket (q2-16 keys are causal)."""
+        return cls(gpu, "fwd", dtype, head_dim, q_bucket != "q1", cache_bucket, DECODE, q_bucket, batch_bucket,
+                   paged)
+
+    @property
+    def is_decode(self) -> bool:
+        return self.variant == DECODE
 
     def __post_init__(self) -> None:
         if not isinstance(self.gpu, str) or not self.gpu:
@@ -192,26 +225,53 @@ class ProblemKey:
                              f"in [{HEAD_DIM_MIN}, {HEAD_DIM_MAX}]")
         if not isinstance(self.causal, bool):
             raise TypeError(f"ProblemKey.causal: got {self.causal!r}, expected a bool")
+        _check_variant(self.variant, self.dtype, self.causal)
+        if self.is_decode:
+            self._check_decode()
+            return
         if self.seqlen_bucket not in BUCKET_LABELS:
             raise ValueError(f"ProblemKey.seqlen_bucket: got {self.seqlen_bucket!r}, expected one of {BUCKET_LABELS}")
-        _check_variant(self.variant, self.dtype, self.causal)
+        given = {f: getattr(self, f) for f in _DECODE_FIELDS if getattr(self, f) not in (None, False)}
+        if given:
+            raise ValueError(f"ProblemKey: got {given} on a {self.variant} key; expected them on decode keys only")
+
+    def _check_decode(self) -> None:
+        if self.direction != "fwd":
+            raise ValueError(f"ProblemKey.direction: got {self.direction!r} on a decode key, expected 'fwd'")
+        for field, labels in (("seqlen_bucket", dk.CACHE_LABELS), ("q_bucket", dk.Q_LABELS),
+                              ("batch_bucket", dk.BATCH_LABELS)):
+            if getattr(self, field) not in labels:
+                raise ValueError(f"ProblemKey.{field}: got {getattr(self, field)!r} on a decode key, expected one "
+                                 f"of {labels}")
+        if not isinstance(self.paged, bool):
+            raise TypeError(f"ProblemKey.paged: got {self.paged!r}, expected a bool")
+        if self.causal != (self.q_bucket != "q1"):
+            raise ValueError(f"ProblemKey.causal: got {self.causal} for query bucket {self.q_bucket!r}; expected "
+                             f"{self.q_bucket != 'q1'} (q1 keys are timed non-causal, q2-16 keys causal)")
 
     @property
     def slug(self) -> str:
         """The key inside one GPU's table, e.g. "fwd/bf16/d128/causal/le4k", and with a variant
         "fwd/bf16/d128/causal/le4k/window"."""
+        if self.is_decode:
+            return "/".join((DECODE, self.dtype, f"d{self.head_dim}", self.q_bucket, self.seqlen_bucket,
+                             self.batch_bucket, "paged" if self.paged else "dense"))
         parts = [self.direction, self.dtype, f"d{self.head_dim}", "causal" if self.causal else "full",
                  self.seqlen_bucket]
         return "/".join(parts if self.variant == "plain" else [*parts, self.variant])
 
     @classmethod
     def from_slug(cls, gpu: str, slug: str) -> "ProblemKey":
-        """The key of a slug: five parts (plain) or six (the variant last)."""
+        """The key of a slug: five parts (plain) or six (the variant last); seven for a decode key."""
         parts = slug.split("/") if isinstance(slug, str) else []
+        if len(parts) == 7 and parts[0] == DECODE and parts[2][:1] == "d" and parts[2][1:].isdigit() \
+                and parts[6] in ("dense", "paged"):
+            return cls.decode(gpu, parts[1], int(parts[2][1:]), parts[3], parts[4], parts[5], parts[6] == "paged")
         if (len(parts) not in (5, 6) or not parts[2].startswith("d") or not parts[2][1:].isdigit()
                 or parts[3] not in ("causal", "full") or (len(parts) == 6 and parts[5] not in KEY_VARIANTS[1:])):
             raise ValueError(f"problem key {slug!r} not understood; expected e.g. 'fwd/bf16/d128/causal/le4k' or, "
-                             f"with a variant ({', '.join(KEY_VARIANTS[1:])}), 'fwd/bf16/d128/causal/le4k/window'")
+                             f"with a variant ({', '.join(KEY_VARIANTS[1:])}), 'fwd/bf16/d128/causal/le4k/window', "
+                             f"or a decode key 'decode/bf16/d128/q1/le32k/b1-4/dense'")
         return cls(gpu, parts[0], parts[1], int(parts[2][1:]), parts[3] == "causal", parts[4], *parts[5:])
 
     def __str__(self) -> str:
@@ -223,13 +283,21 @@ class ProblemKey:
         d = dataclasses.asdict(self)
         if self.variant == "plain":
             del d["variant"]
+        if not self.is_decode:  # the decode fields are written for decode keys only
+            for f in _DECODE_FIELDS:
+                del d[f]
         return d
 
     def config_fields(self) -> dict[str, Any]:
         """The KernelConfig fields a key fixes: direction, dtype, head dim, causal, alignment and
         every variant switch (the key's own on, the others off). A window key's kernel has causal
         False (the window's right side of 0 carries it); window and causal varlen keys are
-        bottom-right aligned."""
+        bottom-right aligned. A decode key's kernel is the KV-cache one (kvcache on, paged as the key,
+        unsplit: flash_decode turns split on for num_splits > 1), causal bottom-right where causal."""
+        if self.is_decode:
+            return {"direction": "fwd", "dtype": self.dtype, "head_dim": self.head_dim, "causal": self.causal,
+                    "align": "bottom_right" if self.causal else "top_left", **dict.fromkeys(VARIANTS, False),
+                    "kvcache": True, "paged": self.paged, "split": False}
         placed = self.causal and self.variant != "plain"  # flash-attn's alignment: bottom right
         fields = {"direction": self.direction, "dtype": self.dtype, "head_dim": self.head_dim,
                   "causal": self.causal and self.variant != "window",
@@ -244,12 +312,22 @@ class ProblemKey:
 
     def shapes(self) -> tuple[Shape, ...]:
         """The shapes a config of this key is timed on: the bucket's lengths at TOKENS tokens (for a
-        packed key, batch = the number of sequences packed into TOKENS tokens)."""
+        packed key, batch = the number of sequences packed into TOKENS tokens). A decode key's are
+        (batch, query heads, cache length, head_dim), decode.decode_shapes."""
+        if self.is_decode:
+            return tuple(Shape(*s) for s in dk.decode_shapes(self.q_bucket, self.seqlen_bucket, self.batch_bucket,
+                                                              self.head_dim))
         lengths = next(lens for label, _, lens in SEQLEN_BUCKETS if label == self.seqlen_bucket)
         heads = max(1, HIDDEN // self.head_dim)
         if self.variant == "varlen":
             return tuple(Shape(len(packed_lengths(TOKENS, s)), heads, s, self.head_dim) for s in lengths)
         return tuple(Shape(max(1, TOKENS // s), heads, s, self.head_dim) for s in lengths)
+
+    def decode_workload(self, shape: Shape) -> "dk.DecodeWorkload":
+        """The flash_decode call a shape of a decode key is timed with (decode.DecodeWorkload)."""
+        if not self.is_decode:
+            raise ValueError(f"ProblemKey.decode_workload: got {self.variant} key {self.slug!r}, expected a decode key")
+        return dk.decode_workload(self.q_bucket, self.paged, shape.batch, shape.seqlen, self.head_dim)
 
     def workload(self, shape: Shape, tokens: int = TOKENS) -> Workload:
         """The call a shape of this key is timed with. plain: dense, causal top-left; window: dense,

@@ -6,6 +6,7 @@ import collections
 from pathlib import Path
 
 from autoflash.bench.report import flops, tflops
+from autoflash.kernels.gpus import GpuProfile
 from autoflash.tuning.problem import ProblemKey
 from autoflash.tuning.space import Candidate
 
@@ -13,7 +14,10 @@ from autoflash.tuning.space import Candidate
 def key_flops(key: ProblemKey) -> float:
     """FLOPs of one pass over the key's shapes (FlashAttention's count; x2.5 for the backward), over
     the (query, key) pairs each shape's workload attends: a window's band, packed sequences' own
-    lengths (for plain keys, flops(batch, heads, seqlen, seqlen, ...) as before)."""
+    lengths (for plain keys, flops(batch, heads, seqlen, seqlen, ...) as before); a decode key's
+    4 * batch * heads * Lq * cache_len * d (decode.DecodeWorkload.flops)."""
+    if key.is_decode:
+        return sum(key.decode_workload(s).flops() for s in key.shapes())
     total = 0.0
     for s in key.shapes():
         w = key.workload(s)
@@ -23,6 +27,20 @@ def key_flops(key: ProblemKey) -> float:
 
 def key_tflops(key: ProblemKey, ms: float) -> float:
     return tflops(key_flops(key), ms)
+
+
+def key_kv_bytes(key: ProblemKey) -> int:
+    """Bytes of K and V a decode key's shapes read, one pass over each (decode.DecodeWorkload.kv_bytes)."""
+    return sum(key.decode_workload(s).kv_bytes for s in key.shapes())
+
+
+def key_bandwidth(key: ProblemKey, ms: float, profile: GpuProfile | None) -> dict:
+    """A decode key's figure of merit for `ms` (summed over its shapes, as trials are): K + V bytes
+    read per second, {"gb_per_s", "hbm_share"}; hbm_share is of the profile's HBM bandwidth (None
+    when the profile has none)."""
+    gbs = key_kv_bytes(key) / (ms * 1e-3) / 1e9
+    hbm = profile.mem_bandwidth_gbs if profile is not None else 0.0
+    return {"gb_per_s": gbs, "hbm_share": gbs / hbm if hbm else None}
 
 
 def format_space(title: str, candidates: list[Candidate], *, show_rejected: bool = False) -> str:
@@ -50,7 +68,9 @@ def _ratio(num: float | None, den: float | None) -> str:
 
 def format_results(rows: list[dict]) -> str:
     """rows: {"key", "winner", "ms", "tflops", "sdpa_flash_ms", "default_ms", "evaluated", "failed"};
-    x SDPA-flash and x default are speed-ups (their time over the winner's)."""
+    x SDPA-flash and x default are speed-ups (their time over the winner's). Decode rows (with
+    "gb_per_s", "hbm_share" and maybe "sdpa_gb_per_s") add the K + V bytes read per second, as a
+    share of the GPU's HBM bandwidth, and SDPA's."""
     header = (f"{'key':<34} {'winner':<46} {'ms':>9} {'TFLOPs':>7} {'x SDPA-flash':>12} {'x default':>9} "
               f"{'evals':>5} {'failed':>6}")
     lines = [header, "-" * len(header)]
@@ -60,8 +80,16 @@ def format_results(rows: list[dict]) -> str:
             continue
         lines.append(f"{r['key']:<34} {r['winner']:<46} {r['ms']:>9.4f} {r['tflops']:>7.1f} "
                      f"{_ratio(r.get('sdpa_flash_ms'), r['ms']):>12} {_ratio(r.get('default_ms'), r['ms']):>9} "
-                     f"{r['evaluated']:>5} {r['failed']:>6}")
+                     f"{r['evaluated']:>5} {r['failed']:>6}" + _bandwidth_cell(r))
     return "\n".join(lines)
+
+
+def _bandwidth_cell(row: dict) -> str:
+    if row.get("gb_per_s") is None:
+        return ""
+    share = f" ({100 * row['hbm_share']:.0f}% of HBM)" if row.get("hbm_share") else ""
+    sdpa = f", SDPA {row['sdpa_gb_per_s']:.0f} GB/s" if row.get("sdpa_gb_per_s") else ""
+    return f"  K+V {row['gb_per_s']:.0f} GB/s{share}{sdpa}"
 
 
 def plot_search(histories: dict[str, list[tuple[int, float]]], defaults: dict[str, float | None],

@@ -9,10 +9,11 @@ import sys
 from pathlib import Path
 
 from autoflash.kernels.config import KernelConfig
-from autoflash.kernels.gpus import GpuProfile
+from autoflash.kernels.gpus import PROFILES, GpuProfile
 from autoflash.tuning.problem import ProblemKey, variant_applies
-from autoflash.tuning.report import key_tflops
-from autoflash.tuning.space import Candidate, constrain, default_for, enumerate_space
+from autoflash.tuning.report import key_bandwidth, key_tflops
+from autoflash.tuning.space import Candidate, DecodePoint, constrain, default_for, enumerate_space, knobs, \
+    point_from_name
 from autoflash.tuning.study import KeyStudy, Outcome, Settings
 from autoflash.tuning.table import Entry, Result, Table, merge_into, table_path
 
@@ -25,6 +26,14 @@ def build_keys(gpu: str, *, directions, dtypes, head_dims, causal, buckets, vari
             if variant_applies(v, dt, c)]
 
 
+def build_decode_keys(gpu: str, *, dtypes, head_dims, q_buckets, cache_buckets, batch_buckets,
+                      paged=(False, True)) -> list[ProblemKey]:
+    """Every decode key of the options' product (fp16 / bf16 only: the KV-cache kernels' dtypes)."""
+    return [ProblemKey.decode(gpu, dt, d, q, c, b, p)
+            for dt, d, q, p, c, b in itertools.product(dtypes, head_dims, q_buckets, paged, cache_buckets,
+                                                         batch_buckets) if dt != "fp32"]
+
+
 def skipped_combinations(*, dtypes, causal, variants) -> list[str]:
     """The (variant, dtype, causal) combinations of the options that make no key, described."""
     return [f"{v} {dt} {'causal' if c else 'full'}" for v, dt, c in itertools.product(variants, dtypes, causal)
@@ -32,9 +41,9 @@ def skipped_combinations(*, dtypes, causal, variants) -> list[str]:
 
 
 def _group(key: ProblemKey) -> tuple:
-    """Keys that share a search space (the bucket changes the shapes timed, not the kernels; the
-    variant changes the kernels)."""
-    return key.direction, key.dtype, key.head_dim, key.causal, key.variant
+    """Keys that share a search space (the buckets change the shapes timed, not the kernels; the
+    variant and, for decode keys, paging change the kernels)."""
+    return key.direction, key.dtype, key.head_dim, key.causal, key.variant, key.paged
 
 
 def prepare_spaces(keys: list[ProblemKey], profile: GpuProfile, *, restrict: dict[str, tuple[int, ...]] | None = None,
@@ -48,8 +57,9 @@ def prepare_spaces(keys: list[ProblemKey], profile: GpuProfile, *, restrict: dic
         if _group(key) in groups:
             continue
         default = default_for(key, profile)
+        own = knobs(key)  # a knob the key does not have (num_splits on a prefill key) restricts nothing
         configs = [c for c in enumerate_space(key, default)
-                   if c == default or all(getattr(c, k) in v for k, v in (restrict or {}).items())]
+                   if c == default or all(getattr(c, k) in v for k, v in (restrict or {}).items() if k in own)]
         groups[_group(key)] = default, configs
     total = sum(len(c) for _, c in groups.values())
     bar = tqdm(total=total, desc=f"constraints for {profile.name} ({profile.arch})", unit="cfg",
@@ -72,8 +82,10 @@ def spaces_for(spaces: dict, key: ProblemKey) -> tuple[KernelConfig, list[Candid
 
 
 def _result(key: ProblemKey, trial) -> Result:
-    cfg = KernelConfig.from_name(trial.user_attrs["config"])
-    return Result.of(cfg, float(trial.value), key_tflops(key, float(trial.value)), trial.user_attrs.get("registers"))
+    point = point_from_name(trial.user_attrs["config"])
+    splits = point.num_splits if isinstance(point, DecodePoint) else None
+    return Result.of(point.config if splits is not None else point, float(trial.value),
+                     key_tflops(key, float(trial.value)), trial.user_attrs.get("registers"), num_splits=splits)
 
 
 def entry_from(outcome: Outcome, runner_ups: int) -> Entry | None:
@@ -108,6 +120,11 @@ def summary_row(outcome: Outcome) -> dict:
            "default_ms": float(outcome.default.value) if outcome.default is not None else None}
     if best is not None:
         row.update(winner=best.user_attrs["config"], ms=float(best.value), tflops=key_tflops(key, float(best.value)))
+        if key.is_decode:  # the memory-bound figure of merit, beside SDPA's
+            profile = PROFILES.get(key.gpu)
+            row.update(key_bandwidth(key, float(best.value), profile))
+            if outcome.sdpa_flash_ms:
+                row["sdpa_gb_per_s"] = key_bandwidth(key, outcome.sdpa_flash_ms, profile)["gb_per_s"]
     return row
 
 

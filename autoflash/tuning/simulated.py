@@ -11,7 +11,9 @@ run their Workload: a window visits fewer key tiles per query block (and wastes 
 with wide tiles), packed sequences pay for partial last tiles and idle blocks; both roughly.
 
 SDPA-flash has no sliding window and takes packed sequences only as nested tensors, which the tuner
-does not time: its baseline is "unsupported" for variant keys here as on a GPU."""
+does not time: its baseline is "unsupported" for variant keys here as on a GPU. Decode keys (their
+points: a KV-cache config and num_splits) take simulated_decode's memory-bound model, and SDPA's
+time on the same caches."""
 from __future__ import annotations
 
 import fnmatch
@@ -184,6 +186,12 @@ class SimulatedBackend:
             raise RuntimeError(f"simulated launch failure of {config.name}")
         if fault == "wrong":
             result = {"status": "wrong", "reason": "out: max error 0.5 > bound 0.0123", "err": 0.5, "bound": 0.0123}
+        elif key.is_decode and self.timings is None:
+            from autoflash.tuning.simulated_decode import decode_model_ms
+
+            result = {"status": "ok", "err": 0.0, "bound": 0.0,
+                      "ms": [decode_model_ms(config.config, config.num_splits, key.decode_workload(s), self.profile,
+                                             registers, _jitter(config.name, s)) for s in shapes]}
         elif self.timings is not None:
             ms = self.timings.get("timings", {}).get(key.slug, {}).get(config.name)
             if ms is None or len(ms) != len(shapes):
@@ -197,7 +205,14 @@ class SimulatedBackend:
         return result
 
     def baseline(self, key: ProblemKey, shapes: list[Shape], reps: int = 20, warmup: int = 3) -> dict:
-        if key.variant != "plain":
+        if key.is_decode and self.timings is None:
+            from autoflash.tuning.simulated_decode import sdpa_decode_model_ms
+            from autoflash.tuning.space import default_for
+
+            default = default_for(key, self.profile).config
+            return {"status": "ok", "ms": [sdpa_decode_model_ms(default, key.decode_workload(s), self.profile)
+                                          for s in shapes]}
+        if key.variant not in ("plain", "decode"):
             return {"status": "unsupported", "reason": SDPA_UNSUPPORTED[key.variant]}
         if self.timings is not None:
             ms = self.timings.get("sdpa_flash", {}).get(key.slug)

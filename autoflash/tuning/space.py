@@ -1,6 +1,9 @@
 """The search space of one problem key: a comprehension over the template's knobs plus a filter, then
 the hard constraints that cost no GPU time — the profile's shared memory per block, and, from an
-NVRTC compile for the profile's arch, no register spills. The built-in default is always included."""
+NVRTC compile for the profile's arch, no register spills. The built-in default is always included.
+
+A decode key's points are DecodePoints: a KV-cache KernelConfig and a run-time num_splits (not a
+KernelConfig field), constrained through every kernel the point may launch (split and unsplit)."""
 from __future__ import annotations
 
 import concurrent.futures
@@ -31,6 +34,17 @@ BACKWARD_KNOBS = {
     "dq": ("atomic", "pass"),  # dQ by atomics in the dK/dV kernel, or a second kernel without them
     "v_in_regs": (False, True),  # V's fragments held in registers (spill-pruned where they do not fit)
 }
+# Decode (KV-cache) keys: few query rows (Lq x the GQA group: 4 to 32 when timed), so narrow query
+# tiles and few warps are worth trying; key tiles up to FlashAttention-2's split-KV 256 (96 and 192
+# do not divide a page of 256 and are pruned for paged keys); num_splits 0 is the run-time heuristic
+# (kernels.decode.choose_num_splits, the built-in default's), 1 no split, up to 32 ways.
+DECODE_KNOBS = {
+    "block_m": (16, 32, 64),
+    "block_n": (32, 64, 96, 128, 192, 256),
+    "num_warps": (1, 2, 4),
+    "num_stages": (1, 2, 3),
+    "num_splits": (0, 1, 2, 4, 8, 16, 32),
+}
 # Query rows of the forward's tile each warp owns. FA2 gives a warp 16 or 32 rows (128 x 8 warps,
 # 128 x 4); 48 trades registers for fewer warps. (The backward's warp tiles come from
 # KernelConfig.backward_layout.)
@@ -41,7 +55,67 @@ ACCUMULATOR_REGISTER_LIMIT = 192
 
 
 def knobs(key: ProblemKey) -> dict[str, tuple[int, ...]]:
+    if key.is_decode:
+        return DECODE_KNOBS
     return BACKWARD_KNOBS if key.direction == "bwd" else FORWARD_KNOBS
+
+
+SPLITS_TAG = ":splits"  # a DecodePoint's name: <kernel name>:splits<n>
+
+
+@dataclasses.dataclass(frozen=True)
+class DecodePoint:
+    """One point of a decode key's space: the KV-cache kernel (split off: flash_decode turns it on
+    for num_splits > 1) and num_splits (0 = the heuristic). Reads as its config for every other
+    attribute (block_n, smem_bytes, ...), so the study handles it as it does a KernelConfig; its
+    name tells the points of one kernel apart."""
+
+    config: KernelConfig
+    num_splits: int
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.config, KernelConfig) or not self.config.kvcache or self.config.split:
+            raise ValueError(f"DecodePoint.config: got {getattr(self.config, 'name', self.config)!r}, expected an "
+                             f"unsplit KV-cache KernelConfig")
+        if isinstance(self.num_splits, bool) or not isinstance(self.num_splits, int) or self.num_splits < 0:
+            raise ValueError(f"DecodePoint.num_splits: got {self.num_splits!r}, expected an int >= 0 (0 chooses)")
+
+    def __getattr__(self, name: str):
+        if name.startswith("__") or name == "config":  # copy/pickle probes, and no recursion before init
+            raise AttributeError(name)
+        return getattr(self.config, name)
+
+    @property
+    def name(self) -> str:
+        return f"{self.config.name}{SPLITS_TAG}{self.num_splits}"
+
+    @property
+    def kernels(self) -> tuple[KernelConfig, ...]:
+        """The kernels the point may launch: unsplit for 1 split, split for more, both for 0 (the
+        heuristic picks per call)."""
+        split = self.config.replace(split=True)
+        return {0: (self.config, split), 1: (self.config,)}.get(self.num_splits, (split,))
+
+    @classmethod
+    def from_name(cls, name: str) -> "DecodePoint":
+        kernel, sep, n = name.partition(SPLITS_TAG)
+        if not sep or not n.isdigit():
+            raise ValueError(f"decode point {name!r} not understood; expected '<kernel name>{SPLITS_TAG}<n>'")
+        return cls(KernelConfig.from_name(kernel), int(n))
+
+
+def point_of(key: ProblemKey, values: dict):
+    """The KernelConfig (or, for a decode key, DecodePoint) of knob values for `key`; ValueError when
+    the template does not take them."""
+    values = dict(values)
+    splits = values.pop("num_splits", None)
+    cfg = KernelConfig(**key.config_fields(), **values)
+    return DecodePoint(cfg, splits) if key.is_decode else cfg
+
+
+def point_from_name(name: str):
+    """A KernelConfig or DecodePoint from its name (what trials record)."""
+    return DecodePoint.from_name(name) if SPLITS_TAG in name else KernelConfig.from_name(name)
 
 
 def accumulator_registers(config: KernelConfig) -> int | None:
@@ -69,20 +143,28 @@ def _plausible(config: KernelConfig) -> bool:
     return rows in ROWS_PER_WARP and accumulator_registers(config) <= ACCUMULATOR_REGISTER_LIMIT
 
 
+def _page_fits(key: ProblemKey, cfg) -> bool:
+    """A paged decode key's key tiles must divide the timed page size (kernels.decode.decode_config)."""
+    from autoflash.tuning.decode import PAGE_SIZE
+
+    return not (key.is_decode and key.paged and PAGE_SIZE % cfg.block_n)
+
+
 def enumerate_space(key: ProblemKey, default: KernelConfig | None = None) -> list[KernelConfig]:
     """Every valid, plausible KernelConfig for `key` (the default first when given), no duplicates.
     Each carries the key's fixed fields, the variant's switches included (ProblemKey.config_fields),
-    so the compile check and spill pruning see the kernels that will run."""
+    so the compile check and spill pruning see the kernels that will run. A decode key's are
+    DecodePoints, a paged key's with key tiles dividing decode.PAGE_SIZE."""
     names = list(knobs(key))
     out: dict[str, KernelConfig] = {}
     if default is not None:
         out[default.name] = default
     for values in itertools.product(*knobs(key).values()):
         try:
-            cfg = KernelConfig(**key.config_fields(), **dict(zip(names, values)))
+            cfg = point_of(key, dict(zip(names, values)))
         except ValueError:  # a combination the template does not accept
             continue
-        if _plausible(cfg):
+        if _plausible(cfg.config if key.is_decode else cfg) and _page_fits(key, cfg):
             out.setdefault(cfg.name, cfg)
     return list(out.values())
 
@@ -125,8 +207,12 @@ def constrain(configs: Iterable[KernelConfig], profile: GpuProfile, *, jobs: int
               progress: Callable[[int, int], None] | None = None) -> list[Candidate]:
     """Applies the hard constraints: shared memory from the config's own model, then an NVRTC compile
     for the profile's arch (in `jobs` processes; compiles are cached on disk) rejecting spills.
-    Returns one Candidate per config, in the order given. `progress(done, total)` after each."""
+    Returns one Candidate per config, in the order given. `progress(done, total)` after each.
+    DecodePoints pass when every kernel they may launch does (each kernel compiled once)."""
     configs = list(configs)
+    points = [c for c in configs if isinstance(c, DecodePoint)]
+    if points:
+        return _constrain_points(configs, profile, jobs, progress)
     result: dict[str, Candidate] = {}
     to_compile = []
     for cfg in configs:
@@ -158,13 +244,38 @@ def constrain(configs: Iterable[KernelConfig], profile: GpuProfile, *, jobs: int
     return [result[cfg.name] for cfg in configs]
 
 
+def _constrain_points(configs: list, profile: GpuProfile, jobs: int | None, progress) -> list[Candidate]:
+    kernels = {k.name: k for c in configs for k in (c.kernels if isinstance(c, DecodePoint) else (c,))}
+    # progress in points, as the caller counts them
+    scaled = (lambda done, total: progress(done * len(configs) // max(total, 1), len(configs))) if progress else None
+    checked = {c.config.name: c for c in constrain(list(kernels.values()), profile, jobs=jobs, progress=scaled)}
+    out = []
+    for c in configs:
+        cands = [checked[k.name] for k in (c.kernels if isinstance(c, DecodePoint) else (c,))]
+        bad = next((k for k in cands if not k.ok), None)
+        if bad is not None:
+            out.append(Candidate(c, bad.status, f"{bad.config.name}: {bad.reason}", bad.registers, bad.spill_bytes))
+        else:
+            out.append(Candidate(c, "ok", "", max(k.registers for k in cands), 0))
+    return out
+
+
 def default_for(key: ProblemKey, profile: GpuProfile) -> KernelConfig:
     """The built-in config for a key: what the dispatcher runs without a tuned table. A variant key
     takes the built-in tiles for kernels carrying variant switches (those the launcher picks when
     given no config: the plain first choices spill with the band's registers at some head dims,
     kernels.defaults) with the key's switches on (ProblemKey.config_fields). A window key picks its
-    tiles as a causal one does, as the launcher does (a window skips key blocks too)."""
-    from autoflash.kernels.defaults import default_backward_config, default_config
+    tiles as a causal one does, as the launcher does (a window skips key blocks too). A decode key's
+    is the KV-cache kernel flash_attn_with_kvcache runs untuned (kernels.defaults.
+    default_decode_config, for pages of decode.PAGE_SIZE when paged) with num_splits 0 (the
+    heuristic), a DecodePoint."""
+    from autoflash.kernels.defaults import default_backward_config, default_config, default_decode_config
+
+    if key.is_decode:
+        from autoflash.tuning.decode import PAGE_SIZE
+
+        base = default_decode_config(key.head_dim, key.dtype, profile, PAGE_SIZE if key.paged else None)
+        return DecodePoint(base.replace(**key.config_fields()), 0)
 
     pick = default_backward_config if key.direction == "bwd" else default_config
     base = pick(key.head_dim, key.dtype, key.causal, profile, variant=key.variant != "plain")

@@ -26,7 +26,7 @@ from optuna.trial import TrialState
 
 from autoflash.kernels.config import KernelConfig
 from autoflash.tuning.problem import ProblemKey
-from autoflash.tuning.space import Candidate, knobs, param_values
+from autoflash.tuning.space import Candidate, DecodePoint, knobs, param_values, point_of
 
 # Optuna's UserWarning from Study.ask() when the storage has a heartbeat (optuna/study/study.py).
 HEARTBEAT_WARNING = r"Heartbeat of storage is supposed to be used with Study\.optimize"
@@ -214,7 +214,10 @@ class KeyStudy:
         msg = {"op": op, "key": self.key.to_dict(), "reps": self.settings.reps, "warmup": self.settings.warmup,
                "shapes": [[s.batch, s.heads, s.seqlen, s.head_dim] for s in self.key.shapes()]}
         if config is not None:
-            msg.update(config=config.to_dict(), registers=self.by_name[config.name].registers, trial=trial)
+            msg.update(config=config.config.to_dict() if isinstance(config, DecodePoint) else config.to_dict(),
+                       registers=self.by_name[config.name].registers, trial=trial)
+            if isinstance(config, DecodePoint):
+                msg["num_splits"] = config.num_splits
         return msg
 
     def objective(self, trial) -> float:
@@ -222,7 +225,7 @@ class KeyStudy:
         trial.set_user_attr("host", HOST)
         trial.set_user_attr("pid", os.getpid())
         try:
-            cfg = KernelConfig(**self.key.config_fields(), **params)
+            cfg = point_of(self.key, params)  # a KernelConfig, or a decode key's DecodePoint
         except ValueError as e:
             self._prune(trial, "invalid", str(e))
         trial.set_user_attr("config", cfg.name)

@@ -7,7 +7,9 @@ writing one table lose nothing and a crash never leaves a half-written table. Ta
 `ProblemKey.slug` and by provenance field. Schema: see SCHEMA_NAME / SCHEMA_VERSION and `Table.to_dict`.
 An entry's key holds "variant" only for a variant key ("window", "varlen"; see ProblemKey): absent, it
 is plain, so tables written before variants load unchanged. Every config of an entry must match its
-key (ProblemKey.matches: the variant's switches included).
+key (ProblemKey.matches: the variant's switches included). A decode key (variant "decode") also holds
+q_bucket, batch_bucket and paged, and each of its results a "num_splits" (0 = the heuristic) beside
+the unsplit KV-cache config; other results have none, so older tables load unchanged.
 """
 from __future__ import annotations
 
@@ -39,7 +41,8 @@ _ENTRY_KEYS = ("key", "winner", "default", "sdpa_flash_ms", "runner_ups", "shape
 _TABLE_KEYS = ("schema", "version", "gpu", "template_hash", "provenance", "entries")
 # An entry's key: ProblemKey's fields. "variant" is written for variant keys only (ProblemKey.to_dict),
 # so a plain entry reads and writes as it did before variants, and a variant entry's slug has six parts.
-_KEY_KEYS = tuple(f.name for f in dataclasses.fields(ProblemKey) if f.name != "variant")
+_DECODE_KEY_KEYS = ("q_bucket", "batch_bucket", "paged")
+_KEY_KEYS = tuple(f.name for f in dataclasses.fields(ProblemKey) if f.name not in ("variant", *_DECODE_KEY_KEYS))
 
 
 class TableError(ValueError):
@@ -102,7 +105,9 @@ def _iso_date(where: str, at: str, value: Any) -> str:
 
 @dataclasses.dataclass(frozen=True)
 class Result:
-    """One measured config: the sum of median times over the key's shapes, and its resource use."""
+    """One measured config: the sum of median times over the key's shapes, and its resource use. A
+    decode key's also has num_splits, the run-time splits of the key range it was timed with (0:
+    kernels.decode.choose_num_splits per call); None on every other key's."""
 
     name: str
     config: KernelConfig
@@ -110,21 +115,31 @@ class Result:
     tflops: float
     registers: int | None
     smem_bytes: int
+    num_splits: int | None = None
 
     @classmethod
     def of(cls, config: KernelConfig, ms: float, tflops: float, registers: int | None = None,
-           smem_bytes: int | None = None) -> "Result":
+           smem_bytes: int | None = None, num_splits: int | None = None) -> "Result":
         """A Result named after its config; smem_bytes defaults to the config's dynamic shared memory."""
-        return cls(config.name, config, ms, tflops, registers, config.smem_bytes if smem_bytes is None else smem_bytes)
+        return cls(config.name, config, ms, tflops, registers, config.smem_bytes if smem_bytes is None else smem_bytes,
+                   num_splits)
+
+    @property
+    def label(self) -> str:
+        """The name, with ":splits<n>" for a decode result (the tuner's name of the point)."""
+        return self.name if self.num_splits is None else f"{self.name}:splits{self.num_splits}"
 
     def to_dict(self) -> dict[str, Any]:
-        return {"name": self.name, "config": self.config.to_dict(), "ms": self.ms, "tflops": self.tflops,
-                "registers": self.registers, "smem_bytes": self.smem_bytes}
+        d = {"name": self.name, "config": self.config.to_dict(), "ms": self.ms, "tflops": self.tflops,
+             "registers": self.registers, "smem_bytes": self.smem_bytes}
+        if self.num_splits is not None:
+            d["num_splits"] = self.num_splits
+        return d
 
     @classmethod
     def from_dict(cls, data: Any, where: str, *, at: str = "result", key: ProblemKey | None = None) -> "Result":
         """Validate one Result object; with `key`, its config must also have been made for that key."""
-        d = _object(where, at, data, _RESULT_KEYS)
+        d = _object(where, at, data, _RESULT_KEYS, optional=("num_splits",))
         name = _str(where, f"{at}.name", d["name"])
         try:
             config = KernelConfig.from_dict(d["config"])
@@ -140,9 +155,16 @@ class Result:
         registers = d["registers"]
         if registers is not None:
             _int(where, f"{at}.registers", registers, 0)
+        splits = d.get("num_splits")
+        if key is not None and key.is_decode and splits is None:
+            raise _fail(where, f"{at}.num_splits", splits, "an int >= 0 (a decode key's result names its splits)")
+        if key is not None and not key.is_decode and splits is not None:
+            raise _fail(where, f"{at}.num_splits", splits, f"no num_splits (key {key.slug!r} is not a decode key)")
+        if splits is not None:
+            _int(where, f"{at}.num_splits", splits, 0)
         return cls(name, config, _number(where, f"{at}.ms", d["ms"], positive=True),
                    _number(where, f"{at}.tflops", d["tflops"], positive=False), registers,
-                   _int(where, f"{at}.smem_bytes", d["smem_bytes"], 0))
+                   _int(where, f"{at}.smem_bytes", d["smem_bytes"], 0), splits)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -176,7 +198,7 @@ class Entry:
                   gpu: str | None = None) -> "Entry":
         """Validate one entry; `slug` and `gpu` (when given) are what the enclosing table says it is."""
         d = _object(where, at, data, _ENTRY_KEYS)
-        raw = _object(where, f"{at}.key", d["key"], _KEY_KEYS, optional=("variant",))
+        raw = _object(where, f"{at}.key", d["key"], _KEY_KEYS, optional=("variant", *_DECODE_KEY_KEYS))
         try:
             key = ProblemKey(**raw)
         except (TypeError, ValueError) as e:
@@ -195,8 +217,8 @@ class Entry:
         runner_ups = tuple(Result.from_dict(r, where, at=f"{at}.runner_ups[{i}]", key=key)
                            for i, r in enumerate(d["runner_ups"]))
         for i, r in enumerate(runner_ups):
-            if r.name == winner.name:
-                raise _fail(where, f"{at}.runner_ups[{i}].name", r.name, "a config other than the winner")
+            if r.label == winner.label:
+                raise _fail(where, f"{at}.runner_ups[{i}].name", r.label, "a config other than the winner")
             if i and r.ms < runner_ups[i - 1].ms:
                 raise _fail(where, f"{at}.runner_ups[{i}].ms", r.ms,
                             f">= {runner_ups[i - 1].ms} (runner-ups in ascending ms)")

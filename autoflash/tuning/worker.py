@@ -6,7 +6,7 @@ costs only that worker: the parent records why, kills it if needed and starts a 
 
 Protocol: the first line is {"op": "init", "backend": "cuda" | "simulated", "options": {...}}, answered
 {"status": "ready", "device": {...}} or {"status": "error", "reason"}; then {"op": "measure", "key",
-"config", "shapes", "registers", "trial", "reps", "warmup"} and {"op": "baseline", "key", "shapes",
+"config", "shapes", "registers", "trial", "reps", "warmup"} (and "num_splits" for a decode key) and {"op": "baseline", "key", "shapes",
 "reps", "warmup"}, each answered with one line: {"status": "ok", "ms": [...]}, {"status": "wrong",
 "reason", "err", "bound"}, {"status": "unsupported", "reason"} or {"status": "error", "reason"}."""
 from __future__ import annotations
@@ -45,8 +45,12 @@ def _handle(backend, msg: dict) -> dict:
     shapes = [Shape(*s) for s in msg["shapes"]]
     timing = {k: msg[k] for k in ("reps", "warmup") if k in msg}
     if msg["op"] == "measure":
-        return backend.measure(key, KernelConfig.from_dict(msg["config"]), shapes, msg.get("registers"),
-                               msg.get("trial"), **timing)
+        config = KernelConfig.from_dict(msg["config"])
+        if msg.get("num_splits") is not None:  # a decode key's point: the kernel and its run-time splits
+            from autoflash.tuning.space import DecodePoint
+
+            config = DecodePoint(config, msg["num_splits"])
+        return backend.measure(key, config, shapes, msg.get("registers"), msg.get("trial"), **timing)
     if msg["op"] == "baseline":
         return backend.baseline(key, shapes, **timing)
     raise ValueError(f"op: got {msg.get('op')!r}, expected 'measure' or 'baseline'")
