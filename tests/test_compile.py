@@ -64,10 +64,12 @@ def _variant_default(make, d: int, switches: dict, prof) -> KernelConfig:
 
 
 # Decode (KV-cache) switch sets the decode defaults are held to: the cache alone, bottom-right causal
-# over pages split across blocks, and window + softcap + ALiBi split.
+# over pages split across blocks, window + softcap + ALiBi split, and causal with a key bias
+# (autoflash.hf's padding masks).
 DECODE_SETS = (dict(),
                dict(causal=True, align="bottom_right", paged=True, split=True),
-               dict(window=True, softcap=True, alibi=True, align="bottom_right", split=True))
+               dict(window=True, softcap=True, alibi=True, align="bottom_right", split=True),
+               dict(causal=True, align="bottom_right", key_bias=True, split=True))
 
 
 def defaults():
@@ -77,7 +79,8 @@ def defaults():
            for d in HEAD_DIMS for dt in DTYPES for c in (False, True) for arch, prof in ARCH_PROFILES.items()}
     variants = {(_variant_default(make, d, v, prof), arch) for make in (default_config, default_backward_config)
                 for d in HEAD_DIMS for v in VARIANT_SETS for arch, prof in ARCH_PROFILES.items()}
-    decode = {(default_decode_config(d, dt, prof, 256 if v.get("paged") else None, "window" in v).replace(**v), arch)
+    decode = {(default_decode_config(d, dt, prof, 256 if v.get("paged") else None, "window" in v or "key_bias" in v)
+               .replace(**v), arch)
               for d in HEAD_DIMS for dt in ("fp16", "bf16") for v in DECODE_SETS for arch, prof in ARCH_PROFILES.items()}
     return sorted(fwd | bwd | variants | decode, key=lambda x: (x[0].name, x[1]))
 

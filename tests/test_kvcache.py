@@ -246,8 +246,8 @@ def test_the_op_passes_opcheck():
     """autoflash::flash_kvcache (CPU reference path): schema with its mutated caches, fake tensors."""
     q, k_cache, v_cache, k, v, cos, sin, seqlens = _op_inputs(torch.Generator().manual_seed(1))
     torch.library.opcheck(torch.ops.autoflash.flash_kvcache.default,
-                          (q, k_cache, v_cache, k, v, cos, sin, seqlens, 0, None, None, None, None, None, True, -1, -1,
-                           0.0, True, 0))
+                          (q, k_cache, v_cache, k, v, cos, sin, seqlens, 0, None, None, None, None, None, None, True,
+                           -1, -1, 0.0, True, 0))
 
 
 def test_torch_compile_fullgraph_matches_eager():
@@ -286,3 +286,29 @@ def test_num_splits_heuristic_follows_flash_attention(blocks, sms, tiles):
     best = max(eff.values())
     assert 1 <= s <= cap and s in eligible
     assert eff[s] >= 0.85 * best and all(eff[n] < 0.85 * best for n in eligible if n < s)
+
+
+@pytest.mark.parametrize("lq", [1, 4])
+def test_a_key_bias_masks_keys_on_the_cache_path(target, lq):
+    """autoflash.hf's decode step: a padding mask as an fp32 key bias (-inf) over keys already in a
+    cache, GQA heads folded, within the rule against the reference with the same bias."""
+    from autoflash.dispatch.kvcache import attention_over_cache
+
+    dev = device(target)
+    g = torch.Generator().manual_seed(9)
+    b, hq, hkv, d, length = 2, 4, 2, 64, 150
+    q = torch.randn(b, lq, hq, d, generator=g).to(dev, torch.bfloat16)
+    k_cache, v_cache = (torch.randn(b, length + 10, hkv, d, generator=g).to(dev, torch.bfloat16) for _ in range(2))
+    bias = torch.zeros(b, length + 10)  # one entry per cache row; rows past `length` are never read
+    bias[1, :37] = float("-inf")  # left padding
+    bias[0, 90:95] = float("-inf")  # and a hole
+    out = attention_over_cache(q, k_cache, v_cache, length, key_bias=bias.to(dev), causal=True, window=(-1, -1),
+                               softcap=0.0, scale=None)
+    args = dict(causal=True, key_bias=bias)
+    ref, _ = attention_kvcache_ref(q.cpu().float(), k_cache.cpu().float(), v_cache.cpu().float(), [length] * b, **args)
+    low, _ = attention_kvcache_ref(q.cpu(), k_cache.cpu(), v_cache.cpu(), [length] * b, upcast=False, **args)
+    ok, err, bound = within_tolerance(out.cpu(), ref, low, factor=2.0)
+    assert ok, f"out: err {err:.3e} > bound {bound:.3e}"
+    unmasked, _ = attention_kvcache_ref(q.cpu().float(), k_cache.cpu().float(), v_cache.cpu().float(), [length] * b,
+                                        causal=True)
+    assert (unmasked - ref).abs().max() > 10 * bound  # the bias mattered

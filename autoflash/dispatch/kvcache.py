@@ -159,7 +159,7 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
     seqlens_tensor = cache_seqlens if isinstance(cache_seqlens, torch.Tensor) else None
     out, lse = flash_kvcache(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, seqlens_tensor,
                              cache_seqlens if seqlens_tensor is None else 0, cache_batch_idx, cache_leftpad,
-                             block_table, alibi_slopes, None if softmax_scale is None else float(softmax_scale),
+                             block_table, alibi_slopes, None, None if softmax_scale is None else float(softmax_scale),
                              causal, window_size[0], window_size[1], float(softcap), rotary_interleaved, num_splits)
     return (out, lse) if return_softmax_lse else out
 
@@ -170,11 +170,13 @@ def flash_kvcache(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                   cache_seqlens: Optional[torch.Tensor], cache_seqlens_int: int,
                   cache_batch_idx: Optional[torch.Tensor], cache_leftpad: Optional[torch.Tensor],
                   block_table: Optional[torch.Tensor], alibi_slopes: Optional[torch.Tensor],
-                  softmax_scale: Optional[float], causal: bool, window_left: int, window_right: int, softcap: float,
+                  key_bias: Optional[torch.Tensor], softmax_scale: Optional[float], causal: bool, window_left: int, window_right: int, softcap: float,
                   rotary_interleaved: bool, num_splits: int) -> tuple[torch.Tensor, torch.Tensor]:
     """flash_attn_with_kvcache's work: the checks that read values, rotary, the append into k_cache
     and v_cache, then attention: (out like q, lse (batch, heads, seqlen_q) fp32). cache_seqlens: the
-    tensor, or None and cache_seqlens_int for every sequence."""
+    tensor, or None and cache_seqlens_int for every sequence. key_bias: fp32 (batch, capacity) added
+    to each sequence's key scores, -inf masking a key (not flash-attn's: autoflash.hf's padding masks,
+    see attention_over_cache)."""
     seqlens = cache_seqlens if cache_seqlens is not None else cache_seqlens_int
     window = (window_left, window_right)
     shape = check_kvcache(q, k_cache, v_cache, k=k, v=v, rotary_cos=rotary_cos, rotary_sin=rotary_sin,
@@ -183,7 +185,7 @@ def flash_kvcache(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
     scale = check_scale(softmax_scale, shape.head_dim)
     # The variant arguments' own checks, before the cache is touched (the kernels' path runs them again).
     resolve(q.transpose(1, 2), k_cache.transpose(1, 2), causal, align="bottom_right", window=window,
-            softcap=softcap, alibi_slopes=alibi_slopes, cache_len=shape.capacity)
+            softcap=softcap, alibi_slopes=alibi_slopes, key_bias=key_bias, cache_len=shape.capacity)
     _check_values(shape, seqlens, cache_batch_idx, cache_leftpad, block_table, k_cache.shape[0], k_cache.shape[0])
 
     if rotary_cos is not None:  # with k, v (check_kvcache): flash-attn rotates as it appends
@@ -201,7 +203,7 @@ def flash_kvcache(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
         seqused = seqused.to(torch.int32)
 
     kw = dict(cache_batch_idx=cache_batch_idx, cache_leftpad=cache_leftpad, block_table=block_table, causal=causal,
-              scale=scale, window=window, softcap=softcap, alibi_slopes=alibi_slopes)
+              scale=scale, window=window, softcap=softcap, alibi_slopes=alibi_slopes, key_bias=key_bias)
     if q.device.type == "cpu" and not _emulating():
         out, lse = _reference(q, k_cache, v_cache, seqused, shape, kw)
     else:
@@ -210,7 +212,7 @@ def flash_kvcache(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
         from autoflash.kernels.launch import profile_for
 
         config, tuned_splits = select_decode(profile_for(q, "flash_attn_with_kvcache"), q, shape)
-        if window != (-1, -1) or softcap or alibi_slopes is not None:
+        if window != (-1, -1) or softcap or alibi_slopes is not None or key_bias is not None:
             # Tuned tiles were measured without these switches' registers (they may spill with them,
             # see kernels.defaults): the built-in tiles for the kernel, the tuned split count still.
             config = None
@@ -221,10 +223,22 @@ def flash_kvcache(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
 
 @flash_kvcache.register_fake
 def _flash_kvcache_fake(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens, cache_seqlens_int,
-                        cache_batch_idx, cache_leftpad, block_table, alibi_slopes, softmax_scale, causal, window_left,
-                        window_right, softcap, rotary_interleaved, num_splits):
+                        cache_batch_idx, cache_leftpad, block_table, alibi_slopes, key_bias, softmax_scale, causal,
+                        window_left, window_right, softcap, rotary_interleaved, num_splits):
     b, lq, h, _ = q.shape
     return torch.empty_like(q), q.new_empty((b, h, lq), dtype=torch.float32)
+
+
+def attention_over_cache(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, seqlen: int, *,
+                         key_bias: Optional[torch.Tensor], causal: bool, window: tuple, softcap: float,
+                         scale: Optional[float]) -> torch.Tensor:
+    """A decode step over keys already in a cache (autoflash.hf: transformers' caches append
+    themselves): q (batch, seqlen_q, heads, d) over the first `seqlen` rows of every sequence of
+    k_cache, v_cache (batch, >= seqlen, heads_kv, d), bottom-right aligned; key_bias fp32 (batch,
+    k_cache rows) or None: a padding mask as -inf, read by the kernel (no value is read here)."""
+    out, _ = flash_kvcache(q, k_cache, v_cache, None, None, None, None, None, seqlen, None, None, None, None,
+                           key_bias, scale, causal, window[0], window[1], float(softcap), False, 0)
+    return out
 
 
 def _emulating() -> bool:
@@ -242,5 +256,5 @@ def _reference(q, k_cache, v_cache, seqused, shape: CacheShape, kw: dict):
     out, lse = attention_kvcache_ref(q, k_cache, v_cache, lengths, cache_leftpad=leftpad,
                                      block_table=kw["block_table"], cache_batch_idx=kw["cache_batch_idx"],
                                      causal=kw["causal"], scale=kw["scale"], window=kw["window"],
-                                     softcap=kw["softcap"], alibi_slopes=kw["alibi_slopes"])
+                                     softcap=kw["softcap"], alibi_slopes=kw["alibi_slopes"], key_bias=kw["key_bias"])
     return out.to(q.dtype), lse

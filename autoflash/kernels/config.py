@@ -276,9 +276,9 @@ class KernelConfig:
         if (self.paged or self.split) and not self.kvcache:
             raise ValueError(f"KernelConfig: got {', '.join(decode)} without kvcache; paging and splitting are "
                              f"switches of the KV-cache kernel (expected kvcache=True)")
-        if self.kvcache and (self.varlen or self.key_bias):
-            raise ValueError("KernelConfig: got kvcache with varlen or key_bias; a KV cache carries its per-batch "
-                             "lengths itself (expected varlen=False, key_bias=False)")
+        if self.kvcache and self.varlen:
+            raise ValueError("KernelConfig: got kvcache with varlen; a KV cache carries its per-batch lengths itself "
+                             "(expected varlen=False)")
 
     def _validate_backward(self) -> None:
         if not self.tensor_cores:

@@ -209,7 +209,7 @@ def decode_config(shape: CacheShape, dtype: str, profile: GpuProfile, causal: bo
     """The kernel a call runs, unsplit: `config` (a tuned or explicit one) or the built-in one, with
     the call's variant and paging switches and kvcache on."""
     if config is None:
-        heavy = any(variant.switches[k] for k in ("window", "softcap", "alibi"))
+        heavy = any(variant.switches[k] for k in ("window", "softcap", "alibi", "key_bias"))
         config = default_decode_config(shape.head_dim, dtype, profile, shape.page_size, heavy)
     elif not isinstance(config, KernelConfig):
         raise TypeError(f"config: got {type(config).__name__}, expected a KernelConfig")
@@ -228,14 +228,16 @@ def flash_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, 
                  cache_batch_idx: torch.Tensor | None = None, cache_leftpad: torch.Tensor | None = None,
                  block_table: torch.Tensor | None = None, causal: bool = False, scale: float | None = None,
                  window=(-1, -1), softcap: float = 0.0, alibi_slopes: torch.Tensor | None = None,
-                 num_splits: int = 0, config: KernelConfig | None = None):
+                 key_bias: torch.Tensor | None = None, num_splits: int = 0, config: KernelConfig | None = None):
     """Attention of q (batch, seqlen_q, heads, d) over a KV cache on CUDA tensors (CPU tensors inside
     autoflash.emulate(): the emulated kernels), flash-attn's layout. cache_seqlens (int or int32
     (batch,)): each batch's keys, rows [cache_leftpad[b], cache_seqlens[b]) of cache row
     cache_batch_idx[b] (or of the pages block_table[b] lists); their values are trusted
     (flash_attn_with_kvcache checks them). causal, window and ALiBi are bottom-right aligned.
     num_splits: 0 chooses (choose_num_splits), 1 runs unsplit, n > 1 splits the keys n ways (at most
-    MAX_SPLITS and the key tiles). Returns (out like q, lse (batch, heads, seqlen_q) fp32)."""
+    MAX_SPLITS and the key tiles). key_bias: fp32 (batch, capacity), added to the scores of each
+    sequence's key j (counted from its first, left padding excluded; -inf masks it): a padding mask
+    without reading its values (autoflash.hf). Returns (out like q, lse (batch, heads, seqlen_q) fp32)."""
     from autoflash.kernels.launch import COMBINE_PARAMS, FWD_NAMES, FWD_PARAMS, _call, kernel_functions, \
         profile_for
     from autoflash.reference.forward import LOG2E
@@ -251,7 +253,8 @@ def flash_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, 
     b, lq, hq, d = q.shape
     hkv, g = shape.heads_kv, shape.group
     causal, variant = resolve(q.transpose(1, 2), k_cache.transpose(1, 2), causal, align="bottom_right",
-                              window=window, softcap=softcap, alibi_slopes=alibi_slopes, cache_len=shape.capacity)
+                              window=window, softcap=softcap, alibi_slopes=alibi_slopes, key_bias=key_bias,
+                              cache_len=shape.capacity)
     # Fold a K/V head's query heads into the rows unless ALiBi needs each row's own head.
     qpack = g if g > 1 and alibi_slopes is None else 1
     heads, rows = hq // qpack, lq * qpack
@@ -284,7 +287,8 @@ def flash_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, 
 
     fns = kernel_functions(config, profile, q)
     strides = lambda t: t.stride()[:3]  # noqa: E731 -- (batch or page, head, row)
-    scalars = (*strides(q4), *strides(k4), *strides(v4), *strides(out4), *lse4.stride()[:2], variant.alibi_sb, 0,
+    scalars = (*strides(q4), *strides(k4), *strides(v4), *strides(out4), *lse4.stride()[:2], variant.alibi_sb,
+               variant.bias_sb,
                table.stride(0) if block_table is not None else 0,
                rows, shape.capacity, 1 if qpack > 1 else g, *variant.window,
                shape.page_size or 1, num_splits, qpack, scale * LOG2E, *variant.softcap_factors(scale))

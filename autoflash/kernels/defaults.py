@@ -143,16 +143,19 @@ def default_backward_config(head_dim: int, dtype: str, causal: bool, profile: Gp
 
 
 def _decode_candidates(head_dim: int, page_size: int | None, variant: bool):
-    """(block_m, block_n, num_warps) of the KV-cache (decode) kernel, in order of preference:
-    FlashAttention-2's split-KV tiles (csrc/flash_attn/src/flash_fwd_launch_template.h,
+    """(block_m, block_n, num_warps, stage counts) of the KV-cache (decode) kernel, in order of
+    preference: FlashAttention-2's split-KV tiles (csrc/flash_attn/src/flash_fwd_launch_template.h,
     run_mha_fwd_splitkv_dispatch: 64 query rows, 4 warps, 256 keys at d <= 64, 128 at d <= 128, 64
     above), then narrower key tiles. A paged cache takes only key tiles dividing its page size.
-    `variant` (a window, softcap or ALiBi): 256 keys spill there (sm_80 d = 64, sm_90 d = 40), so
-    128 come first."""
-    first = 256 if head_dim <= 64 and not variant else 128 if head_dim <= 128 else 64
+    `variant` (a window, softcap, ALiBi or key bias): 256 keys spill there (sm_80 d = 64, sm_90
+    d = 40), so 128 come first, and above d = 192 32 (64 spill from d = 224 with a key bias on sm_80)."""
+    if variant:
+        first = 128 if head_dim <= 128 else 64 if head_dim <= 192 else 32
+    else:
+        first = 256 if head_dim <= 64 else 128 if head_dim <= 128 else 64
     for block_n in (256, 128, 64, 32, 16):
         if block_n <= first and (page_size is None or page_size % block_n == 0):
-            yield 64, block_n, 4
+            yield 64, block_n, 4, (2, 1)
 
 
 @functools.lru_cache(maxsize=None)
@@ -163,6 +166,6 @@ def default_decode_config(head_dim: int, dtype: str, profile: GpuProfile, page_s
     softcap or ALiBi (see _decode_candidates). The variant, paging and split switches themselves are
     the caller's to set."""
     return _first_fitting(
-        (dict(head_dim=head_dim, dtype=dtype, block_m=m, block_n=n, num_warps=w, kvcache=True)
-         for m, n, w in _decode_candidates(head_dim, page_size, variant)),
+        (dict(head_dim=head_dim, dtype=dtype, block_m=m, block_n=n, num_warps=w, kvcache=True, stages=stages)
+         for m, n, w, stages in _decode_candidates(head_dim, page_size, variant)),
         profile, f"the KV-cache kernel at head_dim={head_dim} {dtype}")
