@@ -16,6 +16,11 @@ register() adds two things, as transformers' own flash-attention integration doe
   query sees the last key: decoding with a cache), the padding mask as the kernels' per-key bias
   (-inf on padded keys), and the `sliding_window` and `softcap` that models pass (Mistral, Gemma 2)
   as the kernels' window and softcap (autoflash.dispatch.flash_api.attention_variant).
+  Decode steps (at most DECODE_MAX_QUERIES new queries over a longer cache, no gradient: generate()
+  with a DynamicCache or a StaticCache) run the KV-cache kernel instead
+  (autoflash.dispatch.kvcache.attention_over_cache: flash_attn_with_kvcache's, split across blocks
+  when the batch leaves SMs idle, a K/V head's query heads sharing each K/V read) over the cache
+  transformers has already appended to.
 
 What the kernels cannot run follows autoflash.attention's policy: a call the kernels cannot take
 (CPU tensors outside autoflash.emulate(), float32, dropout in training, other head dims, an old
@@ -35,6 +40,7 @@ import torch
 from autoflash.dispatch.sdpa import UnsupportedCallError, _torch_sdpa, _warn_once, attention, is_strict, plan
 
 NAME = "autofa"
+DECODE_MAX_QUERIES = 16  # new queries per step that take the KV-cache kernel (its tuned keys' range)
 
 
 # ------------------------------------------------------------------ the mask interface
@@ -141,10 +147,30 @@ def run(query, key, value, key_mask: torch.Tensor | None, *, causal: bool, windo
     if key_mask is not None:
         bias = torch.zeros(key_mask.shape, dtype=torch.float32, device=query.device)
         bias.masked_fill_(~key_mask.to(query.device), float("-inf"))
+    if _decode_step(query, key, value, dropout):
+        from autoflash.dispatch.kvcache import attention_over_cache
+
+        out = attention_over_cache(query.transpose(1, 2), key.transpose(1, 2), value.transpose(1, 2), key.shape[2],
+                                   key_bias=bias, causal=causal, window=window, softcap=softcap, scale=p.scale)
+        return out.transpose(1, 2)
     out, _ = flash_api.attention_variant(query, key, value, scale=p.scale, causal=causal, align="bottom_right",
                                          window=window, softcap=softcap, key_bias=bias,
                                          deterministic=torch.are_deterministic_algorithms_enabled())
     return out
+
+
+def _decode_step(query, key, value, dropout: float) -> bool:
+    """Whether a call the kernels run is a decode step for the KV-cache kernel: a few new queries
+    over a longer cache, nothing that needs a gradient, a head dim it takes as is (multiples of 8 in
+    32..256, 16-byte aligned rows: transformers' caches are)."""
+    from autoflash.kernels.checks import is_chunked_layout
+    from autoflash.kernels.config import HEAD_DIM_MAX, HEAD_DIM_MIN, HEAD_DIM_STEP
+
+    q_len, kv_len, d = query.shape[2], key.shape[2], query.shape[3]
+    grad = torch.is_grad_enabled() and any(t.requires_grad for t in (query, key, value))
+    return (q_len <= DECODE_MAX_QUERIES and q_len < kv_len and not grad and not dropout
+            and HEAD_DIM_MIN <= d <= HEAD_DIM_MAX and d % HEAD_DIM_STEP == 0
+            and (torch.compiler.is_compiling() or all(is_chunked_layout(t) for t in (query, key, value))))
 
 
 def _fallback(reason: str, query, key, value, key_mask, causal, window, softcap, dropout, scale, enable_gqa):
