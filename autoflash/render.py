@@ -110,7 +110,29 @@ def sass_report(config: KernelConfig, gpu: str) -> str:
     from autoflash.kernels.gpus import arch_for
 
     compiled = compile_config(config, arch_for(gpu))
-    return sass.report(sass.disassemble(compiled.cubin_path, config.name))
+    text = sass.disassemble(compiled.cubin_path, config.name)
+    out = sass.report(text)
+    loops = sass.hmma_loops(text)
+    if config.direction == "fwd" and loops:
+        out += "\n" + kv_traffic(config, sass.main_loop(loops))
+    return out
+
+
+def kv_traffic(config: KernelConfig, loop) -> str:
+    """The forward's global traffic per main-loop iteration against the K and V tile it consumes
+    (a static proxy: instructions in the loop body, not a measurement). A KV-cache kernel's grid
+    has one block per (batch, kv-head, split, query block)."""
+    copied = loop.global_loads.get("LDGSTS", (0, 0))[1] * config.threads
+    tiles = 2 * config.block_n * config.head_dim * config.elem_bytes
+    other = loop.global_loads.get("LDG", (0, 0))
+    lines = [f"global loads per block and main-loop iteration: {copied} B by cp.async; a K and a V tile of "
+             f"{config.block_n} x {config.head_dim} are {tiles} B"
+             + (" (each K/V byte of the block's key range read once)" if copied == tiles else "")
+             + (f"; {other[0]} other loads per thread ({other[1]} B: block-table entries)" if other[0] else "")]
+    if config.kvcache:
+        lines.append("grid: one block per (batch, kv-head, split, query block), the query heads of a kv-head folded "
+                     "into its rows: with seqlen_q x group <= block_m each K/V byte of a (batch, kv-head) is read once")
+    return "\n".join(lines)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -76,6 +76,8 @@ class Loop:
     counts: dict[str, int]
     lines: tuple[int, int] | None  # the range of source lines its instructions come from
     nested: bool  # holds an inner loop whose trip count static counts cannot know
+    # global loads in one pass over the body, per thread: {"LDGSTS" | "LDG": (instructions, bytes)}
+    global_loads: dict[str, tuple[int, int]] = dataclasses.field(default_factory=dict)
 
     @property
     def total(self) -> int:
@@ -213,9 +215,25 @@ def hmma_loops(text: str) -> list[Loop]:
         own = [f for f, _ in files.most_common() if f.endswith(".j2")] or [f for f, _ in files.most_common(1)]
         lines = [ins.line[1] for ins in members if ins.line and ins.line[0] in own[:1]]
         nested = any(lp < body for lp in loops)
+        loads: dict[str, tuple[int, int]] = {}
+        for ins in members:
+            kind = ins.op.split(".")[0]
+            if kind in ("LDGSTS", "LDG"):
+                n, size = loads.get(kind, (0, 0))
+                loads[kind] = (n + 1, size + load_bytes(ins.op))
         found.append(Loop(insns[blocks[min(body)][0]].addr, dict(counts),
-                          (min(lines), max(lines)) if lines else None, nested))
+                          (min(lines), max(lines)) if lines else None, nested, loads))
     return sorted(found, key=lambda lp: lp.header_addr)
+
+
+_WIDTH_BITS = {"8": 8, "16": 16, "32": 32, "64": 64, "128": 128, "U8": 8, "S8": 8, "U16": 16, "S16": 16}
+
+
+def load_bytes(op: str) -> int:
+    """Bytes one thread moves with a global load opcode: its width suffix (LDG.E.64: 8,
+    LDGSTS.E.BYPASS.LTC128B.128: 16), 4 without one (LDG.E)."""
+    bits = [_WIDTH_BITS[p] for p in op.split(".")[1:] if p in _WIDTH_BITS]
+    return (bits[-1] if bits else 32) // 8
 
 
 def main_loop(loops: list[Loop]) -> Loop:
@@ -339,4 +357,7 @@ def report(text: str) -> str:
         out.append("    " + "  ".join(f"{k} {v:.3g}" if isinstance(v, float) else f"{k} {v}"
                                       for k, v in loop_row(lp).items()))
         out.append("    " + "  ".join(f"{c} {lp.counts[c]}" for c in CLASSES if lp.counts.get(c)))
+        if lp.global_loads:
+            out.append("    global loads per thread: " + ", ".join(
+                f"{kind} {n} ({size} B)" for kind, (n, size) in sorted(lp.global_loads.items())))
     return "\n".join(out)

@@ -1,0 +1,61 @@
+"""The decode kernels' memory traffic, statically (a proxy from SASS, not a measurement): the main
+loop of the KV-cache kernel loads, per block and iteration, exactly one K and one V tile (nothing
+read twice; a paged kernel adds its two block-table entries), and the launcher's grid has one block
+per (batch, kv-head, split) when a K/V head's query heads fold into the rows, so with GQA one K/V
+read serves every query head of its group. Together: each K/V byte is loaded once per (batch,
+kv-head) (and split: the splits' key ranges are disjoint)."""
+import pytest
+import torch
+
+import autoflash
+from autoflash.kernels import launch, sass
+from autoflash.kernels.compiler import compile_config
+from autoflash.kernels.decode import flash_decode
+from autoflash.kernels.defaults import default_decode_config
+from autoflash.kernels.gpus import get_profile
+from autoflash.render import kv_traffic
+
+SWITCHES = {"dense": {}, "paged": dict(paged=True, causal=True, align="bottom_right"), "split": dict(split=True)}
+
+
+@pytest.mark.parametrize("kind", sorted(SWITCHES))
+@pytest.mark.parametrize("d", [64, 128])
+@pytest.mark.parametrize("arch, gpu", [("sm_80", "a100"), ("sm_90", "h100")])
+def test_the_main_loop_reads_one_k_and_one_v_tile(arch, gpu, d, kind):
+    config = default_decode_config(d, "bf16", get_profile(gpu), 256 if kind == "paged" else None)
+    config = config.replace(**SWITCHES[kind])
+    loop = sass.main_loop(sass.hmma_loops(sass.disassemble(compile_config(config, arch).cubin_path, config.name)))
+    n, per_thread = loop.global_loads["LDGSTS"]
+    assert per_thread * config.threads == 2 * config.block_n * d * 2, (config.name, loop.global_loads)
+    assert per_thread == 16 * n  # 16-byte cp.async chunks, none narrower
+    assert loop.global_loads.get("LDG", (0, 0)) == ((2, 8) if kind == "paged" else (0, 0))  # block-table entries
+    assert "each K/V byte of the block's key range read once" in kv_traffic(config, loop)
+
+
+def test_load_widths_come_from_the_opcode():
+    assert sass.load_bytes("LDGSTS.E.BYPASS.LTC128B.128") == 16
+    assert sass.load_bytes("LDG.E.64.CONSTANT") == 8 and sass.load_bytes("LDG.E") == 4
+    assert sass.load_bytes("LDG.E.U8") == 1
+
+
+@pytest.mark.parametrize("heads, alibi, grid_heads", [((8, 2), False, 2), ((8, 8), False, 8), ((8, 2), True, 8)])
+def test_one_block_per_batch_kv_head_and_split(monkeypatch, heads, alibi, grid_heads):
+    """The launches of a decode step: grid y is the K/V heads when the query heads fold (no ALiBi,
+    whose slopes are per query head), and one query block covers seqlen_q x group rows."""
+    grids = []
+    real = launch._call
+
+    def spy(fn, grid, *args, **kw):
+        grids.append(grid)
+        return real(fn, grid, *args, **kw)
+
+    monkeypatch.setattr(launch, "_call", spy)
+    (hq, hkv), b, lq = heads, 3, 2
+    q = torch.randn(b, lq, hq, 64).to(torch.bfloat16)
+    k_cache = torch.randn(b, 600, hkv, 64).to(torch.bfloat16)  # 3 key tiles at most
+    slopes = torch.rand(hq) * 0.3 if alibi else None
+    with autoflash.emulate("h100"):
+        flash_decode(q, k_cache, k_cache.clone(), 600, num_splits=3, causal=True, alibi_slopes=slopes)
+    main, combine = grids
+    assert main == (3, grid_heads, b)  # x: 1 query block x 3 splits
+    assert combine[1:] == (1, 1)
