@@ -120,9 +120,9 @@ def main(argv: list[str] | None = None) -> int:
         parser.error("--config with variant flags: the variant switches come from the flags; drop --config")
     if variant and dtype == "fp32":
         parser.error("the variants run on the fp16/bf16 kernels; use --dtype fp16 or bf16")
-    if args.kvcache and (fwd_cfg or bwd_cfg or backward or args.varlen or args.key_padding or dtype == "fp32"):
-        parser.error("--kvcache runs the fp16/bf16 decode kernels forward only: drop --config, --backward, --varlen, "
-                     "--key-padding and --dtype fp32")
+    if args.kvcache and (fwd_cfg or bwd_cfg or backward or args.varlen or dtype == "fp32"):
+        parser.error("--kvcache runs the fp16/bf16 decode kernels forward only: drop --config, --backward, --varlen "
+                     "and --dtype fp32")
     if not args.kvcache and (args.new or args.paged or args.splits or args.rotary != "none" or args.leftpad
                              or args.batch_idx):
         parser.error("--new, --paged, --splits, --rotary, --leftpad and --batch-idx go with --kvcache")

@@ -1,6 +1,8 @@
 """`python -m autoflash.selfcheck --kvcache`: flash_attn_with_kvcache once (the decode kernels, and
 the combine kernel when split) against the references: out under FlashAttention's rule, the cache
-after the append bit-equal to a reference append. Inputs carry guard bands when sanitizing."""
+after the append bit-equal to a reference append. Inputs carry guard bands when sanitizing. With
+--key-padding a key bias masks a random run of each sequence's keys (autoflash.hf's padding masks,
+through the same op)."""
 from __future__ import annotations
 
 
@@ -9,7 +11,7 @@ def check_kvcache(args, shape, dtype, causal) -> list[tuple[str, bool, float, fl
 
     import torch
 
-    from autoflash.dispatch.kvcache import flash_attn_with_kvcache
+    from autoflash.dispatch.kvcache import flash_attn_with_kvcache, flash_kvcache
     from autoflash.emulation.guards import guarded_randn
     from autoflash.kernels.checks import TORCH_DTYPES
     from autoflash.reference.forward import within_tolerance
@@ -56,6 +58,12 @@ def check_kvcache(args, shape, dtype, causal) -> list[tuple[str, bool, float, fl
     kw = dict(causal=causal, window_size=args.window, softcap=args.softcap)
     if args.alibi:
         kw["alibi_slopes"] = (torch.rand(b, hq, generator=g) * 0.3).to(device)
+    key_bias = None
+    if args.key_padding:  # sequence i masks its keys [start, stop) (counted from its first key)
+        key_bias = torch.zeros(b, capacity)
+        for i in range(b):
+            start = rng.randint(0, capacity)
+            key_bias[i, start:rng.randint(start, capacity)] = float("-inf")
 
     # the reference: rotary, append, attention (fp32 and in the input dtype), on copies
     k_ref, v_ref = k_cache.detach().cpu().clone(), v_cache.detach().cpu().clone()
@@ -71,15 +79,19 @@ def check_kvcache(args, shape, dtype, causal) -> list[tuple[str, bool, float, fl
     used = [n + new for n in seqlens]
     ref_kw = dict(cache_leftpad=leftpad.tolist() if leftpad is not None else None, block_table=block_table,
                   cache_batch_idx=batch_idx, causal=causal, window=tuple(args.window), softcap=args.softcap,
-                  alibi_slopes=kw["alibi_slopes"].cpu() if args.alibi else None)
+                  alibi_slopes=kw["alibi_slopes"].cpu() if args.alibi else None, key_bias=key_bias)
     ref_out, _ = attention_kvcache_ref(q_ref.float(), k_ref.float(), v_ref.float(), used, **ref_kw)
     torch_out, _ = attention_kvcache_ref(q_ref, k_ref, v_ref, used, upcast=False, **ref_kw)
 
-    out = flash_attn_with_kvcache(
-        q, k_cache, v_cache, k, v, cos, sin, torch.tensor(seqlens, dtype=torch.int32, device=device),
-        None if batch_idx is None else batch_idx.to(device), None if leftpad is None else leftpad.to(device),
-        None if block_table is None else block_table.to(device), rotary_interleaved=interleaved,
-        num_splits=args.splits, **kw)
+    index = (torch.tensor(seqlens, dtype=torch.int32, device=device),
+             None if batch_idx is None else batch_idx.to(device), None if leftpad is None else leftpad.to(device),
+             None if block_table is None else block_table.to(device))
+    if key_bias is None:
+        out = flash_attn_with_kvcache(q, k_cache, v_cache, k, v, cos, sin, *index, rotary_interleaved=interleaved,
+                                      num_splits=args.splits, **kw)
+    else:  # the op under flash_attn_with_kvcache, which also takes a key bias
+        out, _ = flash_kvcache(q, k_cache, v_cache, k, v, cos, sin, index[0], 0, *index[1:], kw.get("alibi_slopes"),
+                               key_bias.to(device), None, causal, *args.window, args.softcap, interleaved, args.splits)
     if device == "cuda":
         torch.cuda.synchronize()
     same = torch.equal(k_cache.cpu(), k_ref) and torch.equal(v_cache.cpu(), v_ref)

@@ -43,10 +43,10 @@ if [[ $step == sanitize || $step == all ]]; then
     done
   done
   # The decode kernels (flash_attn_with_kvcache): paged + split + combine with an append and rotary,
-  # and a dense cache with left padding, a window and softcap.
+  # a dense cache with left padding, a window and softcap, and a key bias (autoflash.hf's decode).
   for tool in memcheck racecheck; do
     for flags in "--causal --new 4 --paged 64 --splits 3 --rotary neox" \
-                 "--window 20,0 --softcap 10 --new 2 --leftpad --splits 2"; do
+                 "--window 20,0 --softcap 10 --new 2 --leftpad --splits 2" "--causal --key-padding --splits 2"; do
       echo "=== compute-sanitizer --tool $tool, selfcheck --kvcache $flags" >> "$OUT/sanitizer.log"
       # shellcheck disable=SC2086
       compute-sanitizer --tool "$tool" --error-exitcode 9 \

@@ -256,6 +256,7 @@ KVCACHE_FLAGS = {
                                "--leftpad", "--splits", "2"],
     "batch-idx-alibi": ["--shape", "2,4,4,1,200,128", "--causal", "--alibi", "--batch-idx", "--new", "1",
                         "--rotary", "interleaved"],
+    "key-padding": ["--shape", "3,8,2,1,260,64", "--causal", "--key-padding", "--splits", "2"],
 }
 
 
