@@ -17,10 +17,11 @@ register() adds two things, as transformers' own flash-attention integration doe
   (-inf on padded keys), and the `sliding_window` and `softcap` that models pass (Mistral, Gemma 2)
   as the kernels' window and softcap (autoflash.dispatch.flash_api.attention_variant).
   Decode steps (at most DECODE_MAX_QUERIES new queries over a longer cache, no gradient: generate()
-  with a DynamicCache or a StaticCache) run the KV-cache kernel instead
-  (autoflash.dispatch.kvcache.attention_over_cache: flash_attn_with_kvcache's, split across blocks
-  when the batch leaves SMs idle, a K/V head's query heads sharing each K/V read) over the cache
-  transformers has already appended to.
+  with a DynamicCache or a StaticCache) run flash_attn_with_kvcache (the KV-cache kernel: split
+  across blocks when the batch leaves SMs idle, a K/V head's query heads sharing each K/V read) over
+  the cache transformers has already appended to (k=None): cache_seqlens the keys in use (a static
+  cache's filled slots, from the cache's query offset), a left-padded mask as cache_leftpad; any
+  other 2D mask as the kernel's per-key bias.
 
 What the kernels cannot run follows autoflash.attention's policy: a call the kernels cannot take
 (CPU tensors outside autoflash.emulate(), float32, dropout in training, other head dims, an old
@@ -64,15 +65,34 @@ def kernel_mask(batch_size: int, q_length: int, kv_length: int, q_offset=0, kv_o
                          allow_is_bidirectional_skip=allow_is_bidirectional_skip, use_vmap=use_vmap, **kwargs)
     if attention_mask is None:
         # A causal query sees no key past its own position: in a static cache (kv_length its capacity)
-        # the keys after the last query are unused. q_offset is a tensor for a static cache.
+        # the slots after the last query are unfilled. q_offset is a tensor for a static cache
+        # (StaticLayer.cumulative_length: the cache_position of the first query).
         end = int(q_offset) + q_length - kv_offset
-        if allow_is_causal_skip and 0 < end < kv_length:
+        if 0 < end < kv_length and _causal(mask_function, end - 1 + kv_offset):
             return torch.ones(batch_size, end, dtype=torch.bool, device=kwargs.get("device", "cpu"))
         return None
     mask = attention_mask[:, -kv_length:]
-    if mask.shape[1] == kv_length and bool(mask.all()):
-        return None
+    if mask.shape[1] == kv_length:
+        # A mask as long as a static cache's capacity also covers its unfilled slots: cut after the last query.
+        end = int(q_offset) + q_length - kv_offset
+        if 0 < end < kv_length and _causal(mask_function, end - 1 + kv_offset):
+            return mask[:, :end]
+        if bool(mask.all()):
+            return None
     return mask
+
+
+def _causal(mask_function, last_query: int) -> bool:
+    """Whether transformers' mask_function hides the key after the last query (causal, sliding
+    window: keys past it are a static cache's unfilled slots), not bidirectional or cross attention.
+    None (a direct call) counts as causal, as attention_forward's default."""
+    if mask_function is None:
+        return True
+    i = torch.tensor(last_query)
+    try:
+        return not bool(mask_function(torch.tensor(0), torch.tensor(0), i, i + 1))
+    except (TypeError, IndexError, RuntimeError):  # an overlay that cannot take scalar indices: keep every key
+        return False
 
 
 # ------------------------------------------------------------------ the attention interface
@@ -143,16 +163,9 @@ def run(query, key, value, key_mask: torch.Tensor | None, *, causal: bool, windo
         return _fallback(p.reason, query, key, value, key_mask, causal, window, softcap, dropout, scale, enable_gqa)
     from autoflash.dispatch import flash_api
 
-    bias = None
-    if key_mask is not None:
-        bias = torch.zeros(key_mask.shape, dtype=torch.float32, device=query.device)
-        bias.masked_fill_(~key_mask.to(query.device), float("-inf"))
     if _decode_step(query, key, value, dropout):
-        from autoflash.dispatch.kvcache import attention_over_cache
-
-        out = attention_over_cache(query.transpose(1, 2), key.transpose(1, 2), value.transpose(1, 2), key.shape[2],
-                                   key_bias=bias, causal=causal, window=window, softcap=softcap, scale=p.scale)
-        return out.transpose(1, 2)
+        return _decode(query, key, value, key_mask, causal=causal, window=window, softcap=softcap, scale=p.scale)
+    bias = None if key_mask is None else _key_bias(key_mask, query.device)
     out, _ = flash_api.attention_variant(query, key, value, scale=p.scale, causal=causal, align="bottom_right",
                                          window=window, softcap=softcap, key_bias=bias,
                                          deterministic=torch.are_deterministic_algorithms_enabled())
@@ -171,6 +184,66 @@ def _decode_step(query, key, value, dropout: float) -> bool:
     return (q_len <= DECODE_MAX_QUERIES and q_len < kv_len and not grad and not dropout
             and HEAD_DIM_MIN <= d <= HEAD_DIM_MAX and d % HEAD_DIM_STEP == 0
             and (torch.compiler.is_compiling() or all(is_chunked_layout(t) for t in (query, key, value))))
+
+
+def _decode(query, key, value, key_mask, *, causal: bool, window: tuple[int, int], softcap: float,
+            scale: float) -> torch.Tensor:
+    """A decode step on flash_attn_with_kvcache over the keys transformers' cache already holds (k=None:
+    nothing to append): all key.shape[2] of them (attention_forward has cut a static cache's unfilled
+    slots), a left-padded mask as cache_leftpad (padded keys never read). Other masks (holes, right
+    padding, or any mask while torch.compile traces: no value may be read) become the kernel's per-key
+    bias. (batch, heads, q_len, d) in and out, the kernel's layout being (batch, seqlen, heads, d)."""
+    from autoflash.dispatch import kvcache
+
+    q, k_cache, v_cache = query.transpose(1, 2), key.transpose(1, 2), value.transpose(1, 2)
+    if key_mask is None:
+        left, leftpad = True, None
+    elif torch.compiler.is_compiling():  # no value may be read while tracing
+        left, leftpad = False, None
+    else:
+        left, leftpad = left_padding(key_mask)
+    if left:
+        leftpad = None if leftpad is None else leftpad.to(q.device)
+        out = kvcache.flash_attn_with_kvcache(q, k_cache, v_cache, cache_seqlens=key.shape[2], cache_leftpad=leftpad,
+                                              softmax_scale=scale, causal=causal, window_size=window, softcap=softcap)
+    else:
+        out = kvcache.attention_over_cache(q, k_cache, v_cache, key.shape[2], key_bias=_key_bias(key_mask, q.device),
+                                           causal=causal, window=window, softcap=softcap, scale=scale)
+    return out.transpose(1, 2)
+
+
+_LEFT_PADDING: dict[int, tuple] = {}  # id(mask) -> (weakref to it, its _version, left_padding's answer)
+
+
+def left_padding(key_mask: torch.Tensor) -> tuple[bool, torch.Tensor | None]:
+    """Whether every row of a bool (batch, kv_len) mask is False* True* (left padding, generate()'s
+    batches), and then int32 (batch,) how many keys each row pads (flash-attn's cache_leftpad), None
+    when none is padded. One read of the values per mask tensor: transformers hands every layer of a
+    forward the same one."""
+    import weakref
+
+    try:
+        version = key_mask._version
+    except RuntimeError:  # an inference-mode tensor has no version counter: not remembered
+        version = None
+    seen = _LEFT_PADDING.get(id(key_mask))
+    if version is not None and seen is not None and seen[0]() is key_mask and seen[1] == version:
+        return seen[2]
+    pad = (~key_mask).sum(1, dtype=torch.int32)
+    ramp = torch.arange(key_mask.shape[1], device=key_mask.device)[None, :] >= pad[:, None]
+    left, padded = torch.stack(((ramp == key_mask).all(), pad.any())).tolist()
+    answer = (left, pad if left and padded else None)
+    if version is not None:
+        for stale in [k for k, v in _LEFT_PADDING.items() if v[0]() is None]:
+            del _LEFT_PADDING[stale]
+        _LEFT_PADDING[id(key_mask)] = (weakref.ref(key_mask), version, answer)
+    return answer
+
+
+def _key_bias(key_mask: torch.Tensor, device) -> torch.Tensor:
+    """The padding mask as the kernels' fp32 per-key bias: 0 on real keys, -inf on padded ones."""
+    bias = torch.zeros(key_mask.shape, dtype=torch.float32, device=device)
+    return bias.masked_fill_(~key_mask.to(device), float("-inf"))
 
 
 def _fallback(reason: str, query, key, value, key_mask, causal, window, softcap, dropout, scale, enable_gqa):
