@@ -114,21 +114,33 @@ def sass_report(config: KernelConfig, gpu: str) -> str:
     out = sass.report(text)
     loops = sass.hmma_loops(text)
     if config.direction == "fwd" and loops:
-        out += "\n" + kv_traffic(config, sass.main_loop(loops))
+        out += "\n" + kv_traffic(config, sass.main_loop(loops), sass.straight_line_loads(text))
     return out
 
 
-def kv_traffic(config: KernelConfig, loop) -> str:
-    """The forward's global traffic per main-loop iteration against the K and V tile it consumes
-    (a static proxy: instructions in the loop body, not a measurement). A KV-cache kernel's grid
-    has one block per (batch, kv-head, split, query block)."""
+def kv_traffic(config: KernelConfig, loop, prologue: dict | None = None) -> str:
+    """The forward's global loads per block against the tiles it consumes: per main-loop iteration
+    (one K and one V tile) and, given `prologue` (sass.straight_line_loads), outside the loops (the
+    Q tile and the first `stages` K/V tiles). A static proxy from SASS, not a measurement. A KV-cache
+    kernel's grid has one block per (batch, kv-head, split, query block)."""
     copied = loop.global_loads.get("LDGSTS", (0, 0))[1] * config.threads
     tiles = 2 * config.block_n * config.head_dim * config.elem_bytes
     other = loop.global_loads.get("LDG", (0, 0))
     lines = [f"global loads per block and main-loop iteration: {copied} B by cp.async; a K and a V tile of "
              f"{config.block_n} x {config.head_dim} are {tiles} B"
-             + (" (each K/V byte of the block's key range read once)" if copied == tiles else "")
-             + (f"; {other[0]} other loads per thread ({other[1]} B: block-table entries)" if other[0] else "")]
+             + (" (each K/V byte of the block's key range read once)" if copied == tiles else "  <- NOT one K + V tile")
+             + (f"; {other[0]} other loads per thread ({other[1]} B: "
+                + ("block-table entries)" if config.paged else "not tiles)") if other[0] else "")]
+    if prologue is not None:
+        q_tile = config.block_m * config.head_dim * config.elem_bytes
+        first = prologue.get("LDGSTS", (0, 0))[1] * config.threads
+        scalars = prologue.get("LDG", (0, 0))
+        lines.append(f"global loads per block outside the loops: {first} B by cp.async; the Q tile ({q_tile} B) and "
+                     f"{config.num_stages} K and V tile(s) ({config.num_stages * tiles} B) are "
+                     f"{q_tile + config.num_stages * tiles} B"
+                     + ("" if first == q_tile + config.num_stages * tiles else "  <- MISMATCH")
+                     + (f"; {scalars[0]} other loads per thread ({scalars[1]} B: lengths, indices, block-table entries)"
+                        if scalars[0] else ""))
     if config.kvcache:
         lines.append("grid: one block per (batch, kv-head, split, query block), the query heads of a kv-head folded "
                      "into its rows: with seqlen_q x group <= block_m each K/V byte of a (batch, kv-head) is read once")

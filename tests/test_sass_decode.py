@@ -59,3 +59,54 @@ def test_one_block_per_batch_kv_head_and_split(monkeypatch, heads, alibi, grid_h
     main, combine = grids
     assert main == (3, grid_heads, b)  # x: 1 query block x 3 splits
     assert combine[1:] == (1, 1)
+
+
+@pytest.mark.parametrize("kind", sorted(SWITCHES))
+@pytest.mark.parametrize("d", [64, 128])
+@pytest.mark.parametrize("arch, gpu", [("sm_80", "a100"), ("sm_90", "h100")])
+def test_every_loop_and_the_prologue_load_each_tile_once(arch, gpu, d, kind):
+    """Outside the main loop too: the masked-tile loop loads one K and one V tile per iteration, and
+    the code before the loops (its heaviest path) the Q tile and the first `stages` K/V tiles."""
+    config = default_decode_config(d, "bf16", get_profile(gpu), 256 if kind == "paged" else None)
+    config = config.replace(**SWITCHES[kind])
+    text = sass.disassemble(compile_config(config, arch).cubin_path, config.name)
+    tiles = 2 * config.block_n * d * 2
+    for loop in sass.hmma_loops(text):
+        assert loop.global_loads["LDGSTS"][1] * config.threads == tiles, (config.name, hex(loop.header_addr))
+    prologue = sass.straight_line_loads(text)
+    assert prologue["LDGSTS"][1] * config.threads == config.block_m * d * 2 + config.num_stages * tiles
+    # cache_seqlens, cache_leftpad, cache_batch_idx (dense) or the first K and V tiles' page (paged)
+    assert prologue["LDG"] == ((4, 16) if kind == "paged" else (3, 12))
+    assert "<-" not in kv_traffic(config, sass.main_loop(sass.hmma_loops(text)), prologue)
+
+
+LISTING = """
+        /*0000*/  @P0 BRA `(.L_x_1) ;
+        /*0010*/  LDGSTS.E.BYPASS.128 [R1], desc[UR4][R2.64] ;
+        /*0020*/  LDGSTS.E.BYPASS.128 [R1+0x10], desc[UR4][R2.64+0x10] ;
+        /*0030*/  BRA `(.L_x_2) ;
+.L_x_1:
+        /*0040*/  LDGSTS.E.BYPASS.LTC128B.128.ZFILL [R1], desc[UR4][R2.64] ;
+        /*0050*/  LDG.E R3, desc[UR4][R4.64] ;
+.L_x_2:
+        /*0060*/  LDG.E.64 R6, desc[UR4][R8.64] ;
+.L_x_3:
+        /*0070*/  LDGSTS.E.BYPASS.128 [R1], desc[UR4][R2.64] ;
+        /*0080*/  @!PT LDG.E R3, desc[UR4][R4.64] ;
+        /*0090*/  @P1 BRA `(.L_x_3) ;
+        /*00a0*/  EXIT ;
+"""
+
+
+def test_straight_line_loads_take_one_branch_and_skip_loops():
+    """Of a whole-tile / ragged-tile pair only one branch runs: the heavier path counts, not the sum;
+    loads in loops and never-executed @!PT placeholders do not count."""
+    assert sass.straight_line_loads(LISTING) == {"LDGSTS": (2, 32), "LDG": (1, 8)}
+
+
+def test_a_loop_that_loads_more_than_its_tiles_is_flagged():
+    config = default_decode_config(128, "bf16", get_profile("h100"))
+    twice = sass.Loop(0, {"HMMA": 1}, None, False, {"LDGSTS": (48, 768)})  # K read twice: 3 tiles' worth
+    text = kv_traffic(config, twice, {"LDGSTS": (40, 640)})
+    assert "NOT one K + V tile" in text and "read once" not in text.splitlines()[0]
+    assert "MISMATCH" not in text

@@ -13,7 +13,14 @@ autoflash.kernels.sass counts the main loop's instructions, per warp and iterati
 
 The counts are a static proxy, not timings: they cannot see latency hiding, stalls, bank conflicts
 or memory bandwidth, and branches inside a loop count as if taken on every iteration. The table
-goes to stdout and, with a JSON twin, to --out as <date>-sass-<template hash>.{txt,json}."""
+goes to stdout and, with a JSON twin, to --out as <date>-sass-<template hash>.{txt,json}.
+
+    python -m autoflash.bench sass --decode [--out DIR]
+
+--decode reports instead the global loads of the decode (KV-cache) kernels, dense, paged and split:
+per block and main-loop iteration against one K and one V tile, outside the loops against the Q tile
+and the first K/V tiles, and the grid flash_decode launches for a GQA call on the host emulator. It
+downloads nothing; it writes <date>-decode-loads-<template hash>.{txt,json}."""
 from __future__ import annotations
 
 import argparse
@@ -509,6 +516,156 @@ def render(report: dict, command: str, date: str) -> str:
     return "\n\n".join(parts) + "\n"
 
 
+DECODE_TARGETS = (("a100", "sm_80"), ("h100", "sm_90"))
+DECODE_KINDS = {"dense": {}, "paged": dict(paged=True, causal=True, align="bottom_right"), "split": dict(split=True)}
+DECODE_PAGE = 256
+DECODE_COLUMNS = (("gpu", "gpu"), ("arch", "arch"), ("kernel", "kernel"), ("thr", "threads"),
+                  ("loop LDGSTS/thr", "loop_ldgsts"), ("loop B/block", "loop_bytes"), ("K+V tile B", "kv_tile_bytes"),
+                  ("loop LDG/thr", "loop_ldg"), ("masked loop B", "masked_bytes"), ("prologue B", "prologue_bytes"),
+                  ("Q + stages*KV B", "prologue_expected"), ("prologue LDG/thr", "prologue_ldg"), ("once", "once"))
+DECODE_CAVEAT = ("Static SASS counts, a proxy, not a GPU measurement: instructions that may issue, per thread, "
+                 "times the block's threads; a loop's branches count as if taken. The loop's loads of tile "
+                 "it + stages are predicated off past the last tile at run time (template: `if (it < n_tiles)`), "
+                 "which SASS counts cannot show; with them a block of n tiles loads Q + n x (K + V).")
+DECODE_COLUMNS_LEGEND = (
+    "Columns, per block: loop = the main loop's body, one iteration (autoflash.kernels.sass.main_loop); LDGSTS/thr: "
+    "cp.async instructions per thread x bytes each; B/block = bytes x threads; K+V tile B = 2 x block_n x d x 2; "
+    "loop LDG/thr: other global loads in the loop (paged: the K and the V tile's block-table entry, 4 B, the same "
+    "word in every thread); masked loop B: the masked-tile loop's cp.async bytes per iteration; prologue B: outside "
+    "all loops, along the path that issues most (ptxas versions a whole-tile and a ragged-tile copy, one runs); "
+    "prologue LDG/thr: lengths, left padding, cache batch index, block-table entries; once: every loop iteration "
+    "loads exactly one K and one V tile, and the prologue the Q tile plus `stages` K/V tiles.")
+
+
+def decode_grids(heads=(8, 2), batch=3, seqlen_q=2, splits=3, alibi=False) -> list[tuple]:
+    """The grids flash_decode launches for a small GQA call on the host emulator (no GPU): main
+    kernel, then the combine kernel. ALiBi's per-head slopes stop the folding."""
+    import torch
+
+    import autoflash
+    from autoflash.kernels import launch
+    from autoflash.kernels.decode import flash_decode
+
+    grids, real = [], launch._call
+
+    def spy(fn, grid, *args, **kw):
+        grids.append(tuple(grid))
+        return real(fn, grid, *args, **kw)
+
+    (hq, hkv), d, length = heads, 64, 600
+    q = torch.randn(batch, seqlen_q, hq, d).to(torch.bfloat16)
+    k = torch.randn(batch, length, hkv, d).to(torch.bfloat16)
+    launch._call = spy
+    try:
+        with autoflash.emulate("h100"):
+            flash_decode(q, k, k.clone(), length, num_splits=splits, causal=True,
+                         alibi_slopes=torch.rand(hq) * 0.3 if alibi else None)
+    finally:
+        launch._call = real
+    return grids
+
+
+def _n_width(loads) -> str:
+    n, size = loads or (0, 0)
+    return f"{n} x {size // n if n else 0} B"
+
+
+def decode_rows(log=print) -> list[dict]:
+    """One row per decode kernel: its global loads per thread and per block, against its tiles."""
+    from autoflash.kernels.compiler import compile_config
+    from autoflash.kernels.defaults import default_decode_config
+    from autoflash.kernels.gpus import get_profile
+
+    rows = []
+    for gpu, arch in DECODE_TARGETS:
+        for d in HEAD_DIMS:
+            for kind, switches in DECODE_KINDS.items():
+                base = default_decode_config(d, DTYPE, get_profile(gpu), DECODE_PAGE if kind == "paged" else None)
+                c = base.replace(**switches)
+                log(f"{gpu} {arch} {c.name}")
+                text = sass.disassemble(compile_config(c, arch).cubin_path, c.name)
+                loops = sass.hmma_loops(text)
+                main, pro = sass.main_loop(loops), sass.straight_line_loads(text)
+                tile = 2 * c.block_n * d * c.elem_bytes
+                expected = c.block_m * d * c.elem_bytes + c.num_stages * tile
+                per_block = lambda loads: loads.get("LDGSTS", (0, 0))[1] * c.threads  # noqa: E731
+                row = {"gpu": gpu, "arch": arch, "head_dim": d, "kind": kind, "kernel": c.name, "threads": c.threads,
+                       "block_m": c.block_m, "block_n": c.block_n, "stages": c.num_stages,
+                       "loop_ldgsts": _n_width(main.global_loads.get("LDGSTS")),
+                       "loop_bytes": per_block(main.global_loads), "kv_tile_bytes": tile,
+                       "loop_ldg": _n_width(main.global_loads.get("LDG")),
+                       "masked_bytes": ",".join(str(per_block(lp.global_loads)) for lp in loops if lp is not main)
+                       or "-",
+                       "prologue_bytes": per_block(pro), "prologue_expected": expected,
+                       "prologue_ldg": _n_width(pro.get("LDG")),
+                       "loops": [{"header": f"0x{lp.header_addr:04x}", "main": lp is main, "nested": lp.nested,
+                                  "global_loads": lp.global_loads} for lp in loops],
+                       "prologue_loads": pro}
+                row["once"] = "yes" if (all(per_block(lp.global_loads) == tile for lp in loops)
+                                        and row["prologue_bytes"] == expected) else "NO"
+                rows.append(row)
+    return rows
+
+
+def decode_report(rows: list[dict], grids: list[tuple], meta: dict, command: str, date: str) -> str:
+    (main, combine), (unfolded, _) = grids
+    head = [
+        "Static decode-kernel global loads: the KV-cache kernels (autoflash.kernels.defaults.default_decode_config,",
+        f"{DTYPE}; paged: page size {DECODE_PAGE}, causal bottom-right as flash_attn_with_kvcache runs it), from SASS.",
+        "A PROXY, NOT A GPU MEASUREMENT: no timing and no DRAM counter; what the code issues, not what the memory saw.",
+        f"command:    {command}",
+        f"date:       {date}",
+        f"autoflash:  {meta['autoflash']}    template hash: {meta['template_hash']}",
+        f"python:     {meta['python']}   torch: {meta['torch']}   NVRTC: {meta['nvrtc']}   "
+        f"nvdisasm: {meta['nvdisasm']}",
+        "Checked by tests/test_sass_decode.py.",
+        "",
+        textwrap.fill(DECODE_CAVEAT, 115),
+        "",
+        textwrap.fill(DECODE_COLUMNS_LEGEND, 115),
+        "",
+    ]
+    grid = [
+        "LAUNCH STRUCTURE (flash_decode on the host emulator, h100 profile: batch 3, seqlen_q 2, 8 query heads on 2",
+        "kv heads (group 4), 600 cached keys, num_splits 3, d 64):",
+        f"  main grid {main} = (m_blocks x splits, kv heads, batch): the 4 query heads of a kv head fold into",
+        "  one block's rows (2 x 4 = 8 rows <= block_m: one m-block); the splits take disjoint runs of key tiles",
+        "  (template: split * per_split ...), so each K/V tile of a (batch, kv-head) is loaded by exactly one block,",
+        f"  once (the table above). combine grid {combine}.",
+        "=> each K/V byte is loaded once per (batch, kv-head): one K/V read serves all query heads of its group.",
+        f"   (The same call with ALiBi, whose slopes are per query head, is not folded: grid {unfolded}, y = the 8",
+        "   query heads, so each K/V byte is read by the 4 blocks of its group.)",
+    ]
+    return "\n".join(head) + "\n" + table(rows, DECODE_COLUMNS) + "\n\n" + "\n".join(grid) + "\n"
+
+
+def decode_main(out: Path, command: str) -> int:
+    import platform
+
+    import torch
+
+    from autoflash.kernels.codegen import template_hash
+    from autoflash.kernels.compiler import nvrtc_version
+
+    rows = decode_rows(log=lambda s: print(s, file=sys.stderr))
+    grids = decode_grids(), decode_grids(alibi=True)
+    meta = {"autoflash": source(), "template_hash": template_hash(), "python": platform.python_version(),
+            "torch": torch.__version__, "nvrtc": nvrtc_version(), "nvdisasm": nvdisasm_version()}
+    date = time.strftime("%Y-%m-%d")
+    text = decode_report(rows, grids, meta, command, time.strftime("%Y-%m-%dT%H:%M:%S%z"))
+    print(text, end="")
+    out.mkdir(parents=True, exist_ok=True)
+    stem = out / f"{date}-decode-loads-{meta['template_hash'][:8]}"
+    stem.with_suffix(".txt").write_text(text)
+    stem.with_suffix(".json").write_text(json.dumps(
+        {"command": command, "date": date, **meta, "caveat": DECODE_CAVEAT,
+         "grids": {"main": grids[0][0], "combine": grids[0][1], "main_alibi_unfolded": grids[1][0],
+                   "call": "batch 3, seqlen_q 2, heads 8, heads_kv 2, 600 keys, num_splits 3, d 64, h100 emulated"},
+         "rows": rows}, indent=1) + "\n")
+    print(f"wrote {stem}.txt and .json", file=sys.stderr)
+    return 0
+
+
 def make_parser() -> argparse.ArgumentParser:
     from autoflash.kernels.compiler import cache_dir
 
@@ -521,12 +678,17 @@ def make_parser() -> argparse.ArgumentParser:
                    help="directory for <date>-sass-<template hash>.{txt,json} (default: %(default)s)")
     p.add_argument("--torch", default="torch", metavar="SPEC",
                    help="the pip requirement of the wheel to download on the first run (default: torch)")
+    p.add_argument("--decode", action="store_true",
+                   help="instead: the decode kernels' global loads against their K/V tiles, and their grid "
+                   "(no download; <date>-decode-loads-<template hash>.{txt,json})")
     return p
 
 
 def main(argv: list[str] | None = None) -> int:
     args = make_parser().parse_args(argv)
     command = " ".join(["python -m autoflash.bench sass", *(sys.argv[2:] if argv is None else argv)])
+    if args.decode:
+        return decode_main(args.out, command)
     report = collect(args.workdir.expanduser(), args.torch, log=lambda s: print(s, file=sys.stderr))
     date = time.strftime("%Y-%m-%d")
     text = render(report, command, time.strftime("%Y-%m-%dT%H:%M:%S%z"))

@@ -215,14 +215,8 @@ def hmma_loops(text: str) -> list[Loop]:
         own = [f for f, _ in files.most_common() if f.endswith(".j2")] or [f for f, _ in files.most_common(1)]
         lines = [ins.line[1] for ins in members if ins.line and ins.line[0] in own[:1]]
         nested = any(lp < body for lp in loops)
-        loads: dict[str, tuple[int, int]] = {}
-        for ins in members:
-            kind = ins.op.split(".")[0]
-            if kind in ("LDGSTS", "LDG"):
-                n, size = loads.get(kind, (0, 0))
-                loads[kind] = (n + 1, size + load_bytes(ins.op))
         found.append(Loop(insns[blocks[min(body)][0]].addr, dict(counts),
-                          (min(lines), max(lines)) if lines else None, nested, loads))
+                          (min(lines), max(lines)) if lines else None, nested, _global_loads(members)))
     return sorted(found, key=lambda lp: lp.header_addr)
 
 
@@ -234,6 +228,62 @@ def load_bytes(op: str) -> int:
     LDGSTS.E.BYPASS.LTC128B.128: 16), 4 without one (LDG.E)."""
     bits = [_WIDTH_BITS[p] for p in op.split(".")[1:] if p in _WIDTH_BITS]
     return (bits[-1] if bits else 32) // 8
+
+
+def _global_loads(insns) -> dict[str, tuple[int, int]]:
+    loads: dict[str, tuple[int, int]] = {}
+    for ins in insns:
+        kind = ins.op.split(".")[0]
+        if kind in ("LDGSTS", "LDG") and classify(ins.op, ins.pred) is not None:
+            n, size = loads.get(kind, (0, 0))
+            loads[kind] = (n + 1, size + load_bytes(ins.op))
+    return loads
+
+
+def straight_line_loads(text: str) -> dict[str, tuple[int, int]]:
+    """Global loads per thread outside every loop (prologue and epilogue), along the path from the
+    entry that issues the most LDGSTS bytes: {"LDGSTS" | "LDG": (instructions, bytes)}.
+
+    Each outermost loop is contracted to one node of no weight, which leaves a DAG for ptxas's
+    reducible control flow. A path, not the sum over blocks: ptxas versions a copy into a whole-tile
+    and a ragged-tile branch, and only one of them runs."""
+    insns = parse(text)
+    if not insns:
+        return {}
+    blocks, succ = _blocks(insns)
+    loops = _natural_loops(len(blocks), succ)
+    outer = [lp for lp in loops if not any(lp < other for other in loops)]
+    node = {b: b for b in range(len(blocks))}
+    for lp in outer:
+        for b in lp:
+            node[b] = min(lp)
+    looped = {b for lp in outer for b in lp}
+    weight: dict[int, dict[str, tuple[int, int]]] = collections.defaultdict(dict)
+    for b, (s, e) in enumerate(blocks):
+        for kind, (n, size) in ({} if b in looped else _global_loads(insns[s:e])).items():
+            m, total = weight[node[b]].get(kind, (0, 0))
+            weight[node[b]][kind] = (m + n, total + size)
+    nexts: dict[int, set[int]] = collections.defaultdict(set)
+    for b, ss in succ.items():
+        nexts[node[b]].update(node[s] for s in ss if node[s] != node[b])
+    indegree = collections.Counter(z for zs in nexts.values() for z in zs)
+    key = lambda w: (w.get("LDGSTS", (0, 0))[1], w.get("LDG", (0, 0))[1])  # noqa: E731
+    add = lambda w, v: {k: tuple(x + y for x, y in zip(w.get(k, (0, 0)), v.get(k, (0, 0))))  # noqa: E731
+                        for k in set(w) | set(v)}
+    nodes = set(node.values())
+    best, ready, seen = {node[0]: dict(weight[node[0]])}, [x for x in nodes if not indegree[x]], 0
+    while ready:  # longest path in topological order
+        a = ready.pop()
+        seen += 1
+        for z in nexts[a]:
+            if a in best and (z not in best or key(add(best[a], weight[z])) > key(best[z])):
+                best[z] = add(best[a], weight[z])
+            indegree[z] -= 1
+            if not indegree[z]:
+                ready.append(z)
+    if seen != len(nodes):
+        raise ValueError("straight_line_loads: the control flow outside the loops is not acyclic (irreducible)")
+    return max(best.values(), key=key)
 
 
 def main_loop(loops: list[Loop]) -> Loop:
