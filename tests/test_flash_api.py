@@ -4,7 +4,7 @@ On the CPU outside autoflash.emulate() the custom ops behind them run the PyTorc
 everything above the launch (argument checks, layouts, head-dim padding, packing, the custom ops'
 schemas, fake implementations and autograd, torch.compile) is checked here against the references
 themselves. TestEmulatedKernels runs the same API on the H100's kernels on the host emulator and
-holds them to FlashAttention's accuracy rule."""
+holds them to FlashAttention-3's accuracy rule."""
 import math
 
 import pytest
@@ -506,12 +506,13 @@ def _rule_cases():
 
 
 class TestEmulatedKernels:
-    """The API on the H100's kernels, emulated on the CPU: out within 2x and gradients within 3x of
-    PyTorch's own error in the input dtype, both against the fp32 reference (FlashAttention's rule)."""
+    """The API on the H100's kernels, emulated on the CPU: out and gradients within 2x (3x with a
+    softcap) of PyTorch's own error in the input dtype, both against the fp32 reference, plus twice
+    the reference's rounding in the input dtype (FlashAttention-3's rule: within_tolerance)."""
 
     @staticmethod
-    def _check(name, got, ref, same_dtype, factor):
-        ok, err, bound = within_tolerance(got, ref, same_dtype, factor=factor)
+    def _check(name, got, ref, same_dtype, softcap=0.0):
+        ok, err, bound = within_tolerance(got, ref, same_dtype, softcap=softcap, backward=name != "out")
         assert ok, f"{name}: err {err:.3e} > bound {bound:.3e}"
 
     @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
@@ -526,13 +527,14 @@ class TestEmulatedKernels:
         low = _leaves(q, k, v, dtype=dtype)
         ref, _ = _ref_bshd(*up, **ref_kw)
         same, _ = _ref_bshd(*low, upcast=False, **ref_kw)
-        self._check("out", out, ref, same, 2.0)
+        softcap = spec.get("softcap", 0.0)
+        self._check("out", out, ref, same, softcap)
         dout = torch.randn(out.shape, generator=torch.Generator().manual_seed(9)).to(dtype)
         with autoflash.emulate(gpu="h100"):
             grads = torch.autograd.grad(out, (q, k, v), dout)
         for name, got, want, want_same in zip("qkv", grads, torch.autograd.grad(ref, up, dout.float()),
                                               torch.autograd.grad(same, low, dout)):
-            self._check(f"d{name}", got, want, want_same, 3.0)
+            self._check(f"d{name}", got, want, want_same, softcap)
 
     def test_varlen_meets_the_rule(self):
         lq, lk = (17, 0, 1, 40), (23, 5, 3, 40)
@@ -545,13 +547,13 @@ class TestEmulatedKernels:
         up, low = _leaves(q, k, v), _leaves(q, k, v, dtype=torch.bfloat16)
         ref, _ = _varlen_reference(*up, lq, lk, ref_kw)
         same, _ = _varlen_reference(*low, lq, lk, dict(ref_kw, upcast=False))
-        self._check("out", out, ref, same, 2.0)
+        self._check("out", out, ref, same)
         dout = torch.randn(out.shape, generator=g).to(torch.bfloat16)
         with autoflash.emulate(gpu="h100"):
             grads = torch.autograd.grad(out, (q, k, v), dout)
         for name, got, want, want_same in zip("qkv", grads, torch.autograd.grad(ref, up, dout.float()),
                                               torch.autograd.grad(same, low, dout)):
-            self._check(f"d{name}", got, want, want_same, 3.0)
+            self._check(f"d{name}", got, want, want_same)
 
     def test_deterministic_backward_is_bit_identical(self):
         q, k, v = _bshd(2, 64, 64, 2, 2, 64, dtype=torch.bfloat16)

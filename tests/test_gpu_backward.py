@@ -1,6 +1,8 @@
-"""GPU tier of the backward kernels: with g = randn_like(out), FlashAttention's gradient rule
-    max|dX - dX_ref32| <= 3 * max|dX_torch_same_dtype - dX_ref32| + 1e-5   for dq, dk, dv,
-over FlashAttention's grid; bit-identical gradients with deterministic=True; no L x L memory at 16k.
+"""GPU tier of the backward kernels: with g = randn_like(out), FlashAttention-3's gradient rule
+(hopper/test_flash_attn.py; autoflash.reference.forward.within_tolerance(backward=True))
+    max|dX - dX_ref32| <= 2 * max|dX_torch_same_dtype - dX_ref32| + 2 * max|r + 0.3 - 0.3 - r|
+for dq, dk, dv, r = dX_ref32 rounded to the input dtype, over FlashAttention's grid; bit-identical
+gradients with deterministic=True; no L x L memory at 16k.
 Each test runs on a CUDA GPU (skipped without one) and, where it is not about the GPU's memory, on
 the CPU emulator (`target`, conftest.py)."""
 import pytest
@@ -26,7 +28,7 @@ def assert_gradients_accurate(q, k, v, causal, scale=None, **kw):
     ref = attention_backward_ref(q.detach(), k.detach(), v.detach(), g, causal=causal, scale=scale)
     pt = attention_backward_ref(q.detach(), k.detach(), v.detach(), g, causal=causal, scale=scale, upcast=False)
     for name, got, want, yard in zip(("dq", "dk", "dv"), (dq, dk, dv), ref, pt):
-        ok, err, bound = within_tolerance(got, want, yard, factor=3.0)
+        ok, err, bound = within_tolerance(got, want, yard, backward=True)
         assert ok, f"{name}: max err {err:.3e} > bound {bound:.3e}"
 
 
@@ -122,5 +124,5 @@ def test_fp32_simt_backward_matches_fp64(target, d, causal, lq, lk):
                                  causal=causal)
     pt = attention_backward_ref(q.detach(), k.detach(), v.detach(), g, causal=causal, upcast=False)
     for name, got, want, yard in zip(("dq", "dk", "dv"), grads, ref, pt):
-        ok, err, bound = within_tolerance(got, want, yard, factor=3.0)
+        ok, err, bound = within_tolerance(got, want, yard, backward=True)
         assert ok, f"{name}: max err {err:.3e} > bound {bound:.3e}"

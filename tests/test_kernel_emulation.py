@@ -1,8 +1,10 @@
 """Odd configs on the host emulator (autoflash.emulate): stages 1..4, one or two warps, block_n 48, d 40
 and 72, head_split 2 and 4, MQA/GQA, the BSHD layout, Lq = Lk = 1, Lq > Lk under causal, plus every
 built-in default of the H100 (bf16, fp32) and the L4 (fp16: its 99 KB tile table), each held to
-FlashAttention's rule: out and LSE against the fp32 reference (fp64 for fp32), dq/dk/dv against
-autograd through it. The GPU tier (tests/test_gpu_*.py) runs the same kernels on the default grid."""
+FlashAttention-3's rule (autoflash.reference.forward.within_tolerance): out against the fp32
+reference (fp64 for fp32), dq/dk/dv against autograd through it; the fp32 LSE, which FA3's rule does
+not cover, within 2x PyTorch's error + 1e-5. The GPU tier (tests/test_gpu_*.py) runs the same
+kernels on the default grid."""
 import pytest
 import torch
 
@@ -85,14 +87,15 @@ def test_emulated_kernel_matches_reference(case):
     pt, pt_lse = attention_ref(q, k, v, causal=cfg.causal, scale=scale, upcast=False)
     ok, err, bound = within_tolerance(out, ref, pt)
     assert ok, f"out: err {err:.3e} > bound {bound:.3e}"
-    ok, err, bound = within_tolerance(lse, ref_lse, pt_lse)
+    ok, err, bound = within_tolerance(lse, ref_lse, pt_lse, atol=1e-5)
     assert ok, f"lse: err {err:.3e} > bound {bound:.3e}"
 
 
 @pytest.mark.parametrize("case", BWD_CASES, ids=lambda c: f"{c[0].name}-L{c[4]}x{c[5]}-{c[6]}")
 def test_emulated_backward_matches_reference(case):
-    """dq, dk, dv against autograd through the fp32 reference, with FlashAttention's gradient rule
-    max|dX - dX_ref| <= 3 * max|dX_torch - dX_ref| + 1e-5 (dX_torch: autograd in the input dtype)."""
+    """dq, dk, dv against autograd through the fp32 reference, with FlashAttention-3's gradient rule
+    max|dX - dX_ref| <= 2 * max|dX_torch - dX_ref| + 2 * max|r + 0.3 - 0.3 - r| (dX_torch: autograd in
+    the input dtype, r: dX_ref rounded to it)."""
     cfg, b, hq, hkv, lq, lk, layout = case
     q, k, v = _inputs(cfg, b, hq, hkv, lq, lk, layout)
     dout = torch.randn(q.shape, generator=torch.Generator().manual_seed(5)).to(q.dtype)
@@ -110,5 +113,5 @@ def test_emulated_backward_matches_reference(case):
                                        scale=scale, config=cfg)
     for name, g, want, yard in zip(("dq", "dk", "dv"), got, grads(True), grads(False)):
         assert not torch.isnan(g).any(), f"{name}: NaN (unwritten or poisoned)"
-        ok, err, bound = within_tolerance(g, want, yard, factor=3.0)
+        ok, err, bound = within_tolerance(g, want, yard, backward=True)
         assert ok, f"{name}: err {err:.3e} > bound {bound:.3e}"

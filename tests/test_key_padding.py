@@ -4,7 +4,8 @@ comparison of the values where it cannot; and the results against SDPA:
 - on the CPU outside emulation (autoflash.attention falls back there: the result is SDPA's; the
   bias the kernels would get is checked through attention_variant's PyTorch reference);
 - on the kernels, on the host emulator as on an H100 (bf16/fp16, bool and additive masks, left and
-  right padding, forward and backward) under FlashAttention's accuracy rule against fp32."""
+  right padding, forward and backward) under FlashAttention-3's accuracy rule against fp32
+  (autoflash.reference.forward.within_tolerance)."""
 import warnings
 
 import pytest
@@ -219,7 +220,7 @@ def _check(out, grads, q, k, v, mask, dout):
     same_grads = torch.autograd.grad(same, same_leaves, dout)
     for name, g, r, t in zip("qkv", grads, ref_grads, same_grads):
         assert g.dtype == q.dtype and g.shape == r.shape
-        ok, err, bound = within_tolerance(g, r, t, factor=3.0)
+        ok, err, bound = within_tolerance(g, r, t, backward=True)
         assert ok, f"d{name}: error {err:.3g} > bound {bound:.3g}"
 
 
@@ -256,7 +257,8 @@ def test_emulated_kernels_take_an_expanded_mask_with_gqa_and_lq_ne_lk():
         r, t = r.double(), t.double()
         if name != "q":
             r, t = (x.unflatten(1, (2, 2)).sum(2) for x in (r, t))
-        ok, err, bound = within_tolerance(g, r, t, factor=3.0)
+        # t is summed in fp64: the rounding term is measured in the input dtype, bf16
+        ok, err, bound = within_tolerance(g, r, t, dtype=torch.bfloat16, backward=True)
         assert ok, f"d{name}: error {err:.3g} > bound {bound:.3g}"
 
 

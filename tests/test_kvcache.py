@@ -3,8 +3,9 @@ test_flash_attn_kvcache grid at emulator sizes: seqlen_q 1..128, new k/v appende
 paged caches (page sizes 16..256), cache_seqlens including 0, cache_batch_idx and left padding,
 rotary (GPT-J and GPT-NeoX, part or all of the head dim), MHA/GQA/MQA, causal, windows, softcap and
 ALiBi, unsplit and split. Each case checks:
-- out within FlashAttention's rule (2x PyTorch's own error in the input dtype, both against the fp32
-  reference), the LSE within 1e-3;
+- out within FlashAttention-3's rule (2x PyTorch's own error in the input dtype, 3x with a softcap,
+  both against the fp32 reference, plus twice the reference's rounding in the input dtype:
+  autoflash.reference.forward.within_tolerance), the LSE within 1e-3;
 - the cache after the call bit-equal to a reference append (rotary included);
 - split and unsplit runs of the kernel agreeing within fp32 rounding (LSE 1e-5 relative, out within
   one rounding of the output dtype).
@@ -165,7 +166,7 @@ def test_kvcache_meets_flashattention_rule(target, variant, dtype, d, draw):
     if "k" not in t:
         assert torch.equal(t["k_cache"], before[0]) and torch.equal(t["v_cache"], before[1])
     ok, err, bound = within_tolerance(out.cpu().transpose(1, 2), ref_out.transpose(1, 2),
-                                      torch_out.transpose(1, 2), factor=2.0)
+                                      torch_out.transpose(1, 2), softcap=kw.get("softcap", 0.0))
     assert ok, f"out: err {err:.3e} > bound {bound:.3e} ({what})"
     finite = torch.isfinite(ref_lse)
     assert torch.equal(torch.isfinite(lse.cpu()), finite), f"rows that see no key ({what})"
@@ -184,7 +185,7 @@ def test_int_cache_seqlens_and_no_new_keys(target):
     out = flash_attn_with_kvcache(q, k_cache, v_cache, cache_seqlens=57)
     ref, _ = attention_kvcache_ref(q.cpu().float(), k_cache.cpu().float(), v_cache.cpu().float(), [57, 57])
     low, _ = attention_kvcache_ref(q.cpu(), k_cache.cpu(), v_cache.cpu(), [57, 57], upcast=False)
-    ok, err, bound = within_tolerance(out.cpu(), ref, low, factor=2.0)
+    ok, err, bound = within_tolerance(out.cpu(), ref, low)
     assert ok, f"out: err {err:.3e} > bound {bound:.3e}"
 
 
@@ -307,7 +308,7 @@ def test_a_key_bias_masks_keys_on_the_cache_path(target, lq):
     args = dict(causal=True, key_bias=bias)
     ref, _ = attention_kvcache_ref(q.cpu().float(), k_cache.cpu().float(), v_cache.cpu().float(), [length] * b, **args)
     low, _ = attention_kvcache_ref(q.cpu(), k_cache.cpu(), v_cache.cpu(), [length] * b, upcast=False, **args)
-    ok, err, bound = within_tolerance(out.cpu(), ref, low, factor=2.0)
+    ok, err, bound = within_tolerance(out.cpu(), ref, low)
     assert ok, f"out: err {err:.3e} > bound {bound:.3e}"
     unmasked, _ = attention_kvcache_ref(q.cpu().float(), k_cache.cpu().float(), v_cache.cpu().float(), [length] * b,
                                         causal=True)

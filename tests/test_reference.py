@@ -8,7 +8,7 @@ import torch
 import torch.nn.functional as F
 
 from autoflash.kernels.config import KernelConfig
-from autoflash.reference.forward import attention_ref, attention_tiled, within_tolerance
+from autoflash.reference.forward import attention_ref, attention_tiled, rounding_error, within_tolerance
 
 
 
@@ -164,12 +164,18 @@ def test_upcast_false_bf16_differs_but_close():
 def test_within_tolerance_cases():
     ref = torch.zeros(4, 8, dtype=torch.float64)
     torch_out = ref + 0.01
+    # fp64 throughout: the rounding term is 0 at a zero reference, so the bound is 2x PyTorch's error
+    # plus the fp32/fp64 floor (FA3 tests no fp32).
     ok, err, bound = within_tolerance(ref + 0.015, ref, torch_out)
     assert ok and err == pytest.approx(0.015) and bound == pytest.approx(0.02 + 1e-5)
     ok, err, _ = within_tolerance(ref + 0.03, ref, torch_out)
     assert not ok and err == pytest.approx(0.03)
     assert within_tolerance(ref + 0.03, ref, torch_out, factor=3.0)[0]
-    assert within_tolerance(ref + 5e-6, ref, ref)[0]  # exact torch: only atol remains
+    # exact PyTorch in fp64 leaves the rounding term (0 here) and the floor, 1e-5 unless given
+    assert within_tolerance(ref + 5e-6, ref, ref)[0]
+    assert not within_tolerance(ref + 5e-6, ref, ref, atol=0.0)[0]
+    # fp16 inputs: FA3's rule, no floor, but the rounding of 0.3 in fp16 at a zero reference, 2 x 4.9e-5
+    assert within_tolerance(ref + 9e-5, ref, ref.half())[0] and not within_tolerance(ref + 1e-4, ref, ref.half())[0]
     bad = ref.clone()
     bad[1, 2] = float("nan")
     ok, err, _ = within_tolerance(bad, ref, torch_out)
@@ -183,6 +189,75 @@ def test_within_tolerance_cases():
     assert ok
     with pytest.raises(ValueError, match="shapes"):
         within_tolerance(ref, ref[:2], ref)
+    with pytest.raises(ValueError, match="softcap"):
+        within_tolerance(ref, ref, ref, softcap=-1.0)
+    with pytest.raises(TypeError, match="dtype"):
+        within_tolerance(ref, ref, ref, dtype=torch.int32)
+
+
+# FA3's rounding term (ref + 0.3 - 0.3 - ref).abs().max() by hand, each op in fp32 and rounded to the
+# dtype as PyTorch on CUDA evaluates it (the scalar 0.3 read as fp32 0.30000001192092896):
+# zero in bf16: bf16(0.3f) = 0.30078125; 0.30078125 - 0.3f = 7.8124e-4, in bf16 205 * 2**-18.
+# zero in fp16: fp16(0.3f) = 1229 * 2**-12; minus 0.3f = 4.8816e-5, an fp16 subnormal, 819 * 2**-24.
+# 1.0 in bf16: bf16(1.3) = 166/128; 166/128 - 0.3f = 0.996875 -> 255/256; 255/256 - 1 = -2**-8.
+# 1.0 in fp16: fp16(1.3) = 1331/1024; 1331/1024 - 0.3f = 0.99980 -> 1.0; 1.0 - 1.0 = 0.
+BF16_ZERO, FP16_ZERO = 205 * 2.0**-18, 819 * 2.0**-24
+
+
+@pytest.mark.parametrize("value, dtype, expected", [
+    (0.0, torch.bfloat16, BF16_ZERO), (0.0, torch.float16, FP16_ZERO), (1.0, torch.bfloat16, 2.0**-8),
+    (1.0, torch.float16, 0.0), (0.0, torch.float32, 0.0), (0.0, torch.float64, 0.0)])
+def test_rounding_error_is_fa3s_term_by_hand(value, dtype, expected):
+    assert rounding_error(torch.full((3, 5), value), dtype) == expected
+    # the reference's own dtype does not matter, only the one it is rounded to
+    assert rounding_error(torch.full((3, 5), value, dtype=torch.float64), dtype) == expected
+
+
+def test_rounding_error_takes_the_max_and_skips_non_finite():
+    assert rounding_error(torch.tensor([0.0, 1.0, float("inf")]), torch.bfloat16) == 2.0**-8
+    assert rounding_error(torch.tensor([float("inf"), float("-inf")]), torch.bfloat16) == 0.0
+    assert rounding_error(torch.zeros(0), torch.float16) == 0.0
+    # fp32 has no narrower opmath: the term is PyTorch's own expression, on any device
+    x = torch.randn(1000, generator=torch.Generator().manual_seed(3))
+    assert rounding_error(x, torch.float32) == (x + 0.3 - 0.3 - x).abs().max().item() > 0
+
+
+def test_within_tolerance_is_fa3s_rule_by_hand():
+    """hopper/test_flash_attn.py: err <= rtol * err_pt + 2 * rounding(ref in the input dtype), rtol 2
+    (3 with a softcap), gradients + 3e-4 with a softcap. The input dtype defaults to out_torch's."""
+    ref = torch.zeros(4, 8)
+    torch_out = (ref + 0.01).to(torch.bfloat16)  # bf16(0.01) = 164 / 16384
+    err_pt = 164 / 16384
+    ok, err, bound = within_tolerance(ref + 0.021, ref, torch_out)
+    # FA2's 2x + 1e-5 gave 0.02003 here and failed this case
+    assert ok and bound == pytest.approx(2 * err_pt + 2 * BF16_ZERO, rel=1e-12) and err == pytest.approx(0.021)
+    assert not within_tolerance(ref + 0.022, ref, torch_out)[0]
+    assert within_tolerance(ref, ref, torch_out, backward=True)[2] == bound  # no softcap: the same rule
+    # the rounding is measured in the dtype asked for, else in out_torch's
+    assert within_tolerance(ref, ref, torch_out, dtype=torch.float16)[2] == pytest.approx(2 * err_pt + 2 * FP16_ZERO)
+    fp16_pt = (ref + 0.01).half()  # fp16(0.01) = 1311 * 2**-17
+    assert within_tolerance(ref, ref, fp16_pt)[2] == pytest.approx(2 * 1311 * 2.0**-17 + 2 * FP16_ZERO, rel=1e-12)
+    # softcap: rtol 3; the gradients also + 3e-4
+    ok, _, bound = within_tolerance(ref + 0.03, ref, torch_out, softcap=5.0)
+    assert ok and bound == pytest.approx(3 * err_pt + 2 * BF16_ZERO, rel=1e-12)
+    _, _, bound = within_tolerance(ref + 0.03, ref, torch_out, softcap=5.0, backward=True)
+    assert bound == pytest.approx(3 * err_pt + 2 * BF16_ZERO + 3e-4, rel=1e-12)
+    assert not within_tolerance(ref + 0.0321, ref, torch_out, softcap=5.0, backward=True)[0]
+    # an explicit factor overrides rtol; atol adds on
+    assert within_tolerance(ref, ref, torch_out, factor=1.0, atol=0.5)[2] == pytest.approx(
+        err_pt + 2 * BF16_ZERO + 0.5, rel=1e-12)
+
+
+def test_single_key_gradients_need_no_floor_of_their_own():
+    """Every softmax row 1 (one key): the references' dQ and dK are exactly 0 and so is PyTorch's,
+    which left FA2's rule a bound of 1e-5. The kernels' delta and dP are two different fp32 sums whose
+    residue reached 1.007e-05 (test_emulated_fuzz.py); FA3's rounding term of a zero reference,
+    2 * 4.9e-5 in fp16 and 2 * 7.8e-4 in bf16, covers it."""
+    zero = torch.zeros(2, 3, 7, 64)
+    residue = torch.full_like(zero, 1.007e-05)
+    for dt in (torch.float16, torch.bfloat16):
+        ok, _, bound = within_tolerance(residue, zero, zero.to(dt), backward=True)
+        assert ok and bound >= 2 * FP16_ZERO
 
 
 @pytest.mark.parametrize(

@@ -1,7 +1,9 @@
 """The variant kernels (flash-attn's features: bottom-right causal, sliding windows, softcap, ALiBi, a
-key bias for padding masks, packed sequences) against the references under FlashAttention's rule:
-out within 2x and dq, dk, dv within 3x of PyTorch's own error in the input dtype, both measured
-against the fp32 reference. Each case runs on a GPU (`gpu` marker) and on the emulator; the emulated
+key bias for padding masks, packed sequences) against the references under FlashAttention-3's rule
+(hopper/test_flash_attn.py, autoflash.reference.forward.within_tolerance): out, dq, dk and dv within 2x
+(3x with a softcap) of PyTorch's own error in the input dtype, both measured against the fp32
+reference, plus twice the reference's rounding in the input dtype (and 3e-4 on gradients with a
+softcap). Each case runs on a GPU (`gpu` marker) and on the emulator; the emulated
 grid is sampled per run (one case per variant and dtype, plus a share of the rest: conftest.py)."""
 import math
 
@@ -32,14 +34,13 @@ VARIANTS = {
     "gemma": dict(softcap=3.0, window=(31, 0), alibi="batch", align="bottom_right"),
 }
 # Where every row sees one key (Lk = 1, the window (0, 0)) softmax rows are exactly 1 and the
-# references' dQ and dK exactly 0, leaving the rule a bound of 1e-5; the kernels' delta and dP are
-# two different fp32 sums whose residue reaches ~1e-5 there (see test_emulated_fuzz.py).
-SINGLE_KEY_ATOL = 1e-4
+# references' dQ and dK exactly 0; the kernels' delta and dP are two different fp32 sums whose residue
+# reaches ~1e-5 there (see test_emulated_fuzz.py). FA2's rule left them 1e-5 and needed a floor of its
+# own; FA3's rounding term of a zero reference (2 x 4.9e-5 in fp16, 2 x 7.8e-4 in bf16) covers it.
 
 
-def _grad_ok(got, ref, yard):
-    degenerate = not ref.abs().max().item() and not yard.abs().max().item()
-    return within_tolerance(got, ref, yard, factor=3.0, atol=SINGLE_KEY_ATOL if degenerate else 1e-5)
+def _grad_ok(got, ref, yard, kw):
+    return within_tolerance(got, ref, yard, softcap=kw.get("softcap", 0.0), backward=True)
 
 
 # (Lq, Lk) pairs from FlashAttention's tests, at sizes the emulator runs quickly; Lq > Lk too
@@ -83,14 +84,14 @@ def test_variant_meets_flashattention_rule(target, variant, dtype, d, heads, pai
     up = [t.float() for t in (q, k, v)]
     ref_out, ref_lse = attention_ref(*up, **kw)
     torch_out, _ = attention_ref(q, k, v, upcast=False, **kw)
-    ok, err, bound = within_tolerance(out, ref_out, torch_out, factor=2.0)
+    ok, err, bound = within_tolerance(out, ref_out, torch_out, softcap=kw.get("softcap", 0.0))
     assert ok, f"out: err {err:.3e} > bound {bound:.3e}"
     ok, err, _ = within_tolerance(lse, ref_lse, ref_lse, atol=1e-3)  # fp32 LSE: a fixed bound
     assert ok, f"lse: err {err:.3e}"
     ref_grads = attention_backward_ref(*up, dout.float(), **kw)
     torch_grads = attention_backward_ref(q, k, v, dout, upcast=False, **kw)
     for name, got, ref, yard in zip(("dq", "dk", "dv"), (dq, dk, dv), ref_grads, torch_grads):
-        ok, err, bound = _grad_ok(got, ref, yard)
+        ok, err, bound = _grad_ok(got, ref, yard, kw)
         assert ok, f"{name}: err {err:.3e} > bound {bound:.3e}"
 
 
@@ -130,12 +131,12 @@ def test_varlen_meets_flashattention_rule(target, variant, dtype, draw):
     same = [t.detach().clone().requires_grad_() for t in (q, k, v)]
     torch_out, _ = attention_varlen_ref(*same, **cu, upcast=False, **kw)
     torch_grads = torch.autograd.grad(torch_out, same, dout)
-    ok, err, bound = within_tolerance(out, ref_out.detach(), torch_out.detach(), factor=2.0)
+    ok, err, bound = within_tolerance(out, ref_out.detach(), torch_out.detach(), softcap=kw.get("softcap", 0.0))
     assert ok, f"out: err {err:.3e} > bound {bound:.3e} (lengths q {lens_q}, k {lens_k})"
     ok, err, _ = within_tolerance(lse, ref_lse.detach(), ref_lse.detach(), atol=1e-3)
     assert ok, f"lse: err {err:.3e}"
     for name, got, ref, yard in zip(("dq", "dk", "dv"), grads, ref_grads, torch_grads):
-        ok, err, bound = _grad_ok(got, ref, yard)
+        ok, err, bound = _grad_ok(got, ref, yard, kw)
         assert ok, f"{name}: err {err:.3e} > bound {bound:.3e} (lengths q {lens_q}, k {lens_k})"
 
 
