@@ -2,12 +2,15 @@
 as data, and an on-disk cubin cache keyed by source, options and NVRTC version."""
 from __future__ import annotations
 
+import ctypes
 import dataclasses
 import functools
 import hashlib
 import json
 import os
 import re
+import site
+import sys
 import tempfile
 from pathlib import Path
 
@@ -79,10 +82,102 @@ def parse_ptxas_report(log: str, kernel: str) -> Resources:
     )
 
 
-def _nvrtc():
-    from cuda.bindings import nvrtc
+@dataclasses.dataclass(frozen=True)
+class CudaStack:
+    """One CUDA major's install: pyproject.toml's extra, its wheels and where they put NVRTC and the
+    headers in site-packages, and the driver its cubins need."""
 
+    major: int
+    extra: str  # pip install "autoflash[<extra>]"
+    nvrtc_wheel: str
+    runtime_wheel: str  # the CUDA headers (cuda_fp16.h, cuda_bf16.h) come in the runtime wheel
+    nvrtc_lib: str  # relative to site-packages (Linux)
+    include_dir: str  # relative to site-packages
+    driver: str
+
+    @property
+    def install(self) -> str:
+        return f'pip install "autoflash[{self.extra}]"'
+
+
+# NVIDIA's wheel layouts, as cuda.pathfinder's catalogs list them: CUDA 13 wheels share nvidia/cu13/,
+# CUDA 12 wheels each have a folder of their own. Drivers: CUDA's minor version compatibility
+# ("CUDA Compatibility", Table 1) runs code built by any 12.x toolkit on a driver >= 525 and by any
+# 13.x one on >= 580; a cubin built by a newer major does not load on an older major's driver. The
+# driver's CUDA version is what `nvidia-smi` prints as "CUDA Version".
+STACKS: dict[int, CudaStack] = {
+    12: CudaStack(12, "cu12", "nvidia-cuda-nvrtc-cu12", "nvidia-cuda-runtime-cu12",
+                  "nvidia/cuda_nvrtc/lib/libnvrtc.so.12", "nvidia/cuda_runtime/include",
+                  "a CUDA 12 driver, R525 to R575"),
+    13: CudaStack(13, "cu13", "nvidia-cuda-nvrtc", "nvidia-cuda-runtime",
+                  "nvidia/cu13/lib/libnvrtc.so.13", "nvidia/cu13/include",
+                  "a CUDA 13 driver, R580 or newer"),
+}
+
+# The first NVRTC whose nvrtcGetSupportedArchs lists an arch autoflash targets (gpus.NVRTC_ARCHS),
+# read from the nvidia-cuda-nvrtc(-cu12) wheels: 12.1 to 12.6 list 50..90; 12.8 adds 100, 101 and
+# 120; 12.9 adds 103 and 121; 13.0 drops everything below 75 and renames 101 to 110. Only used to
+# say which install gives an arch; whether an arch compiles is the installed NVRTC's own list.
+FIRST_NVRTC: dict[int, tuple[int, int]] = {100: (12, 8), 120: (12, 8), 103: (12, 9), 121: (12, 9), 110: (13, 0)}
+# CUDA 13.0 renamed sm_101 (Jetson Thor) to sm_110: NVRTC 12.8/12.9 list 101, 13.x lists 110 instead.
+RENAMED: dict[int, int] = {101: 110}
+# Family-specific targets (sm_100f, ...) came with CUDA 12.9: NVRTC 12.8 rejects --gpu-architecture=
+# sm_100f ("invalid value"), 12.9 compiles it. The supported-arch list does not show suffixes.
+FIRST_NVRTC_FAMILY = (12, 9)
+
+
+def install_hint() -> str:
+    """Which install goes with which driver, newest first (for messages)."""
+    return "; ".join(f"`{s.install}` for {s.driver}" for s in sorted(STACKS.values(), key=lambda s: -s.major))
+
+
+def _no_nvrtc_message(detail: str) -> str:
+    return (f"NVRTC not found ({detail}): autoflash compiles its kernels with NVRTC from PyPI, installed with "
+            f"the CUDA stack that matches your driver ({install_hint()}). `nvidia-smi` prints the driver's CUDA "
+            f"version.")
+
+
+def _site_file(relative: str) -> str | None:
+    """The first `relative` path that exists under sys.path or a site-packages folder."""
+    roots = [*sys.path, *getattr(site, "getsitepackages", list)()]
+    if site.ENABLE_USER_SITE:
+        roots.append(site.getusersitepackages())
+    for root in roots:
+        path = os.path.join(root or ".", relative)
+        if os.path.exists(path):
+            return os.path.abspath(path)
+    return None
+
+
+@functools.lru_cache(maxsize=1)
+def _nvrtc():
+    """cuda.bindings.nvrtc, bound to the NVRTC of the installed stack.
+
+    cuda-bindings resolves NVRTC's functions in the process first and loads a library only when they
+    are not there, through cuda.pathfinder, which takes libnvrtc.so.13 before .so.12 whatever the
+    bindings' own major. So with autoflash[cu12] and a CUDA 13 NVRTC wheel left beside it (torch's
+    CUDA 13 builds, an earlier autoflash install) the bindings would pick NVRTC 13, whose cubins a
+    CUDA 12 driver cannot load. The NVRTC wheel of cuda-bindings' major, where it is installed, is
+    loaded first (global symbols) so the bindings use it; otherwise they find one as usual."""
+    try:
+        import cuda.bindings
+        from cuda.bindings import nvrtc
+    except ImportError as e:
+        raise RuntimeError(_no_nvrtc_message(f"cuda-bindings is not importable: {e}")) from e
+    stack = STACKS.get(_major(getattr(cuda.bindings, "__version__", "")))
+    lib = _site_file(stack.nvrtc_lib) if stack is not None and sys.platform.startswith("linux") else None
+    if lib is not None:
+        ctypes.CDLL(lib, mode=os.RTLD_NOW | os.RTLD_GLOBAL)
+    try:
+        nvrtc.nvrtcVersion()
+    except Exception as e:  # cuda.pathfinder's DynamicLibNotFoundError, or a library it cannot load
+        raise RuntimeError(_no_nvrtc_message(f"{type(e).__name__}: {e}")) from e
     return nvrtc
+
+
+def _major(version: str) -> int | None:
+    head = version.split(".")[0]
+    return int(head) if head.isdigit() else None
 
 
 def _check(result, what: str):
@@ -94,21 +189,78 @@ def _check(result, what: str):
 
 @functools.lru_cache(maxsize=1)
 def nvrtc_version() -> str:
+    """The NVRTC the kernels compile with, "major.minor" (e.g. "12.9", "13.0")."""
     major, minor = _check(_nvrtc().nvrtcVersion(), "nvrtcVersion")
     return f"{major}.{minor}"
 
 
+def _nvrtc_stack() -> CudaStack:
+    major = _major(nvrtc_version())
+    if major not in STACKS:
+        raise RuntimeError(f"NVRTC {nvrtc_version()} is installed; autoflash supports NVRTC "
+                           f"{', '.join(f'{m}.x' for m in sorted(STACKS))}: {' or '.join(s.install for s in STACKS.values())}")
+    return STACKS[major]
+
+
+@functools.lru_cache(maxsize=1)
+def supported_archs() -> tuple[int, ...]:
+    """The real architectures the installed NVRTC compiles for (nvrtcGetSupportedArchs: 80, 90, ...)."""
+    return tuple(sorted(_check(_nvrtc().nvrtcGetSupportedArchs(), "nvrtcGetSupportedArchs")))
+
+
+def check_arch(arch: str) -> None:
+    """ValueError unless the installed NVRTC compiles for `arch` (before NVRTC says so in a log)."""
+    number, suffix = int(re.sub(r"\D", "", arch)), arch[-1] if arch[-1] in "af" else ""
+    version = tuple(int(x) for x in nvrtc_version().split("."))
+    family_too_old = suffix == "f" and version < FIRST_NVRTC_FAMILY
+    if number in supported_archs() and not family_too_old:
+        return
+    stack = _nvrtc_stack()
+    first = FIRST_NVRTC_FAMILY if family_too_old else FIRST_NVRTC.get(number)
+    if first is not None and first > version:
+        newer = STACKS.get(first[0])
+        how = (f"`pip install -U \"{stack.nvrtc_wheel}>={first[0]}.{first[1]}\"`" if first[0] == stack.major
+               else f"`{newer.install}` (needs {newer.driver})" if newer is not None else "a newer NVRTC")
+        fix = f"; {arch} needs NVRTC {first[0]}.{first[1]} or newer: {how}"
+    elif number in RENAMED and RENAMED[number] in supported_archs():
+        fix = f"; NVRTC {stack.major} calls it sm_{RENAMED[number]}{suffix}"
+    else:
+        older = [s for s in STACKS.values() if s.major < stack.major]
+        fix = (f"; NVRTC {stack.major} dropped it, NVRTC {older[-1].major} has it: `{older[-1].install}`"
+               if older and number < min(supported_archs()) else "")
+    raise ValueError(f"arch: got {arch!r}, expected one that NVRTC {nvrtc_version()} ({stack.nvrtc_wheel}) "
+                     f"compiles for: {', '.join(f'sm_{a}' for a in supported_archs())}{fix}")
+
+
+def _cudart_major(include_dir: str) -> int | None:
+    """The CUDA major of a header folder, from CUDART_VERSION in its cuda_runtime_api.h (12090: 12.9)."""
+    try:
+        text = Path(include_dir, "cuda_runtime_api.h").read_text(errors="replace")
+    except OSError:
+        return None
+    found = re.search(r"#define\s+CUDART_VERSION\s+(\d+)", text)
+    return int(found.group(1)) // 1000 if found else None
+
+
 @functools.lru_cache(maxsize=1)
 def cuda_include_dir() -> str:
-    """CUDA headers (cuda_fp16.h, cuda_bf16.h) from the pip-installed toolkit."""
+    """CUDA headers (cuda_fp16.h, cuda_bf16.h) of the installed NVRTC's major, from the pip-installed
+    toolkit. cuda.pathfinder alone returns CUDA 13's headers whenever their wheel is installed, which
+    NVRTC 12 is not built for; the folder of NVRTC's own stack is taken first and every candidate's
+    CUDART_VERSION must be of NVRTC's major."""
     from cuda.pathfinder import find_nvidia_header_directory
 
-    path = find_nvidia_header_directory("cudart")
-    if not path:
-        raise RuntimeError(
-            "CUDA headers not found: install them with `pip install 'nvidia-cuda-runtime>=13.0,<14'`"
-        )
-    return path
+    stack = _nvrtc_stack()
+    candidates = [_site_file(stack.include_dir), find_nvidia_header_directory("cudart")]
+    majors = {path: _cudart_major(path) for path in candidates if path}
+    for path, major in majors.items():
+        if major == stack.major:
+            return path
+    seen = "".join(f"; {path} holds CUDA {major} headers" for path, major in majors.items())
+    raise RuntimeError(
+        f"CUDA {stack.major} headers not found for NVRTC {nvrtc_version()}{seen}: install them with "
+        f"`pip install \"{stack.runtime_wheel}>={stack.major}.0,<{stack.major + 1}\"` (or `{stack.install}`)"
+    )
 
 
 def cache_dir() -> Path:
@@ -156,6 +308,7 @@ def compile_source(source: str, name: str, arch: str, *, defines: tuple[str, ...
     """Compiles `source` (whose kernel symbol is `name`) to a cubin for `arch`, e.g. "sm_90"."""
     if not isinstance(arch, str) or not _ARCH_RE.match(arch):
         raise ValueError(f"arch: got {arch!r}, expected an NVRTC real architecture such as 'sm_80' or 'sm_90a'")
+    check_arch(arch)
     options = [f"--gpu-architecture={arch}", *BASE_OPTIONS, *(f"-D{d}" for d in defines),
                f"-I{templates_dir()}", f"-I{cuda_include_dir()}"]
     # Include paths vary between machines; the headers' contents are what matter for the key.

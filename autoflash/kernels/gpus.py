@@ -162,6 +162,9 @@ _NAME_RULES: tuple[tuple[re.Pattern[str], str, dict[str, Any]], ...] = tuple(
 
 # The --gpu-architecture values autoflash can target; each one compiles with NVRTC 13.x
 # (nvrtcGetSupportedArchs lists 75..121; sm_75 is below MIN_COMPUTE_CAPABILITY, sm_101 is gone).
+# NVRTC 12 (autoflash[cu12]) compiles a subset: 12.1 to 12.6 sm_80..sm_90a, 12.8 adds sm_100(a) and
+# sm_120(a), 12.9 sm_103(a) and sm_121(a); no 12.x has sm_110(a) (Jetson Thor was sm_101 there).
+# compiler.check_arch raises a ValueError naming the install for an arch the installed NVRTC lacks.
 NVRTC_ARCHS: tuple[str, ...] = (
     "sm_80", "sm_86", "sm_87", "sm_89", "sm_90", "sm_90a", "sm_100", "sm_100a", "sm_103",
     "sm_103a", "sm_110", "sm_110a", "sm_120", "sm_120a", "sm_121", "sm_121a",
