@@ -313,13 +313,13 @@ def _environment(torch, profile) -> tuple[dict, dict]:
             return f"unavailable ({type(e).__name__}: {e})"
 
     def driver():
-        import cupy
-        v = cupy.cuda.runtime.driverGetVersion()
-        return f"{v // 1000}.{v % 1000 // 10}"
+        from autoflash.kernels.driver import cuda_driver_version, driver_release
+        major, minor = cuda_driver_version()
+        return f"{major}.{minor}" + (f" ({driver_release()})" if driver_release() else "")
 
-    def nvrtc():
-        from cuda.bindings import nvrtc as nv
-        return "{1}.{2}".format(*nv.nvrtcVersion())
+    def nvrtc():  # the one the kernels compile with (the stack's: compiler._nvrtc loads it)
+        from autoflash.kernels.compiler import nvrtc_version
+        return nvrtc_version()
 
     def template_hash():
         from autoflash.kernels.codegen import template_hash

@@ -153,14 +153,20 @@ def _probe_device(device_index: int) -> str:
     if device_index not in _device_reasons:
         try:
             import cupy  # noqa: F401  (loads and launches the kernels)
+        except ImportError as e:
+            from autoflash.kernels.compiler import install_hint
 
+            _device_reasons[device_index] = (f"CuPy is not importable ({e}); install autoflash's CUDA stack, "
+                                             f"the one that matches the driver: {install_hint()}")
+            return _device_reasons[device_index]
+        try:
             from autoflash.kernels.launch import device_profile
 
             device_profile(device_index)
             reason = ""
-        except ImportError as e:
-            reason = f"CuPy is not importable ({e}); install autoflash's dependencies"
-        except (ValueError, RuntimeError) as e:  # an older GPU, or limits autoflash cannot read
+        except (ImportError, ValueError, RuntimeError) as e:
+            # an older GPU, a driver older than the CUDA stack (the install line that fixes it), no
+            # NVRTC, or limits autoflash cannot read
             reason = str(e)
         _device_reasons[device_index] = reason
     return _device_reasons[device_index]

@@ -16,6 +16,7 @@ from autoflash.kernels.compiler import compile_config
 from autoflash.kernels.config import KernelConfig
 from autoflash.kernels.defaults import default_backward_config, default_config
 from autoflash.kernels.gpus import GpuProfile, detect
+from autoflash.kernels.driver import check_driver
 from autoflash.kernels.variants import empty_forward, heads_view, resolve, stand_in, views, with_variant
 from autoflash.reference.forward import LOG2E  # the kernels run the softmax in base 2
 
@@ -27,7 +28,9 @@ __all__ = ["DTYPE_NAMES", "device_profile", "flash_backward", "flash_forward", "
 
 @functools.lru_cache(maxsize=None)
 def device_profile(index: int) -> GpuProfile:
-    """The GpuProfile of CUDA device `index`, probed once per process."""
+    """The GpuProfile of CUDA device `index`, probed once per process; first, DriverMismatchError when
+    the machine's driver is older than the CUDA stack the kernels are built and launched with."""
+    check_driver()
     return detect(index)
 
 
