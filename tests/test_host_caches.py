@@ -402,9 +402,10 @@ def test_the_gpu_branch_launches_on_torchs_stream_with_cpointers(monkeypatch):
                 def __exit__(self, *exc):
                     return False
 
-            @staticmethod
-            def ExternalStream(handle, device_index):
-                return ("stream", handle, device_index)
+            class Stream:  # CuPy 14's supported API only (ExternalStream is deprecated, gone in 15)
+                @staticmethod
+                def from_external(obj):
+                    return ("stream", obj.__cuda_stream__(), FakeCupy.cuda.entered[-1])
 
     class FakeStream:
         cuda_stream = 0xABC
@@ -420,7 +421,8 @@ def test_the_gpu_branch_launches_on_torchs_stream_with_cpointers(monkeypatch):
     finally:
         launch._stream.cache_clear()
     (grid, block, args), kw = seen[0]
-    assert (grid, block, kw) == ((3, 2, 1), (128, 1, 1), {"shared_mem": 0, "stream": ("stream", 0xABC, 1)})
+    # the stream protocol's (version 0, handle), wrapped with the launch's device current
+    assert (grid, block, kw) == ((3, 2, 1), (128, 1, 1), {"shared_mem": 0, "stream": ("stream", (0, 0xABC), 1)})
     assert FakeCupy.cuda.entered == [1] and all(isinstance(a, CPointer) for a in args)
     assert [ctypes.string_at(a.ptr, s) for a, (_, s) in zip(args, launch.DELTA_PARAMS.spans)] == \
         _expected_bytes(launch.DELTA_PARAMS, tensors, scalars)

@@ -166,9 +166,9 @@ def _call(fn, grid, threads: int, smem: int, device: torch.device, params: Kerne
         fn(grid, (threads, 1, 1), params.emulator_args(tensors, buf), shared_mem=smem, names=names)
         return
     cupy = _cupy()[0]
-    stream = _stream(torch.cuda.current_stream(device).cuda_stream, device.index)
+    handle = torch.cuda.current_stream(device).cuda_stream
     with cupy.cuda.Device(device.index):
-        fn(grid, (threads, 1, 1), params.cupy_args(), shared_mem=smem, stream=stream)
+        fn(grid, (threads, 1, 1), params.cupy_args(), shared_mem=smem, stream=_stream(handle, device.index))
 
 
 @functools.lru_cache(maxsize=1)
@@ -181,10 +181,28 @@ def _cupy():
     return cupy, CPointer
 
 
-@functools.lru_cache(maxsize=64)
+class _StreamHandle:
+    """A torch stream's handle in the CUDA stream protocol (`__cuda_stream__`: version 0, the
+    cudaStream_t), which cupy.cuda.Stream.from_external takes; torch's own Stream objects have the
+    method only in recent releases, this works with any."""
+
+    __slots__ = ("handle",)
+
+    def __init__(self, handle: int):
+        self.handle = handle
+
+    def __cuda_stream__(self) -> tuple[int, int]:
+        return (0, self.handle)
+
+
+@functools.lru_cache(maxsize=None)
 def _stream(handle: int, device_index: int):
-    """A cupy view of torch's stream `handle`; it holds the handle only, so one serves every launch."""
-    return _cupy()[0].cuda.ExternalStream(handle, device_index)
+    """A cupy Stream over torch's stream `handle` on `device_index` (call it with that device
+    current: from_external records the current device). CuPy 14 deprecates ExternalStream for
+    Stream.from_external (cupy/cupy#9567), whose Stream never destroys a foreign handle; these are
+    also kept for the process's life (torch draws stream handles from a small fixed pool per
+    device), so none is ever collected."""
+    return _cupy()[0].cuda.Stream.from_external(_StreamHandle(handle))
 
 
 def _strides(t: torch.Tensor, varlen: bool = False) -> tuple[int, ...]:
