@@ -198,9 +198,11 @@ def flash_kvcache(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
     if k is not None:
         _append(k_cache, k, seqlens, cache_batch_idx, block_table, shape.page_size)
         _append(v_cache, v, seqlens, cache_batch_idx, block_table, shape.page_size)
-    seqused = seqlens + shape.seqlen_new
-    if isinstance(seqused, torch.Tensor):
-        seqused = seqused.to(torch.int32)
+    seqused = seqlens
+    if shape.seqlen_new:  # the keys in use after the append
+        seqused = seqlens + shape.seqlen_new
+        if isinstance(seqused, torch.Tensor):
+            seqused = seqused.to(torch.int32)
 
     kw = dict(cache_batch_idx=cache_batch_idx, cache_leftpad=cache_leftpad, block_table=block_table, causal=causal,
               scale=scale, window=window, softcap=softcap, alibi_slopes=alibi_slopes, key_bias=key_bias)

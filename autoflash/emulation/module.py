@@ -88,7 +88,9 @@ class EmulatedFunction:
         lib = self.module.lib
         keep, ptrs = [], (ctypes.c_void_p * len(args))()
         for i, a in enumerate(args):
-            if isinstance(a, torch.Tensor):
+            if a is None:  # a null pointer: an argument the call does not have (never read)
+                buf = ctypes.c_uint64(0)
+            elif isinstance(a, torch.Tensor):
                 buf = ctypes.c_uint64(a.data_ptr())
                 if self.module.sanitize:
                     name = names[i] if i < len(names) and names[i] else f"argument {i}"

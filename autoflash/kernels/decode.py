@@ -10,7 +10,6 @@ tile is then read once per (batch, kv-head, split) instead of once per query hea
 from __future__ import annotations
 
 import dataclasses
-import functools
 import math
 
 import torch
@@ -193,17 +192,6 @@ def choose_num_splits(blocks: int, sm_count: int, key_tiles: int, max_splits: in
     return next(s for s, e in efficiency.items() if e >= 0.85 * best)
 
 
-@functools.lru_cache(maxsize=32)
-def _filled(value: int, n: int, device: torch.device) -> torch.Tensor:
-    """An int32 (n,) of `value` (never written: the kernels only read these)."""
-    return torch.full((n,), value, dtype=torch.int32, device=device)
-
-
-@functools.lru_cache(maxsize=32)
-def _arange(n: int, device: torch.device) -> torch.Tensor:
-    return torch.arange(n, dtype=torch.int32, device=device)
-
-
 def decode_config(shape: CacheShape, dtype: str, profile: GpuProfile, causal: bool, variant,
                   config: KernelConfig | None) -> KernelConfig:
     """The kernel a call runs, unsplit: `config` (a tuned or explicit one) or the built-in one, with
@@ -277,23 +265,23 @@ def flash_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, 
     lse4 = torch.empty((b, heads, rows), dtype=torch.float32, device=q.device)
 
     device = q.device
-    seqused = _filled(cache_seqlens, b, device) if isinstance(cache_seqlens, int) else cache_seqlens
-    batch_idx = cache_batch_idx if cache_batch_idx is not None else _arange(b, device)
-    leftpad = cache_leftpad if cache_leftpad is not None else _filled(0, b, device)
-    table = block_table if block_table is not None else _filled(0, 1, device)
+    # Index tensors the call does not have go as null pointers (the template's defaults: every
+    # sequence max_seqlen_k = cache_seqlens keys, cache row b, no left padding): no tensor is made
+    # for them, so none can be read before it is filled on another stream or outside a CUDA graph.
+    seqused = None if isinstance(cache_seqlens, int) else cache_seqlens
     split = num_splits > 1
-    o_accum = torch.empty((num_splits, b, heads, rows, d) if split else (1,), dtype=torch.float32, device=device)
-    lse_accum = torch.empty((num_splits, b, heads, rows) if split else (1,), dtype=torch.float32, device=device)
+    o_accum = torch.empty((num_splits, b, heads, rows, d), dtype=torch.float32, device=device) if split else None
+    lse_accum = torch.empty((num_splits, b, heads, rows), dtype=torch.float32, device=device) if split else None
 
     fns = kernel_functions(config, profile, q)
     strides = lambda t: t.stride()[:3]  # noqa: E731 -- (batch or page, head, row)
     scalars = (*strides(q4), *strides(k4), *strides(v4), *strides(out4), *lse4.stride()[:2], variant.alibi_sb,
                variant.bias_sb,
-               table.stride(0) if block_table is not None else 0,
-               rows, shape.capacity, 1 if qpack > 1 else g, *variant.window,
+               block_table.stride(0) if block_table is not None else 0,
+               rows, cache_seqlens if seqused is None else shape.capacity, 1 if qpack > 1 else g, *variant.window,
                shape.page_size or 1, num_splits, qpack, scale * LOG2E, *variant.softcap_factors(scale))
-    tensors = (q4, k_cache, v_cache, out4, lse4, *variant.pointers, seqused, batch_idx, leftpad, table, o_accum,
-               lse_accum)
+    tensors = (q4, k_cache, v_cache, out4, lse4, *variant.pointers, seqused, cache_batch_idx, cache_leftpad,
+               block_table, o_accum, lse_accum)
     _call(fns[config.name], (m_blocks * num_splits, heads, b), config.threads, config.smem_bytes, device,
           FWD_PARAMS, tensors, scalars, FWD_NAMES)
     if split:

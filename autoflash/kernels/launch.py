@@ -15,9 +15,9 @@ from autoflash.kernels.checks import DTYPE_NAMES, check_config, check_like, chec
 from autoflash.kernels.compiler import compile_config
 from autoflash.kernels.config import KernelConfig
 from autoflash.kernels.defaults import default_backward_config, default_config
-from autoflash.kernels.gpus import GpuProfile, detect
 from autoflash.kernels.driver import check_driver
-from autoflash.kernels.variants import empty_forward, heads_view, resolve, stand_in, views, with_variant
+from autoflash.kernels.gpus import GpuProfile, detect
+from autoflash.kernels.variants import empty_forward, heads_view, resolve, views, with_variant
 from autoflash.reference.forward import LOG2E  # the kernels run the softmax in base 2
 
 DELTA_ROWS_PER_BLOCK = 4  # the backward's delta kernel: one warp per query row, 128 threads
@@ -86,7 +86,8 @@ def _prepare(q, k, v, causal, scale, what: str):
 
 
 class KernelParams:
-    """A kernel's parameter list: `pointers` tensors first (their device addresses), then scalars in
+    """A kernel's parameter list: `pointers` tensors first (their device addresses; None is a null
+    pointer, what a kernel gets for an argument the call does not have), then scalars in
     struct codes ("q" long long, "i" int, "f" float), packed by one struct call into a buffer with
     native alignment, the C ABI's: every parameter's bytes sit at the offset the kernel reads them
     from. Per launch that is ~1 us, where numpy scalars cost ~0.2 us each (27 per backward launch).
@@ -114,7 +115,7 @@ class KernelParams:
         if buf is None:
             buf = self._local.buf = ctypes.create_string_buffer(self.struct.size)
         try:
-            self.struct.pack_into(buf, 0, *[t.data_ptr() for t in tensors], *scalars)
+            self.struct.pack_into(buf, 0, *[0 if t is None else t.data_ptr() for t in tensors], *scalars)
         except (struct.error, OverflowError) as e:  # a value the parameter's C type cannot hold
             raise ValueError(f"kernel scalars: got {scalars}, expected values their int64/int32/float32 "
                              f"parameters hold ({e})") from None
@@ -260,8 +261,9 @@ def flash_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: 
     scalars = (*_strides(q4, varlen), *_strides(k4, varlen), *_strides(v4, varlen), *_strides(out4, varlen),
                *variant.scalars(lse), 0, lq, lk, hq // hkv, *variant.window, 1, 1, 1,
                scale * LOG2E, *variant.softcap_factors(scale))
-    _call(fn, (math.ceil(lq / config.block_m), hq, b), config.threads, config.smem_bytes, q.device, FWD_PARAMS,
-          (q, k, v, out, lse, *variant.pointers, *(stand_in(q.device),) * len(DECODE_POINTERS)), scalars, FWD_NAMES)
+    for sequences, pointers in variant.runs(b):
+        _call(fn, (math.ceil(lq / config.block_m), hq, sequences), config.threads, config.smem_bytes, q.device,
+              FWD_PARAMS, (q, k, v, out, lse, *pointers, *(None,) * len(DECODE_POINTERS)), scalars, FWD_NAMES)
     return out, lse
 
 
@@ -321,9 +323,9 @@ def flash_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torc
           (*_strides(out4), *_strides(dout4), total_q), ("out", "dout", "delta"))
 
     dq_pass = config.dq == "pass"
-    # With the dQ pass the dK/dV kernel never touches dq_accum: a one-element stand-in takes its place.
+    # With the dQ pass the dK/dV kernel never touches dq_accum: a null pointer takes its place.
     # dq_accum's rows are the LSE's, (B, H, L) or (H, total_q), each of d floats.
-    dq_accum = torch.zeros((1,) if dq_pass else (*lse_shape, d), dtype=torch.float32, device=q.device)
+    dq_accum = None if dq_pass else torch.zeros((*lse_shape, d), dtype=torch.float32, device=q.device)
     if group == 1:
         dk_x, dv_x = torch.empty_like(k), torch.empty_like(v)
     else:  # per query head, summed below
@@ -332,7 +334,6 @@ def flash_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torc
         dv_x = torch.empty_like(dk_x)
     dk4, dv4 = (heads_view(dk_x), heads_view(dv_x)) if varlen else (dk_x, dv_x)
     n_blocks, split = math.ceil(lk / config.block_n), config.head_split
-    tensors = (q, k, v, dout, lse, delta, dq_accum, dk_x, dv_x, *variant.pointers)
     extra_scalars = variant.scalars(lse)
     window_scalars = (lq, lk, group, *variant.window)
     float_scalars = (scale, scale * LOG2E, *variant.softcap_factors(scale))
@@ -340,17 +341,17 @@ def flash_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torc
               *_strides(dk4, varlen), *_strides(dv4, varlen), *extra_scalars, *window_scalars, *float_scalars)
     serial = deterministic and not dq_pass  # only the atomics need the fixed order
     for n_block0, blocks in ([(j, 1) for j in range(n_blocks)] if serial else [(0, n_blocks)]):
-        if blocks:
-            _call(fns[config.name], (blocks * split, hq, b), config.threads, config.smem_bytes, q.device, BWD_PARAMS,
-                  tensors, (*common, n_block0),
+        for sequences, pointers in variant.runs(b) if blocks else ():
+            _call(fns[config.name], (blocks * split, hq, sequences), config.threads, config.smem_bytes, q.device,
+                  BWD_PARAMS, (q, k, v, dout, lse, delta, dq_accum, dk_x, dv_x, *pointers), (*common, n_block0),
                   ("q", "k", "v", "dout", "lse", "delta", "dq_accum", "dk", "dv", *_VARIANT_POINTERS))
 
     if dq_pass:
         dq = torch.empty_like(q)
         dq4 = heads_view(dq) if varlen else dq
-        if lq:
-            _call(fns[f"{config.name}_dq"], (math.ceil(lq / config.block_m), hq, b), config.threads, config.smem_bytes,
-                  q.device, DQ_PARAMS, (q, k, v, dout, lse, delta, dq, *variant.pointers),
+        for sequences, pointers in variant.runs(b) if lq else ():
+            _call(fns[f"{config.name}_dq"], (math.ceil(lq / config.block_m), hq, sequences), config.threads,
+                  config.smem_bytes, q.device, DQ_PARAMS, (q, k, v, dout, lse, delta, dq, *pointers),
                   (*_strides(q4, varlen), *_strides(k4, varlen), *_strides(v4, varlen), *_strides(dout4, varlen),
                    *_strides(dq4, varlen), *extra_scalars, *window_scalars, *float_scalars),
                   ("q", "k", "v", "dout", "lse", "delta", "dq", *_VARIANT_POINTERS))

@@ -6,12 +6,11 @@ sequences (their (1, heads, total, d) views, LSE strides, the calls with nothing
 from __future__ import annotations
 
 import dataclasses
-import functools
 import math
 
 import torch
 
-from autoflash.kernels.checks import check_scale
+from autoflash.kernels.checks import GRID_YZ_MAX, check_scale
 from autoflash.kernels.config import ALIGNS, KernelConfig
 
 LOG2E = 1.4426950408889634
@@ -20,7 +19,8 @@ LOG2E = 1.4426950408889634
 @dataclasses.dataclass(frozen=True)
 class Variant:
     """One call's variant: `switches` for KernelConfig.replace, the kernels' extra pointers
-    (cu_seqlens_q, cu_seqlens_k, alibi_slopes, key_bias; a stand-in where a switch is off) and
+    (cu_seqlens_q, cu_seqlens_k, alibi_slopes, key_bias; None, a null pointer, where a switch is
+    off: the kernels never read it) and
     scalars (alibi and bias batch strides, window left and right, softcap's two factors)."""
 
     switches: dict
@@ -45,17 +45,24 @@ class Variant:
         lse_sb, lse_sh = (0, lse.stride(0)) if self.varlen else lse.stride()[:2]
         return lse_sb, lse_sh, self.alibi_sb, self.bias_sb
 
+    def runs(self, batch: int) -> tuple[tuple[int, tuple], ...]:
+        """(sequences, pointers) of each launch over `batch` sequences: gridDim.z holds at most
+        GRID_YZ_MAX, so packed batches of more go as runs of that many, each handed its cu_seqlens
+        (and per-sequence ALiBi slopes) from the run's first sequence on. Nothing else moves: packed
+        rows, their LSE and dQ are indexed by absolute row. Dense batches are checked <= GRID_YZ_MAX."""
+        if batch <= GRID_YZ_MAX:
+            return ((batch, self.pointers),)
+        cu_q, cu_k, alibi, bias = self.pointers
+        per_sequence = alibi is not None and alibi.dim() == 2
+        return tuple((min(GRID_YZ_MAX, batch - start),
+                      (cu_q[start:], cu_k[start:], alibi[start:] if per_sequence else alibi, bias))
+                     for start in range(0, batch, GRID_YZ_MAX))
+
     def softcap_factors(self, scale: float) -> tuple[float, float]:
         """(scale / cap, cap * log2 e): logits tanh(s * scale / cap) * cap in log2 units."""
         if not self.softcap:
             return 0.0, 0.0
         return scale / self.softcap, self.softcap * LOG2E
-
-
-@functools.lru_cache(maxsize=16)
-def stand_in(device: torch.device) -> torch.Tensor:
-    """What the kernels get for the pointer of a switch that is off: never read."""
-    return torch.zeros(1, dtype=torch.int32, device=device)
 
 
 def _window(window, causal: bool, align: str, lq: int, lk: int) -> tuple[bool, bool, int, int]:
@@ -137,7 +144,6 @@ def resolve(q: torch.Tensor, k: torch.Tensor, causal: bool, *, align: str = "top
 
     if isinstance(softcap, bool) or not isinstance(softcap, (int, float)) or not math.isfinite(softcap) or softcap < 0:
         raise ValueError(f"softcap: got {softcap!r}, expected a finite number >= 0 (0 = no capping)")
-    unused = stand_in(q.device)
     alibi_sb = bias_sb = 0
     if alibi_slopes is not None:
         _check_fp32("alibi_slopes", alibi_slopes, ((hq,), (batch, hq)), q.device)
@@ -150,7 +156,7 @@ def resolve(q: torch.Tensor, k: torch.Tensor, causal: bool, *, align: str = "top
         align = "top_left"  # nothing to place, or both diagonals coincide: one kernel serves both
     switches = {"align": align, "window": windowed, "softcap": softcap > 0, "alibi": alibi,
                 "key_bias": key_bias is not None, "varlen": varlen}
-    pointers = tuple(t if t is not None else unused for t in (cu_seqlens_q, cu_seqlens_k, alibi_slopes, key_bias))
+    pointers = (cu_seqlens_q, cu_seqlens_k, alibi_slopes, key_bias)
     return causal, Variant(switches, pointers, (left, right), alibi_sb, bias_sb, float(softcap))
 
 
