@@ -2,14 +2,16 @@
 - an argument the call does not have is a null pointer, never a tensor the launcher made and kept
   (a cached index tensor filled on one stream, or inside a CUDA graph capture, could be read unfilled
   by a launch on another stream or outside the graph: for cache_batch_idx that is out-of-bounds K/V);
-- packed batches of more than 65,535 sequences are launched in runs that fit gridDim.z."""
+- packed batches of more than 65,535 sequences are launched in runs that fit gridDim.z;
+- a contiguous view whose storage offset is not 16-byte aligned is copied, not refused."""
 import pytest
 import torch
 
 import autoflash
 from autoflash.kernels import launch
 from autoflash.kernels.checks import GRID_YZ_MAX
-from autoflash.reference.forward import attention_varlen_ref, within_tolerance
+from autoflash.reference.backward import attention_backward_ref
+from autoflash.reference.forward import attention_ref, attention_varlen_ref, within_tolerance
 from autoflash.reference.kvcache import attention_kvcache_ref
 
 from gpu_inputs import device
@@ -100,3 +102,35 @@ def test_packed_batches_past_the_grid_limit_run_in_runs(launches):
     for name, got, r, y in zip(("dq", "dk", "dv"), grads, refs, yards):
         ok, err, bound = within_tolerance(got, r, y, backward=True)
         assert ok, f"{name}: err {err:.3e} > bound {bound:.3e}"
+
+
+def _misaligned(shape, dev, g):
+    """A contiguous view of `shape` whose storage starts 2 bytes past a 16-byte boundary."""
+    flat = torch.randn(1 + torch.Size(shape).numel(), generator=g).to(dev, torch.bfloat16)
+    view = flat[1:].view(shape)
+    assert view.is_contiguous() and view.data_ptr() % 16 == 2
+    return view
+
+
+def test_misaligned_contiguous_views_are_copied(target):
+    dev = device(target)
+    g = torch.Generator().manual_seed(0)
+    q, k, v, dout = (_misaligned((1, 2, 33, 64), dev, g) for _ in range(4))
+    leaves = [t.detach().requires_grad_() for t in (q, k, v)]
+    out = autoflash.attention(*leaves, is_causal=True, strict=True)
+    grads = torch.autograd.grad(out, leaves, dout)
+    x = [t.detach() for t in (q, k, v)]
+    ok, err, bound = within_tolerance(out.detach(), attention_ref(*x, causal=True)[0],
+                                      attention_ref(*x, causal=True, upcast=False)[0])
+    assert ok, f"out: err {err:.3e} > bound {bound:.3e}"
+    for name, got, r, y in zip(("dq", "dk", "dv"), grads, attention_backward_ref(*x, dout, causal=True),
+                               attention_backward_ref(*x, dout, causal=True, upcast=False)):
+        ok, err, bound = within_tolerance(got, r, y, backward=True)
+        assert ok, f"{name}: err {err:.3e} > bound {bound:.3e}"
+    flash = autoflash.flash_attn_func(*(t.transpose(1, 2) for t in x), causal=True)  # flash-attn's layout
+    assert torch.allclose(flash.transpose(1, 2).float(), out.detach().float(), atol=2e-2)
+    q1 = _misaligned((1, 1, 2, 64), dev, g)  # a decode step's queries
+    k_cache, v_cache = (torch.randn(1, 40, 2, 64, generator=g).to(dev, torch.bfloat16) for _ in range(2))
+    ref, _ = attention_kvcache_ref(q1.cpu(), k_cache.cpu(), v_cache.cpu(), [40])
+    got = autoflash.flash_attn_with_kvcache(q1, k_cache, v_cache, cache_seqlens=40)
+    assert (got.cpu().float() - ref.float()).abs().max() < 2e-2

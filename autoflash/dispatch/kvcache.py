@@ -19,7 +19,7 @@ from typing import Optional
 import torch
 
 from autoflash.dispatch.variant_ops import _like
-from autoflash.kernels.checks import check_scale
+from autoflash.kernels.checks import check_scale, chunked
 from autoflash.kernels.decode import CacheShape, check_kvcache
 from autoflash.kernels.variants import resolve
 
@@ -218,8 +218,8 @@ def flash_kvcache(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
             # Tuned tiles were measured without these switches' registers (they may spill with them,
             # see kernels.defaults): the built-in tiles for the kernel, the tuned split count still.
             config = None
-        out, lse = flash_decode(q, k_cache, v_cache, seqused, num_splits=num_splits or tuned_splits, config=config,
-                                **kw)
+        out, lse = flash_decode(chunked(q), k_cache, v_cache, seqused, num_splits=num_splits or tuned_splits,
+                                config=config, **kw)
     return _like(out, q), lse.contiguous()  # the strides the fake implementation promises
 
 

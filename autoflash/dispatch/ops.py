@@ -14,14 +14,9 @@ types to build each op's schema.
 import torch
 
 from autoflash.dispatch.selection import select_config
-from autoflash.kernels.checks import DTYPE_NAMES, is_chunked_layout
+from autoflash.kernels.checks import DTYPE_NAMES, chunked
 from autoflash.kernels.launch import flash_backward, flash_forward, profile_for
 from autoflash.reference.forward import attention_ref
-
-
-def chunked(t: torch.Tensor) -> torch.Tensor:
-    """The kernels move 16-byte chunks; anything else (a broadcast gradient, an odd view) is copied."""
-    return t if is_chunked_layout(t) else t.contiguous()
 
 
 def selected_config(q: torch.Tensor, direction: str, is_causal: bool, seqlen_k: int):

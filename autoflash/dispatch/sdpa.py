@@ -433,7 +433,8 @@ def _eager(q, k, v, is_causal: bool, scale: float) -> torch.Tensor:
 def _kernel_entry():
     """What _eager calls, imported on the first kernel call (a fallback-only program never loads the
     kernels' modules) and then held: an import statement costs ~0.5 us a call even when loaded."""
-    from autoflash.dispatch.ops import chunked, selected_config
+    from autoflash.dispatch.ops import selected_config
+    from autoflash.kernels.checks import chunked
     from autoflash.kernels.function import FlashAttentionFunction
 
     return FlashAttentionFunction, chunked, selected_config

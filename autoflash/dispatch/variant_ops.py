@@ -18,9 +18,8 @@ from typing import Optional
 
 import torch
 
-from autoflash.dispatch.ops import chunked
 from autoflash.dispatch.selection import HEURISTIC, select_config
-from autoflash.kernels.checks import DTYPE_NAMES
+from autoflash.kernels.checks import DTYPE_NAMES, chunked
 from autoflash.kernels.launch import flash_backward, flash_forward, profile_for
 
 

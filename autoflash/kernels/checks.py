@@ -71,6 +71,17 @@ def is_chunked_layout(t: torch.Tensor) -> bool:
     return t.stride(-1) == 1 and not any(s % align for s in t.stride()[:3]) and t.data_ptr() % 16 == 0
 
 
+def chunked(t: torch.Tensor) -> torch.Tensor:
+    """`t` laid out as the kernels read it (is_chunked_layout): itself, or a copy. `.contiguous()`
+    alone is not enough: a contiguous view whose storage offset is not a multiple of 16 bytes (a
+    slice of a flat buffer, a packed tensor's odd part) comes back as it is, so such a view is
+    cloned into a fresh (aligned) allocation."""
+    if is_chunked_layout(t):
+        return t
+    c = t.contiguous()
+    return c if c.data_ptr() % 16 == 0 else c.clone()
+
+
 def check_chunked_layout(name: str, t: torch.Tensor) -> None:
     """Raises with the offending strides when `t` is not is_chunked_layout."""
     if is_chunked_layout(t):

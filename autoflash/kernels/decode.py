@@ -90,7 +90,8 @@ def check_kvcache(q, k_cache, v_cache, *, k=None, v=None, rotary_cos=None, rotar
     if batch > GRID_YZ_MAX or heads > GRID_YZ_MAX:
         raise ValueError(f"q {tuple(q.shape)}: expected batch and heads <= {GRID_YZ_MAX}")
     if not torch.compiler.is_compiling():  # data pointers exist at run time only, where the op checks again
-        for name, t in (("q", q), ("k_cache", k_cache), ("v_cache", v_cache)):
+        # q is copied where needed (flash_attn_with_kvcache); the caches are written in place.
+        for name, t in (("k_cache", k_cache), ("v_cache", v_cache)):
             check_chunked_layout(name, t)
 
     page_size = None
@@ -232,6 +233,7 @@ def flash_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, 
 
     shape = check_kvcache(q, k_cache, v_cache, cache_seqlens=cache_seqlens, cache_batch_idx=cache_batch_idx,
                           cache_leftpad=cache_leftpad, block_table=block_table)
+    check_chunked_layout("q", q)
     if not isinstance(causal, bool):
         raise TypeError(f"causal: got {causal!r}, expected a bool")
     if isinstance(num_splits, bool) or not isinstance(num_splits, int) or num_splits < 0:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from autoflash.kernels.checks import is_chunked_layout
+from autoflash.kernels.checks import chunked
 from autoflash.kernels.config import KernelConfig
 from autoflash.kernels.launch import flash_backward, flash_forward
 
@@ -27,9 +27,7 @@ class FlashAttentionFunction(torch.autograd.Function):
         q, k, v, out, lse = ctx.saved_tensors
         # Autograd may hand over a gradient with any layout (even stride-0 broadcasts); the kernels
         # need 16-byte chunks along a contiguous head dim.
-        if not is_chunked_layout(dout):
-            dout = dout.contiguous()
-        dq, dk, dv = flash_backward(dout, q, k, v, out, lse, causal=ctx.causal, scale=ctx.scale,
+        dq, dk, dv = flash_backward(chunked(dout), q, k, v, out, lse, causal=ctx.causal, scale=ctx.scale,
                                     config=ctx.backward_config, deterministic=ctx.deterministic)
         return dq, dk, dv, None, None, None, None, None
 
