@@ -20,8 +20,9 @@ register() adds two things, as transformers' own flash-attention integration doe
   with a DynamicCache or a StaticCache) run flash_attn_with_kvcache (the KV-cache kernel: split
   across blocks when the batch leaves SMs idle, a K/V head's query heads sharing each K/V read) over
   the cache transformers has already appended to (k=None): cache_seqlens the keys in use (a static
-  cache's filled slots, from the cache's query offset), a left-padded mask as cache_leftpad; any
-  other 2D mask as the kernel's per-key bias.
+  cache's filled slots, from the cache's query offset); a padding mask's leading padded keys as
+  cache_leftpad (never read) and any other padded key as the kernel's per-key bias, both made on
+  the device (a decode step reads no value back: no synchronisation, CUDA graphs can capture it).
 
 What the kernels cannot run follows autoflash.attention's policy: a call the kernels cannot take
 (CPU tensors outside autoflash.emulate(), float32, dropout in training, other head dims, an old
@@ -39,6 +40,8 @@ from __future__ import annotations
 import torch
 
 from autoflash.dispatch.sdpa import UnsupportedCallError, _torch_sdpa, _warn_once, attention, is_strict, plan
+from autoflash.dispatch.tensor_memo import MISSING, TensorMemo
+from autoflash.kernels.checks import host_reads_possible
 
 NAME = "autofa"
 DECODE_MAX_QUERIES = 16  # new queries per step that take the KV-cache kernel (its tuned keys' range)
@@ -63,21 +66,28 @@ def kernel_mask(batch_size: int, q_length: int, kv_length: int, q_offset=0, kv_o
                          kv_offset=kv_offset, mask_function=mask_function, attention_mask=attention_mask,
                          allow_is_causal_skip=allow_is_causal_skip,
                          allow_is_bidirectional_skip=allow_is_bidirectional_skip, use_vmap=use_vmap, **kwargs)
-    if attention_mask is None:
-        # A causal query sees no key past its own position: in a static cache (kv_length its capacity)
-        # the slots after the last query are unfilled. q_offset is a tensor for a static cache
-        # (StaticLayer.cumulative_length: the cache_position of the first query).
-        end = int(q_offset) + q_length - kv_offset
+    # A causal query sees no key past its own position: in a static cache (kv_length its capacity)
+    # the slots after the last query are unfilled. q_offset is a tensor for a static cache
+    # (StaticLayer.cumulative_length: the cache_position of the first query).
+    end = q_offset + q_length - kv_offset
+    mask = None if attention_mask is None else attention_mask[:, -kv_length:]
+    if isinstance(end, torch.Tensor) and not host_reads_possible(end.device):
+        # Nothing may be read back (a CUDA graph captures, torch.compile traces): the filled slots as
+        # a mask made on the device (the kernels' key bias hides the rest) instead of a shorter one.
+        if (mask is not None and mask.shape[1] != kv_length) or not _causal(mask_function, kv_length - 1 + kv_offset):
+            return mask
+        filled = torch.arange(kv_length, device=end.device) < end
+        return filled.expand(batch_size, kv_length) if mask is None else mask & filled.to(mask.device)
+    end = int(end)
+    if mask is None:
         if 0 < end < kv_length and _causal(mask_function, end - 1 + kv_offset):
             return torch.ones(batch_size, end, dtype=torch.bool, device=kwargs.get("device", "cpu"))
         return None
-    mask = attention_mask[:, -kv_length:]
     if mask.shape[1] == kv_length:
         # A mask as long as a static cache's capacity also covers its unfilled slots: cut after the last query.
-        end = int(q_offset) + q_length - kv_offset
         if 0 < end < kv_length and _causal(mask_function, end - 1 + kv_offset):
             return mask[:, :end]
-        if bool(mask.all()):
+        if host_reads_possible(mask.device) and bool(mask.all()):
             return None
     return mask
 
@@ -188,56 +198,48 @@ def _decode_step(query, key, value, dropout: float) -> bool:
 
 def _decode(query, key, value, key_mask, *, causal: bool, window: tuple[int, int], softcap: float,
             scale: float) -> torch.Tensor:
-    """A decode step on flash_attn_with_kvcache over the keys transformers' cache already holds (k=None:
-    nothing to append): all key.shape[2] of them (attention_forward has cut a static cache's unfilled
-    slots), a left-padded mask as cache_leftpad (padded keys never read). Other masks (holes, right
-    padding, or any mask while torch.compile traces: no value may be read) become the kernel's per-key
-    bias. (batch, heads, q_len, d) in and out, the kernel's layout being (batch, seqlen, heads, d)."""
+    """A decode step on the KV-cache kernel (flash_attn_with_kvcache's op) over the keys transformers'
+    cache already holds (nothing to append): all key.shape[2] of them (attention_forward has cut a
+    static cache's unfilled slots). A padding mask goes in as padding_arguments makes it on the
+    device, no value read back: its leading padded keys (generate()'s left padding) as cache_leftpad,
+    never read, any other masked key as the kernel's per-key bias. (batch, heads, q_len, d) in and
+    out, the kernel's layout being (batch, seqlen, heads, d)."""
     from autoflash.dispatch import kvcache
 
     q, k_cache, v_cache = query.transpose(1, 2), key.transpose(1, 2), value.transpose(1, 2)
-    if key_mask is None:
-        left, leftpad = True, None
-    elif torch.compiler.is_compiling():  # no value may be read while tracing
-        left, leftpad = False, None
-    else:
-        left, leftpad = left_padding(key_mask)
-    if left:
-        leftpad = None if leftpad is None else leftpad.to(q.device)
-        out = kvcache.flash_attn_with_kvcache(q, k_cache, v_cache, cache_seqlens=key.shape[2], cache_leftpad=leftpad,
-                                              softmax_scale=scale, causal=causal, window_size=window, softcap=softcap)
-    else:
-        out = kvcache.attention_over_cache(q, k_cache, v_cache, key.shape[2], key_bias=_key_bias(key_mask, q.device),
-                                           causal=causal, window=window, softcap=softcap, scale=scale)
+    leftpad, bias = (None, None) if key_mask is None else padding_arguments(key_mask, q.device)
+    out = kvcache.attention_over_cache(q, k_cache, v_cache, key.shape[2], cache_leftpad=leftpad, key_bias=bias,
+                                       causal=causal, window=window, softcap=softcap, scale=scale)
     return out.transpose(1, 2)
 
 
-_LEFT_PADDING: dict[int, tuple] = {}  # id(mask) -> (weakref to it, its _version, left_padding's answer)
+_PADDING = TensorMemo()  # key mask -> padding_arguments' tensors, per (device, stream)
 
 
-def left_padding(key_mask: torch.Tensor) -> tuple[bool, torch.Tensor | None]:
-    """Whether every row of a bool (batch, kv_len) mask is False* True* (left padding, generate()'s
-    batches), and then int32 (batch,) how many keys each row pads (flash-attn's cache_leftpad), None
-    when none is padded. One read of the values per mask tensor: transformers hands every layer of a
-    forward the same one."""
-    import weakref
-
-    try:
-        version = key_mask._version
-    except RuntimeError:  # an inference-mode tensor has no version counter: not remembered
-        version = None
-    seen = _LEFT_PADDING.get(id(key_mask))
-    if version is not None and seen is not None and seen[0]() is key_mask and seen[1] == version:
-        return seen[2]
-    pad = (~key_mask).sum(1, dtype=torch.int32)
-    ramp = torch.arange(key_mask.shape[1], device=key_mask.device)[None, :] >= pad[:, None]
-    left, padded = torch.stack(((ramp == key_mask).all(), pad.any())).tolist()
-    answer = (left, pad if left and padded else None)
-    if version is not None:
-        for stale in [k for k, v in _LEFT_PADDING.items() if v[0]() is None]:
-            del _LEFT_PADDING[stale]
-        _LEFT_PADDING[id(key_mask)] = (weakref.ref(key_mask), version, answer)
-    return answer
+def padding_arguments(key_mask: torch.Tensor, device) -> tuple[torch.Tensor, torch.Tensor]:
+    """The KV-cache kernel's arguments for a bool (batch, kv_len) padding mask (True = a real key),
+    made on `device` without reading a value back (no synchronisation; CUDA graphs can capture it):
+    int32 (batch,) cache_leftpad, the keys before each row's first real one (all of them for a row
+    with none), which the kernel never reads; and fp32 (batch, kv_len) key_bias, -inf on every other
+    padded key (right padding, holes), 0 elsewhere, indexed from the row's first kept key as the
+    kernel indexes it. Remembered per mask tensor, device and stream (transformers hands every layer
+    of a forward the same mask, so its few small launches run once per forward); not while a CUDA
+    graph captures, where the tensors would be filled only when the graph replays."""
+    device = torch.device(device)
+    stream = torch.cuda.current_stream(device).cuda_stream if device.type == "cuda" else 0
+    capturing = device.type == "cuda" and torch.cuda.is_current_stream_capturing()
+    found = MISSING if capturing else _PADDING.get(key_mask, (device, stream))
+    if found is not MISSING:
+        return found
+    mask = key_mask.to(device=device, dtype=torch.bool)
+    kv_len = mask.shape[1]
+    leftpad = (mask.cumsum(1, dtype=torch.int32) == 0).sum(1, dtype=torch.int32)
+    keys = torch.arange(kv_len, device=device)
+    kept = mask.gather(1, (keys[None, :] + leftpad[:, None]).clamp_(max=kv_len - 1))  # past a row's keys: unread
+    bias = torch.zeros(mask.shape, dtype=torch.float32, device=device).masked_fill_(~kept, float("-inf"))
+    if not capturing:
+        _PADDING.put(key_mask, (leftpad, bias), (device, stream))
+    return leftpad, bias
 
 
 def _key_bias(key_mask: torch.Tensor, device) -> torch.Tensor:

@@ -3,7 +3,8 @@ random Llama (GQA) and Mistral (a sliding window shorter than the sequence) mode
 batch of two, greedy, in bf16 on the emulated kernels (an H100's), with transformers' DynamicCache
 and StaticCache: the same tokens as the same weights on "sdpa"; every decode step's attention ran
 the decode kernel (autoflash.kernels.decode.flash_decode, counted), the prompt's the prefill kernels;
-left padding went in as cache_leftpad; a static cache's unfilled slots are never read."""
+left padding went in as cache_leftpad, made on the device; a static cache's unfilled slots are never
+read."""
 import contextlib
 import copy
 import warnings
@@ -14,7 +15,6 @@ from transformers import DynamicCache, StaticCache
 
 import autoflash
 import autoflash.hf
-from autoflash.dispatch import kvcache
 from autoflash.dispatch.sdpa import FallbackWarning
 from autoflash.kernels import decode
 from autoflash.reference.forward import within_tolerance
@@ -40,21 +40,18 @@ def bf16_pairs():
 
 @pytest.fixture
 def spy(monkeypatch):
-    """What autoflash.hf asked of flash_attn_with_kvcache, and every launch of the decode kernel."""
-    seen = dict(api=[], kernel=[])
-    real_api, real_kernel = kvcache.flash_attn_with_kvcache, decode.flash_decode
-
-    def api(q, k_cache, v_cache, **kw):
-        leftpad = kw.get("cache_leftpad")
-        seen["api"].append(dict(q_len=q.shape[1], seqlens=kw.get("cache_seqlens"),
-                                leftpad=None if leftpad is None else leftpad.tolist(), window=kw.get("window_size")))
-        return real_api(q, k_cache, v_cache, **kw)
+    """Every launch of the decode kernel, with the keys in use, the left padding, whether a key
+    bias came with it (the padding after the left padding: none here), and the window."""
+    seen = dict(kernel=[])
+    real_kernel = decode.flash_decode
 
     def kernel(q, k_cache, v_cache, cache_seqlens, **kw):
-        seen["kernel"].append(dict(q_len=q.shape[1], bias=kw.get("key_bias") is not None))
+        leftpad, bias = kw.get("cache_leftpad"), kw.get("key_bias")
+        seen["kernel"].append(dict(q_len=q.shape[1], seqlens=cache_seqlens, window=kw.get("window"),
+                                   leftpad=None if leftpad is None else leftpad.tolist(),
+                                   masked=None if bias is None else torch.isinf(bias).sum().item()))
         return real_kernel(q, k_cache, v_cache, cache_seqlens, **kw)
 
-    monkeypatch.setattr(kvcache, "flash_attn_with_kvcache", api)
     monkeypatch.setattr(decode, "flash_decode", kernel)
     return seen
 
@@ -87,18 +84,19 @@ def test_greedy_generate_matches_sdpa_and_decodes_on_the_kvcache_kernel(bf16_pai
         ours, theirs, ids, mask = (copy.deepcopy(x).cuda() for x in (ours, theirs, ids, mask))
     assert torch.equal(_generate(ours, ids, mask, cache), _generate(theirs, ids, mask, cache))
     layers = ours.config.num_hidden_layers
-    # the prompt on the prefill kernels; each later token, one decode kernel launch per layer, no bias
-    assert len(spy["kernel"]) == len(spy["api"]) == (NEW_TOKENS - 1) * layers, spy
-    assert all(c["q_len"] == 1 and not c["bias"] for c in spy["kernel"])
+    # the prompt on the prefill kernels; each later token, one decode kernel launch per layer, with
+    # no key masked beyond the left padding
+    assert len(spy["kernel"]) == (NEW_TOKENS - 1) * layers, spy
+    assert all(c["q_len"] == 1 and not c["masked"] for c in spy["kernel"])
     if name == "llama" or cache == "unwindowed":
         # every token so far (a static cache: its filled slots), the left padding as cache_leftpad
-        assert [c["seqlens"] for c in spy["api"]] == [n for n in range(PROMPT + 1, PROMPT + NEW_TOKENS)
-                                                      for _ in range(layers)]
+        assert [c["seqlens"] for c in spy["kernel"]] == [n for n in range(PROMPT + 1, PROMPT + NEW_TOKENS)
+                                                         for _ in range(layers)]
         window = (-1, -1) if name == "llama" else (ours.config.sliding_window - 1, 0)  # Mistral's: 5 keys
-        assert all(c["leftpad"] == [0, 3] and c["window"] == window for c in spy["api"])
+        assert all(c["leftpad"] == [0, 3] and c["window"] == window for c in spy["kernel"])
     else:  # a sliding-window layer keeps the last keys only: past the padding, the window over them
         window = ours.config.sliding_window
-        assert all(c["seqlens"] == window and c["leftpad"] is None for c in spy["api"]), spy["api"]
+        assert all(c["seqlens"] == window and c["leftpad"] is None for c in spy["kernel"]), spy["kernel"]
 
 
 def test_the_decode_kernel_count_sees_the_prefill_kernels(bf16_pairs, spy, monkeypatch):
@@ -110,7 +108,7 @@ def test_the_decode_kernel_count_sees_the_prefill_kernels(bf16_pairs, spy, monke
     with autoflash.emulate("h100"):
         got = _generate(ours, ids, mask, "dynamic")
     assert torch.equal(got, _generate(theirs, ids, mask, "dynamic"))
-    assert not spy["kernel"] and not spy["api"]
+    assert not spy["kernel"]
 
 
 def test_training_and_long_chunks_keep_the_prefill_kernels(bf16_pairs, spy):
@@ -158,7 +156,7 @@ def test_a_static_cache_never_reads_its_unfilled_slots(bf16_pairs, spy, masks):
                     layer.values[:, :, PROMPT:] = 1e3
             logits[kind] = ours(ids[:, PROMPT:], attention_mask=mask_for(kind, PROMPT + 1),
                                 past_key_values=cache).logits
-    assert [c["seqlens"] for c in spy["api"]] == [PROMPT + 1] * 4
+    assert [c["seqlens"] for c in spy["kernel"]] == [PROMPT + 1] * 4
     assert torch.allclose(logits["static"], logits["dynamic"], atol=1e-2)
 
 
@@ -171,8 +169,8 @@ def _sdpa(q, k, v, key_mask, window):
 @pytest.mark.parametrize("layout", ["left", "right", "holes"])
 @pytest.mark.parametrize("window", [(-1, -1), (5, 0)])
 def test_a_decode_step_takes_any_2d_mask(spy, layout, window):
-    """Left padding goes in as cache_leftpad; right padding and holes as the kernel's key bias: both
-    on the decode kernel, both attention over the real keys only."""
+    """Leading padded keys go in as cache_leftpad (never read), right padding and holes as the
+    kernel's key bias: both on the decode kernel, both attention over the real keys only."""
     g = torch.Generator().manual_seed(0)
     q = torch.randn(3, 4, 1, 64, generator=g).bfloat16()
     k, v = (torch.randn(3, 2, 19, 64, generator=g).bfloat16() for _ in range(2))
@@ -189,18 +187,24 @@ def test_a_decode_step_takes_any_2d_mask(spy, layout, window):
     ok, err, bound = within_tolerance(out, _sdpa(*(t.float() for t in (q, k, v)), key_mask, window),
                                       _sdpa(q, k, v, key_mask, window))
     assert ok, f"error {err:.3g} > bound {bound:.3g}"
-    assert len(spy["kernel"]) == 1 and spy["kernel"][0]["bias"] == (layout != "left")
-    assert [c["leftpad"] for c in spy["api"]] == ([[0, 4, 11]] if layout == "left" else [])
+    assert len(spy["kernel"]) == 1
+    assert spy["kernel"][0]["leftpad"] == ([0, 4, 11] if layout == "left" else [0, 0, 0])
+    assert spy["kernel"][0]["masked"] == {"left": 0, "right": 3, "holes": 4}[layout]
 
 
-def test_left_padding_is_read_once_per_mask():
-    mask = torch.ones(3, 6, dtype=torch.bool)
-    assert autoflash.hf.left_padding(mask) == (True, None)
-    mask[1, :2] = False  # an in-place change is seen (its version counter moved)
-    left, pad = autoflash.hf.left_padding(mask)
-    assert left and pad.dtype == torch.int32 and pad.tolist() == [0, 2, 0]
-    assert autoflash.hf.left_padding(mask)[1] is pad  # remembered: one read for every layer of a forward
-    mask[0, 3] = False
-    assert autoflash.hf.left_padding(mask) == (False, None)
+def test_padding_arguments_are_made_once_per_mask():
+    """The left padding and the key bias of a mask, as the kernel indexes them (from each row's first
+    kept key), remembered for every layer of a forward and remade after an in-place change."""
+    mask = torch.ones(4, 6, dtype=torch.bool)
+    mask[1, :2] = False  # left padding
+    mask[2, [0, 2, 5]] = False  # left padding, a hole, right padding
+    mask[3] = False  # no real key: every key padding
+    leftpad, bias = autoflash.hf.padding_arguments(mask, "cpu")
+    assert leftpad.dtype == torch.int32 and leftpad.tolist() == [0, 2, 1, 6]
+    inf = float("-inf")
+    assert bias.dtype == torch.float32 and bias[:3].tolist() == [[0.0] * 6, [0.0] * 6, [0.0, inf, 0.0, 0.0, inf, inf]]
+    assert autoflash.hf.padding_arguments(mask, "cpu")[1] is bias  # remembered: made once per forward
+    mask[0, 5] = False  # an in-place change is seen (its version counter moved)
+    assert autoflash.hf.padding_arguments(mask, "cpu")[1][0].tolist() == [0.0] * 5 + [inf]
     with torch.inference_mode():
-        assert autoflash.hf.left_padding(torch.tensor([[False, True], [True, True]]))[1].tolist() == [1, 0]
+        assert autoflash.hf.padding_arguments(torch.tensor([[False, True], [True, True]]), "cpu")[0].tolist() == [1, 0]

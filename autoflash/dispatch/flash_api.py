@@ -26,6 +26,7 @@ import torch
 import torch.nn.functional as F
 
 from autoflash.dispatch import variant_ops  # noqa: F401  (registers torch.ops.autoflash.flash_fwd / flash_bwd)
+from autoflash.kernels.checks import checks_values
 from autoflash.kernels.config import ALIGNS, HEAD_DIM_MAX, HEAD_DIM_MIN, HEAD_DIM_STEP
 
 __all__ = ["attention_variant", "flash_attn_func", "flash_attn_kvpacked_func", "flash_attn_qkvpacked_func",
@@ -214,16 +215,17 @@ def _check_max_seqlen(name: str, value, lengths: list[int] | None, cu_name: str)
 
 
 def _check_packed(q, k, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dims: Dims):
-    """(batch, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k), checked. The values of the
-    cu_seqlens are read on the host (a synchronisation on CUDA, as flash-attn's max_seqlens are host
-    data anyway); under torch.compile only their metadata is checked (reading values would break
-    the graph)."""
+    """(batch, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k), checked. Their metadata
+    always; the cu_seqlens' values (0 first, non-decreasing, the rows last, max_seqlen at least the
+    longest) where checks_values allows: on CPU tensors, and on CUDA only with
+    AUTOFLASH_CHECK_VALUES=1. By default a CUDA call reads nothing back (no synchronisation, CUDA
+    graphs can capture it) and trusts the values and max_seqlen, as flash-attn does."""
     batch = _check_cu_seqlens("cu_seqlens_q", cu_seqlens_q, q.device)
     if _check_cu_seqlens("cu_seqlens_k", cu_seqlens_k, q.device) != batch:
         raise ValueError(f"cu_seqlens_k: got {cu_seqlens_k.numel()} entries, expected cu_seqlens_q's {batch + 1} "
                          "(one batch)")
     lengths_q = lengths_k = None
-    if not torch.compiler.is_compiling():
+    if checks_values(q.device):
         lengths_q = _sequence_lengths("cu_seqlens_q", cu_seqlens_q, dims.seqlen_q, "q")
         lengths_k = _sequence_lengths("cu_seqlens_k", cu_seqlens_k, dims.seqlen_k, "k and v")
     max_q = _check_max_seqlen("max_seqlen_q", max_seqlen_q, lengths_q, "cu_seqlens_q")

@@ -1,8 +1,9 @@
 """flash-attn 2.x's `flash_attn_with_kvcache` on autoflash's decode kernels: the same arguments,
 defaults, layouts and semantics. Inference only (no autograd, as in flash-attn).
 
-One call: every argument is checked (metadata first, then one read of the index tensors'
-values, so a bad cache_seqlens or block table is refused before the cache is touched); rotary
+One call: every argument is checked (metadata first, then the index tensors' values where they
+can be read without a synchronisation: on CPU tensors, or on CUDA with AUTOFLASH_CHECK_VALUES=1;
+a bad cache_seqlens or block table is then refused before the cache is touched); rotary
 embeddings go onto q and the new k; the new k and v are written into the cache in place (dense
 rows or pages); then the KV-cache kernel attends over each sequence's cached keys (split across
 blocks when the batch alone would leave SMs idle). On CPU tensors outside autoflash.emulate() the
@@ -19,7 +20,7 @@ from typing import Optional
 import torch
 
 from autoflash.dispatch.variant_ops import _like
-from autoflash.kernels.checks import check_scale, chunked
+from autoflash.kernels.checks import check_scale, chunked, checks_values
 from autoflash.kernels.decode import CacheShape, check_kvcache
 from autoflash.kernels.variants import resolve
 
@@ -34,15 +35,14 @@ def _check_flag(name: str, value) -> bool:
 
 def _check_values(shape: CacheShape, cache_seqlens, cache_batch_idx, cache_leftpad, block_table, num_pages: int,
                   cache_rows: int) -> None:
-    """The index tensors' values, read once (one synchronisation on a GPU; skipped while torch.compile
-    traces or a CUDA graph captures, where nothing may be read back): lengths within the cache, the
-    left padding within them, rows and pages that exist."""
+    """The index tensors' values, read once where checks_values allows (CPU tensors; on CUDA only
+    with AUTOFLASH_CHECK_VALUES=1, a synchronisation per call; never under torch.compile or CUDA
+    graph capture): lengths within the cache, the left padding within them, rows and pages that
+    exist. By default a CUDA call trusts them, as flash-attn does."""
     tensors = [t for t in (cache_seqlens, cache_batch_idx, cache_leftpad, block_table) if isinstance(t, torch.Tensor)]
-    if not tensors or torch.compiler.is_compiling():
+    if not tensors or not checks_values(tensors[0].device):
         return
     device = tensors[0].device
-    if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
-        return
     seqlens = cache_seqlens if isinstance(cache_seqlens, torch.Tensor) else \
         torch.full((shape.batch,), cache_seqlens, dtype=torch.int32, device=device)
     used = seqlens.long() + shape.seqlen_new
@@ -233,12 +233,13 @@ def _flash_kvcache_fake(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache
 
 def attention_over_cache(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, seqlen: int, *,
                          key_bias: Optional[torch.Tensor], causal: bool, window: tuple, softcap: float,
-                         scale: Optional[float]) -> torch.Tensor:
+                         scale: Optional[float], cache_leftpad: Optional[torch.Tensor] = None) -> torch.Tensor:
     """A decode step over keys already in a cache (autoflash.hf: transformers' caches append
-    themselves): q (batch, seqlen_q, heads, d) over the first `seqlen` rows of every sequence of
-    k_cache, v_cache (batch, >= seqlen, heads_kv, d), bottom-right aligned; key_bias fp32 (batch,
-    k_cache rows) or None: a padding mask as -inf, read by the kernel (no value is read here)."""
-    out, _ = flash_kvcache(q, k_cache, v_cache, None, None, None, None, None, seqlen, None, None, None, None,
+    themselves): q (batch, seqlen_q, heads, d) over rows [cache_leftpad[b], seqlen) of every
+    sequence of k_cache, v_cache (batch, >= seqlen, heads_kv, d), bottom-right aligned; key_bias
+    fp32 (batch, k_cache rows) or None: a padding mask as -inf, read by the kernel (no value is read
+    here), indexed from each sequence's first key (after its left padding)."""
+    out, _ = flash_kvcache(q, k_cache, v_cache, None, None, None, None, None, seqlen, None, cache_leftpad, None, None,
                            key_bias, scale, causal, window[0], window[1], float(softcap), False, 0)
     return out
 

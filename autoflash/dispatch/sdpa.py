@@ -13,8 +13,9 @@ An `attn_mask` that is a key-padding mask (the same for every query and head: it
 runs on the kernels as their additive per-key bias (autoflash.dispatch.flash_api.attention_variant,
 key_bias). A mask whose shape broadcasts over queries and heads, e.g. (B, 1, 1, Lk), is recognised
 from its metadata alone; a (B, 1, Lq, Lk) or (B, H, Lq, Lk) one costs one comparison of its values
-at call time (a synchronisation on CUDA) to confirm that every query row repeats the first. Any
-other mask falls back to torch SDPA.
+per mask tensor (a synchronisation on CUDA, once for all the layers that share it) to confirm that
+every query row repeats the first. Any other mask falls back to torch SDPA, as does such a mask
+while a CUDA graph captures (nothing may be read back then).
 """
 from __future__ import annotations
 
@@ -27,7 +28,8 @@ import warnings
 
 import torch
 
-from autoflash.kernels.checks import GRID_YZ_MAX, device_index
+from autoflash.dispatch.tensor_memo import MISSING, TensorMemo
+from autoflash.kernels.checks import GRID_YZ_MAX, device_index, host_reads_possible
 from autoflash.kernels.config import HEAD_DIM_MAX, HEAD_DIM_MIN, HEAD_DIM_STEP
 
 # torch's SDPA itself (torch.nn.functional re-exports it), kept here so patch_sdpa() cannot
@@ -307,18 +309,33 @@ def _first_row(attn_mask: torch.Tensor) -> torch.Tensor:
     return _with_heads_dim(attn_mask).narrow(-2, 0, 1).narrow(-3, 0, 1)
 
 
+VARYING_MASK = "attn_mask varies over queries or heads: not a key-padding mask"
+CAPTURED_MASK = ("attn_mask shaped (..., Lq, Lk) under CUDA graph capture: telling a key-padding mask from "
+                 "another reads its values, which capture forbids (masks that broadcast over queries and "
+                 "heads, e.g. (B, 1, 1, Lk), run on the kernels)")
+_MASK_VERDICTS = TensorMemo()  # mask -> mask_reason's verdict
+
+
 def mask_reason(attn_mask: torch.Tensor | None, p: Plan) -> str | None:
     """Why this call's mask cannot run on the kernels (None if it can). For a KEY_PADDING_IF_CONSTANT
-    plan this compares the mask with its first row, once: a data check (a synchronisation on CUDA),
-    needed because a (B, 1, Lq, Lk) mask may be a padding mask expanded over queries, or not."""
+    plan this compares the mask with its first row: a data check (a synchronisation on CUDA), needed
+    because a (B, 1, Lq, Lk) mask may be a padding mask expanded over queries, or not. Once per mask
+    tensor and version: a model hands every layer of a forward the same mask, so a forward pays one
+    comparison, not one per layer. Where nothing may be read back (CUDA graph capture) the call
+    falls back."""
     if p.reason is not None or p.mask != KEY_PADDING_IF_CONSTANT:
         return p.reason
     if attn_mask.device.type == "meta":  # metadata only (planning a call, nothing to compare)
         return None
+    verdict = _MASK_VERDICTS.get(attn_mask)
+    if verdict is not MISSING:
+        return verdict
+    if not host_reads_possible(attn_mask.device):
+        return CAPTURED_MASK
     full = _with_heads_dim(attn_mask)
-    if torch.equal(full, _first_row(attn_mask).expand(full.shape)):
-        return None
-    return "attn_mask varies over queries or heads: not a key-padding mask"
+    verdict = None if torch.equal(full, _first_row(attn_mask).expand(full.shape)) else VARYING_MASK
+    _MASK_VERDICTS.put(attn_mask, verdict)
+    return verdict
 
 
 def key_bias(attn_mask: torch.Tensor, batch_shape: tuple[int, ...], seqlen_k: int) -> torch.Tensor:

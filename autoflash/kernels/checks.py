@@ -3,6 +3,7 @@ launcher and the references): errors say what was received and what is accepted.
 from __future__ import annotations
 
 import math
+import os
 
 import torch
 
@@ -10,9 +11,38 @@ from autoflash.kernels.config import HEAD_DIM_MAX, HEAD_DIM_MIN, HEAD_DIM_STEP, 
 from autoflash.kernels.gpus import GpuProfile
 
 DTYPE_NAMES = {torch.float16: "fp16", torch.bfloat16: "bf16", torch.float32: "fp32"}
+CHECK_VALUES_ENV = "AUTOFLASH_CHECK_VALUES"
 TORCH_DTYPES = {name: dtype for dtype, name in DTYPE_NAMES.items()}
 GRID_YZ_MAX = 65535  # CUDA's limit on gridDim.y / gridDim.z (heads, batch)
 _INT32_MAX = 2**31 - 1
+
+
+def host_reads_possible(device: torch.device) -> bool:
+    """Whether a tensor's values on `device` can be read back to the host at all: not while
+    torch.compile traces (no values exist) nor while a CUDA graph captures (a read is illegal)."""
+    if torch.compiler.is_compiling():
+        return False
+    return device.type != "cuda" or not torch.cuda.is_current_stream_capturing()
+
+
+def checks_values(device: torch.device) -> bool:
+    """Whether a call reads index tensors' values (cu_seqlens, cache_seqlens, block tables, left
+    padding) back to check them. By default on CPU tensors only, where it costs nothing: on CUDA a
+    read synchronises the host with the GPU on every call, so a CUDA call reads nothing back and
+    trusts the values (max_seqlen included), as flash-attn's calls do. AUTOFLASH_CHECK_VALUES=1
+    checks on CUDA too (a debug mode: one synchronisation per call); =0 never checks, on the CPU
+    either (what a CUDA call does, shown on any machine). Never where host_reads_possible is False."""
+    if not host_reads_possible(device):
+        return False
+    flag = os.environ.get(CHECK_VALUES_ENV, "").strip().lower()
+    if flag in ("1", "true", "yes", "on"):
+        return True
+    if flag in ("0", "false", "no", "off"):
+        return False
+    if flag:
+        raise ValueError(f"{CHECK_VALUES_ENV}: got {flag!r}, expected 1 (check index values on CUDA too), 0 (never), "
+                         "or unset (on CPU tensors only)")
+    return device.type != "cuda"
 
 
 def device_index(t: torch.Tensor) -> int:
