@@ -40,6 +40,34 @@ def target(request):
 
 
 @pytest.fixture
+def mutate(monkeypatch):
+    """mutate(direction, old, new): emulated kernels of that direction are built from the rendered
+    source with `old` replaced by `new` (the #line directives keep pointing at the template): a
+    planted bug the sanitizer must report."""
+    from autoflash.emulation import module
+
+    def clear():
+        module._MODULES.clear()
+        module.load_functions.cache_clear()
+
+    def apply(direction, old, new):
+        real = module.render
+
+        def render(cfg, **kw):
+            text = real(cfg, **kw)
+            if cfg.direction == direction:
+                assert old in text, f"mutation target not in {cfg.name}: {old!r}"
+                text = text.replace(old, new, 1)
+            return text
+
+        monkeypatch.setattr(module, "render", render)
+        clear()
+
+    yield apply
+    clear()
+
+
+@pytest.fixture
 def one_thread():
     """One intra-op thread: on tiny tensors more only add overhead, and on a busy machine OpenMP
     spin-waiting makes the many small ops of gradcheck tens of times slower."""

@@ -142,31 +142,6 @@ def test_a_missing_compiler_is_named(monkeypatch):
 
 
 # ------------------------------------------------------------------ the sanitizer
-@pytest.fixture
-def mutate(monkeypatch):
-    """mutate(direction, old, new): kernels of that direction are built from the rendered source with
-    `old` replaced by `new` (the #line directives keep pointing at the template)."""
-    def clear():
-        module._MODULES.clear()
-        module.load_functions.cache_clear()
-
-    def apply(direction, old, new):
-        real = module.render
-
-        def render(cfg, **kw):
-            text = real(cfg, **kw)
-            if cfg.direction == direction:
-                assert old in text, f"mutation target not in {cfg.name}: {old!r}"
-                text = text.replace(old, new, 1)
-            return text
-
-        monkeypatch.setattr(module, "render", render)
-        clear()
-
-    yield apply
-    clear()
-
-
 def _template_line(template: str, text: str) -> int:
     lines = (templates_dir() / template).read_text().splitlines()
     return next(i for i, line in enumerate(lines, 1) if text in line)

@@ -16,6 +16,7 @@ import numpy as np
 import torch
 
 from autoflash.emulation.build import EmulationError, build_library
+from autoflash.emulation.limits import LaunchRefused, check_launch
 from autoflash.kernels.codegen import render
 from autoflash.kernels.config import KernelConfig
 
@@ -24,7 +25,7 @@ from autoflash.kernels.config import KernelConfig
 class Finding:
     """One problem the sanitizer (or, failing a plain launch, the emulator's own checks) found."""
 
-    kind: str  # race, out-of-bounds, misaligned, uninitialized, barrier, undefined
+    kind: str  # race, out-of-bounds, misaligned, uninitialized, barrier, undefined, launch
     kernel: str
     location: str  # template file:line, e.g. templates/flash_fwd.cu.j2:162
     block: tuple[int, int, int]
@@ -85,50 +86,111 @@ class EmulatedFunction:
         self._entry = ctypes.cast(getattr(module.lib, f"emu_entry_{name}"), ctypes.c_void_p)
 
     def __call__(self, grid, block, args, shared_mem: int = 0, names: tuple = ()) -> None:
-        lib = self.module.lib
-        keep, ptrs = [], (ctypes.c_void_p * len(args))()
+        """Runs the kernel over `grid` x `block`; args: tensors (None: a null pointer) and each scalar's
+        bytes, named by `names` in findings. A launch the emulated GPU would refuse raises LaunchRefused
+        (and, sanitizing, is also a finding of kind "launch")."""
+        from autoflash.emulation import guards
+        from autoflash.emulation.context import active
+
+        lib, sanitize = self.module.lib, self.module.sanitize
+        grid, block = (tuple(grid) + (1, 1))[:3], (tuple(block) + (1, 1))[:3]
+        emulation = active()
+        try:
+            check_launch(self.name, self.module.config, grid, block, shared_mem,
+                         emulation.profile if emulation else None)
+        except LaunchRefused as e:
+            if sanitize:
+                self.module.add_finding(Finding("launch", self.name, "?", (0, 0, 0), -1, str(e), ()))
+            raise
+        names = tuple(names) + (None,) * (len(args) - len(names))
+        names = tuple(n or f"argument {i}" for i, n in enumerate(names))
+        keep, ptrs, sizes = [], (ctypes.c_void_p * len(args))(), (ctypes.c_uint * len(args))()
+        guarded, named = [], dict(zip(names, args))
         for i, a in enumerate(args):
             if a is None:  # a null pointer: an argument the call does not have (never read)
                 buf = ctypes.c_uint64(0)
+                if sanitize:  # named in the finding of an access through it
+                    lib.emu_add_region(names[i].encode(), None, None, 0, 1, 0, None, None)
             elif isinstance(a, torch.Tensor):
                 buf = ctypes.c_uint64(a.data_ptr())
-                if self.module.sanitize:
-                    name = names[i] if i < len(names) and names[i] else f"argument {i}"
-                    shape = (ctypes.c_longlong * a.dim())(*a.shape)
-                    stride = (ctypes.c_longlong * a.dim())(*a.stride())
-                    storage = a.untyped_storage()
-                    lib.emu_add_region(name.encode(), ctypes.c_void_p(a.data_ptr()),
-                                       ctypes.c_void_p(storage.data_ptr()), storage.nbytes(), a.element_size(),
-                                       a.dim(), shape, stride)
+                if sanitize:
+                    self._register(a, names[i], grid, named)
+                    if guards.guard_of(a) is not None:
+                        guarded.append((names[i], a))
             else:
-                buf = ctypes.create_string_buffer(np.asarray(a).tobytes())
+                data = np.asarray(a).tobytes()
+                buf = ctypes.create_string_buffer(data, len(data))
             keep.append(buf)
             ptrs[i] = ctypes.cast(ctypes.pointer(buf), ctypes.c_void_p)
-        (gx, gy, gz), (bx, by, bz) = (tuple(grid) + (1, 1))[:3], (tuple(block) + (1, 1))[:3]
+            sizes[i] = ctypes.sizeof(buf)
         try:
-            failed = lib.emu_launch(self._entry, self.name.encode(), gx, gy, gz, bx, by, bz, shared_mem, ptrs,
+            failed = lib.emu_launch(self._entry, self.name.encode(), *grid, *block, shared_mem, ptrs, sizes, len(args),
                                     os.cpu_count() or 1)
         finally:
-            if self.module.sanitize:
+            if sanitize:
                 lib.emu_clear_regions()
-        if failed and not self.module.sanitize:
+        for name, t in guarded:  # normally the access itself was reported; this sees any that was not
+            changed = guards.check_guards(t)  # (and poisons the guards again)
+            if changed and not self.module.reported(f" of {name} at element "):
+                self.module.add_finding(Finding("out-of-bounds", self.name, "?", (0, 0, 0), -1,
+                                                f"{name}: {changed}", ()))
+        if failed and not sanitize:
             found = self.module.findings()
             self.module.clear_findings()
             raise EmulationError(f"emulated launch of {self.name} failed: " + "; ".join(map(str, found[:3])))
+
+    def _register(self, a: torch.Tensor, name: str, grid: tuple, named: dict) -> None:
+        """Registers tensor argument `a` for the out-of-bounds checks, with the rule of whose rows each
+        block may touch where `a` is a launcher's guarded buffer."""
+        from autoflash.emulation import guards
+
+        lib = self.module.lib
+        shape = (ctypes.c_longlong * a.dim())(*a.shape)
+        stride = (ctypes.c_longlong * a.dim())(*a.stride())
+        storage = a.untyped_storage()
+        lib.emu_add_region(name.encode(), ctypes.c_void_p(a.data_ptr()), ctypes.c_void_p(storage.data_ptr()),
+                           storage.nbytes(), a.element_size(), a.dim(), shape, stride)
+        z_dim, y_dim, row_dim, rows = guards.rows_rule(a, grid)
+        bounds, bounds_name = [], b""
+        if rows is not None:  # packed rows: counted by the cu_seqlens the kernel itself gets
+            cu = named.get(f"cu_seqlens_{rows}")
+            if isinstance(cu, torch.Tensor) and cu.numel() - 1 >= grid[2]:
+                bounds, bounds_name = cu[:grid[2] + 1].tolist(), f"cu_seqlens_{rows}".encode()
+        if rows is None or not bounds:
+            row_dim = -1
+        if (z_dim, y_dim, row_dim) != (-1, -1, -1):
+            lib.emu_region_rows(z_dim, y_dim, row_dim, (ctypes.c_longlong * len(bounds))(*bounds), len(bounds),
+                                bounds_name)
 
 
 class EmulatedModule:
     """One kernel library (a config's kernels, plain or sanitizing)."""
 
-    def __init__(self, path: Path, sanitize: bool):
-        self.path, self.sanitize = path, sanitize
+    def __init__(self, path: Path, sanitize: bool, config: KernelConfig | None = None):
+        self.path, self.sanitize, self.config = path, sanitize, config
+        self._extra: list[Finding] = []  # found on the Python side: refused launches, changed guard bytes
         self.lib = lib = ctypes.CDLL(str(path))
         lib.emu_launch.restype = ctypes.c_int
         lib.emu_launch.argtypes = [ctypes.c_void_p, ctypes.c_char_p, *[ctypes.c_uint] * 6, ctypes.c_ulong,
-                                   ctypes.POINTER(ctypes.c_void_p), ctypes.c_int]
+                                   ctypes.POINTER(ctypes.c_void_p), ctypes.POINTER(ctypes.c_uint), ctypes.c_int,
+                                   ctypes.c_int]
         lib.emu_add_region.argtypes = [ctypes.c_char_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_ulong, ctypes.c_int,
                                        ctypes.c_int, ctypes.POINTER(ctypes.c_longlong), ctypes.POINTER(ctypes.c_longlong)]
+        lib.emu_region_rows.argtypes = [ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.POINTER(ctypes.c_longlong),
+                                        ctypes.c_int, ctypes.c_char_p]
         lib.emu_finding.argtypes = [ctypes.c_int, ctypes.c_char_p, ctypes.c_int]
+
+    def add_finding(self, finding: Finding) -> None:
+        self._extra.append(finding)
+
+    def reported(self, text: str) -> bool:
+        """Whether a finding of the runtime so far says `text` (its raw detail; no symbolizing)."""
+        buf = ctypes.create_string_buffer(1 << 14)
+        for i in range(self.lib.emu_finding_count()):
+            self.lib.emu_finding(i, buf, len(buf))
+            if text in buf.value.decode(errors="replace").split("\t")[4]:
+                return True
+        return False
 
     def get_function(self, name: str) -> EmulatedFunction:
         return EmulatedFunction(self, name)
@@ -155,10 +217,11 @@ class EmulatedModule:
             location = next((f.split(" ")[0] for f in kernel_frames if ".j2:" in f),
                             kernel_frames[0].split(" ")[0] if kernel_frames else "?")
             out.append(Finding(kind, kernel, location, block, thread, detail, tuple(kernel_frames)))
-        return out
+        return out + self._extra
 
     def clear_findings(self) -> None:
         self.lib.emu_clear_findings()
+        self._extra.clear()
 
 
 _MODULES: dict[tuple[KernelConfig, bool], EmulatedModule] = {}
@@ -168,7 +231,8 @@ def load_module(config: KernelConfig, sanitize: bool) -> EmulatedModule:
     """The library of a config's kernels, built (disk-cached) and loaded once per process."""
     key = (config, sanitize)
     if key not in _MODULES:
-        _MODULES[key] = EmulatedModule(build_library(render(config), config.name, config.symbols, sanitize), sanitize)
+        _MODULES[key] = EmulatedModule(build_library(render(config), config.name, config.symbols, sanitize), sanitize,
+                                       config)
     return _MODULES[key]
 
 

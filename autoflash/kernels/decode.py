@@ -14,6 +14,7 @@ import math
 
 import torch
 
+from autoflash.emulation import guards  # the sanitizer's guard bands; torch.empty elsewhere
 from autoflash.kernels.checks import DTYPE_NAMES, GRID_YZ_MAX, check_chunked_layout, check_scale
 from autoflash.kernels.config import HEAD_DIM_MAX, HEAD_DIM_MIN, HEAD_DIM_STEP, KernelConfig
 from autoflash.kernels.defaults import default_decode_config
@@ -258,13 +259,13 @@ def flash_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, 
 
     if qpack > 1:  # (B, Lq, Hkv * g, d) -> (B, Hkv, Lq * g, d): row i * g + j is query i of head kv * g + j
         q4 = q.reshape(b, lq, hkv, g, d).permute(0, 2, 1, 3, 4).reshape(b, hkv, rows, d)
-        out4 = torch.empty_like(q4)
+        out4 = guards.empty_like(q4, "bhld", name="out")
     else:
         q4 = q.transpose(1, 2)
-        out = torch.empty_like(q)
+        out = guards.empty_like(q, "blhd", name="out")
         out4 = out.transpose(1, 2)
     k4, v4 = k_cache.transpose(1, 2), v_cache.transpose(1, 2)  # pages: (num_pages, Hkv, page_size, d)
-    lse4 = torch.empty((b, heads, rows), dtype=torch.float32, device=q.device)
+    lse4 = guards.empty((b, heads, rows), torch.float32, q.device, "bhl", name="lse")
 
     device = q.device
     # Index tensors the call does not have go as null pointers (the template's defaults: every
@@ -272,8 +273,11 @@ def flash_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, 
     # for them, so none can be read before it is filled on another stream or outside a CUDA graph.
     seqused = None if isinstance(cache_seqlens, int) else cache_seqlens
     split = num_splits > 1
-    o_accum = torch.empty((num_splits, b, heads, rows, d), dtype=torch.float32, device=device) if split else None
-    lse_accum = torch.empty((num_splits, b, heads, rows), dtype=torch.float32, device=device) if split else None
+    # the kernels index the partials as contiguous: guarded after the last split only (emulation/guards.py)
+    o_accum = guards.empty((num_splits, b, heads, rows, d), torch.float32, device, "sbhld", name="o_accum",
+                           contiguous=True) if split else None
+    lse_accum = guards.empty((num_splits, b, heads, rows), torch.float32, device, "sbhl", name="lse_accum",
+                             contiguous=True) if split else None
 
     fns = kernel_functions(config, profile, q)
     strides = lambda t: t.stride()[:3]  # noqa: E731 -- (batch or page, head, row)

@@ -11,6 +11,7 @@ import threading
 
 import torch
 
+from autoflash.emulation import guards  # the sanitizer's guard bands; torch.empty & co. elsewhere
 from autoflash.kernels.checks import DTYPE_NAMES, check_config, check_like, check_qkv, check_scale, device_index
 from autoflash.kernels.compiler import compile_config
 from autoflash.kernels.config import KernelConfig
@@ -252,8 +253,9 @@ def flash_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: 
                                                     variant.needs_registers), causal, variant)
     check_config(config, d, dtype, causal, profile, "fwd")
 
-    out = torch.empty_like(q)
-    lse = torch.empty((hq, q.shape[0]) if varlen else (b, hq, lq), dtype=torch.float32, device=q.device)
+    out = guards.empty_like(q, "lhd" if varlen else "bhld", name="out", rows="q")
+    lse = guards.empty((hq, q.shape[0]) if varlen else (b, hq, lq), torch.float32, q.device, "hl" if varlen else "bhl",
+                       name="lse", rows="q")
     out4 = heads_view(out) if varlen else out
     if lq == 0:
         return out, lse
@@ -317,7 +319,8 @@ def flash_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torc
     out4, dout4 = (heads_view(out), heads_view(dout)) if varlen else (out, dout)
 
     # delta per query row; packed rows are one long sequence to it, (H, total_q) like the LSE
-    delta = torch.empty(lse_shape, dtype=torch.float32, device=q.device)
+    delta = guards.empty(lse_shape, torch.float32, q.device, "hl" if varlen else "bhl", name="delta", rows="q",
+                         contiguous=True)
     _call(fns[f"{config.name}_delta"], (math.ceil(total_q / DELTA_ROWS_PER_BLOCK), hq, 1 if varlen else b),
           32 * DELTA_ROWS_PER_BLOCK, 0, q.device, DELTA_PARAMS, (out4, dout4, delta),
           (*_strides(out4), *_strides(dout4), total_q), ("out", "dout", "delta"))
@@ -325,13 +328,15 @@ def flash_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torc
     dq_pass = config.dq == "pass"
     # With the dQ pass the dK/dV kernel never touches dq_accum: a null pointer takes its place.
     # dq_accum's rows are the LSE's, (B, H, L) or (H, total_q), each of d floats.
-    dq_accum = None if dq_pass else torch.zeros((*lse_shape, d), dtype=torch.float32, device=q.device)
+    dq_accum = None if dq_pass else guards.zeros((*lse_shape, d), torch.float32, q.device, "hld" if varlen else "bhld",
+                                                 name="dq_accum", rows="q", contiguous=True)
     if group == 1:
-        dk_x, dv_x = torch.empty_like(k), torch.empty_like(v)
+        dk_x = guards.empty_like(k, "lhd" if varlen else "bhld", name="dk", rows="k")
+        dv_x = guards.empty_like(v, "lhd" if varlen else "bhld", name="dv", rows="k")
     else:  # per query head, summed below
         shape = (k.shape[0], hq, d) if varlen else (b, hq, lk, d)
-        dk_x = torch.empty(shape, dtype=q.dtype, device=q.device)
-        dv_x = torch.empty_like(dk_x)
+        dk_x = guards.empty(shape, q.dtype, q.device, "lhd" if varlen else "bhld", name="dk", rows="k")
+        dv_x = guards.empty(shape, q.dtype, q.device, "lhd" if varlen else "bhld", name="dv", rows="k")
     dk4, dv4 = (heads_view(dk_x), heads_view(dv_x)) if varlen else (dk_x, dv_x)
     n_blocks, split = math.ceil(lk / config.block_n), config.head_split
     extra_scalars = variant.scalars(lse)
@@ -347,7 +352,7 @@ def flash_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torc
                   ("q", "k", "v", "dout", "lse", "delta", "dq_accum", "dk", "dv", *_VARIANT_POINTERS))
 
     if dq_pass:
-        dq = torch.empty_like(q)
+        dq = guards.empty_like(q, "lhd" if varlen else "bhld", name="dq", rows="q")
         dq4 = heads_view(dq) if varlen else dq
         for sequences, pointers in variant.runs(b) if lq else ():
             _call(fns[f"{config.name}_dq"], (math.ceil(lq / config.block_m), hq, sequences), config.threads,

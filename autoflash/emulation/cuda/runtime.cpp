@@ -17,14 +17,22 @@
 //                  __syncthreads between (or, within one warp, no __syncwarp);
 //   out-of-bounds  shared memory past the launch's dynamic size; global memory of a registered tensor
 //                  (emu_add_region) that is not one of its elements (a row past seqlen, a column
-//                  past head_dim), whether or not memory exists there;
+//                  past head_dim: guard bands, autoflash/emulation/guards.py), whether or not memory
+//                  exists there; in the launcher's own buffers, rows of another (batch, head) or packed
+//                  sequence than the block's (emu_region_rows); global memory in no tensor of the launch
+//                  (a null or wild pointer, past the end of every tensor): then the block stops before
+//                  the access. Not tensors, and not checked: the threads' stacks, the shared window,
+//                  the launch's parameter copies, the runtime's own state (threadIdx and the like) and
+//                  the library's image (constant tables);
 //   misaligned     an access of N bytes at an address that is not a multiple of N (cp.async,
 //                  ldmatrix rows: 16 bytes);
 //   uninitialized  shared memory read before any write in this block, or before its cp.async landed;
 //   barrier        a __syncthreads or warp operation not reached by every thread, or reached at
 //                  different places;
 //   undefined      signed overflow, a bad shift or a division by zero (UBSan's checks; its array
-//                  bounds check reports an index past a fixed-size array as out-of-bounds).
+//                  bounds check reports an index past a fixed-size array as out-of-bounds);
+//   launch         a launch no GPU runs (an empty grid or block, more than 1,024 threads); the
+//                  emulated GPU's own limits are checked before, in module.py.
 // Plain loads and stores of the kernel are seen through the compiler's ThreadSanitizer
 // instrumentation (-fsanitize=thread), undefined behaviour through UBSan's (-fsanitize=bounds,...):
 // runtime/sanitizer.h defines the __tsan_* and __ubsan_handle_* hooks in place of their runtimes. Without EMU_SANITIZE only the checks that keep the emulator itself safe run
@@ -38,6 +46,7 @@
 #include <cinttypes>
 #include <cstring>
 #include <thread>
+#include <tuple>
 
 #ifndef EMU_SANITIZE
 #define EMU_SANITIZE 0
@@ -304,6 +313,11 @@ void worker_main(Launch* L) {
   }
 #if EMU_SANITIZE
   w.shadow.resize(L->smem ? L->smem : 1);
+  auto span = [](const void* p, size_t n) {
+    return std::pair<uintptr_t, uintptr_t>{reinterpret_cast<uintptr_t>(p), reinterpret_cast<uintptr_t>(p) + n};
+  };
+  w.owned = {span(&w, sizeof w), span(w.fibers.data(), w.fibers.size() * sizeof(Fiber)), span(L, sizeof *L),
+             span(L->params.data(), L->params.size()), span(L->param_ptrs.data(), L->param_ptrs.size() * sizeof(void*))};
 #endif
   tw = &w;
   const long total = long(L->grid.x) * L->grid.y * L->grid.z;
@@ -414,16 +428,33 @@ uint32_t cvta_shared(const void* p) {
 
 // ------------------------------------------------------------------ the library's C interface
 // Runs `entry` over the grid; returns the number of findings (sanitizing) or 0 / 1 (ok / failed).
+// args[i] points at the i-th argument's sizes[i] bytes; they are copied first, as cuLaunchKernel copies
+// kernelParams, so the kernel reads its arguments from the launch's own memory. The launch limits of the
+// emulated GPU (grid, block, shared memory, registers) are checked by the caller (module.py).
 EMU_EXPORT int emu_launch(emu_entry_t entry, const char* kernel, unsigned gx, unsigned gy, unsigned gz, unsigned bx,
-                          unsigned by, unsigned bz, unsigned long smem, void** args, int workers) {
+                          unsigned by, unsigned bz, unsigned long smem, void** args, const unsigned* sizes, int nargs,
+                          int workers) {
   using namespace emu;
   if (smem > kWindow) {
-    report("out-of-bounds", nullptr, fmt("%lu bytes of dynamic shared memory requested; the emulator holds %zu", smem, kWindow));
+    report("launch", nullptr, fmt("%lu bytes of dynamic shared memory requested; the emulator holds %zu", smem, kWindow));
+    return 1;
+  }
+  if (gx == 0 || gy == 0 || gz == 0 || bx == 0 || by == 0 || bz == 0 || size_t(bx) * by * bz > 1024) {
+    report("launch", nullptr, fmt("grid (%u, %u, %u), block (%u, %u, %u): not a launch a GPU runs", gx, gy, gz, bx, by, bz));
     return 1;
   }
   Launch L;
   L.entry = entry;
-  L.args = args;
+  std::vector<size_t> offsets;
+  for (int i = 0; i < nargs; ++i) {
+    offsets.push_back((L.params.size() + 15) & ~size_t(15));
+    L.params.resize(offsets.back() + sizes[i]);
+  }
+  for (int i = 0; i < nargs; ++i) {
+    std::memcpy(L.params.data() + offsets[i], args[i], sizes[i]);
+    L.param_ptrs.push_back(L.params.data() + offsets[i]);
+  }
+  L.args = L.param_ptrs.data();
   L.kernel = kernel;
   L.grid = {gx, gy, gz};
   L.block = {bx, by, bz};
@@ -443,7 +474,8 @@ EMU_EXPORT int emu_launch(emu_entry_t entry, const char* kernel, unsigned gx, un
 
 // Registers a tensor of this launch for the out-of-bounds check: its elements are exactly
 // origin + sum(i_d * stride_d) * elem for 0 <= i_d < shape_d; every other byte of its storage
-// [storage, storage + storage_bytes) is not (a guard band, another view's data).
+// [storage, storage + storage_bytes) is not (a guard band, another view's data). A null origin is an
+// argument passed as a null pointer (named in the finding of an access through it).
 EMU_EXPORT void emu_add_region(const char* name, const void* origin, const void* storage, unsigned long storage_bytes,
                                int elem, int ndim, const long long* shape, const long long* stride) {
 #if EMU_SANITIZE
@@ -451,28 +483,57 @@ EMU_EXPORT void emu_add_region(const char* name, const void* origin, const void*
   Region r;
   r.name = name;
   r.elem = elem;
-  r.ndim = ndim;
-  std::vector<std::pair<long long, long long>> dims;
+  r.rank = std::min(ndim, 8);
+  // Dims of one element decompose to index 0 whatever their stride (which may equal another dim's).
+  std::vector<std::tuple<long long, long long, int>> dims;
   long long span = 1;
-  for (int d = 0; d < ndim; ++d) {
-    dims.push_back({stride[d], shape[d]});
+  for (int d = 0; d < r.rank; ++d) {
+    r.full_shape[d] = shape[d];
+    if (shape[d] == 0) r.empty = true;
+    if (shape[d] > 1) dims.emplace_back(stride[d], shape[d], d);
     span += (shape[d] - 1) * stride[d];
   }
-  std::sort(dims.begin(), dims.end(), [](auto a, auto b) { return a.first > b.first; });
-  r.nested = true;
-  for (int d = 0; d < ndim; ++d) {
-    r.stride[d] = dims[d].first;
-    r.shape[d] = dims[d].second;
-    const long long inner = d + 1 < ndim ? dims[d + 1].first * dims[d + 1].second : 1;
+  std::stable_sort(dims.begin(), dims.end(), [](const auto& a, const auto& b) { return std::get<0>(a) > std::get<0>(b); });
+  r.ndim = int(dims.size());
+  for (int d = 0; d < r.ndim; ++d) {
+    std::tie(r.stride[d], r.shape[d], r.dim[d]) = dims[d];
+    const long long inner = d + 1 < r.ndim ? std::get<0>(dims[d + 1]) * std::get<1>(dims[d + 1]) : 1;
     if (r.stride[d] <= 0 || r.stride[d] < inner) r.nested = false;
   }
   r.origin = reinterpret_cast<uintptr_t>(origin);
-  r.base = std::min(r.origin, reinterpret_cast<uintptr_t>(storage));
-  r.end = std::max(r.origin + uintptr_t(span) * elem, reinterpret_cast<uintptr_t>(storage) + storage_bytes);
+  if (r.origin) {
+    r.base = std::min(r.origin, reinterpret_cast<uintptr_t>(storage));
+    r.end = std::max(r.origin + uintptr_t(r.empty ? 0 : span) * elem, reinterpret_cast<uintptr_t>(storage) + storage_bytes);
+  }
   std::lock_guard<std::mutex> lock(g_mu);
   g_regions.push_back(r);
 #else
   (void)name; (void)origin; (void)storage; (void)storage_bytes; (void)elem; (void)ndim; (void)shape; (void)stride;
+#endif
+}
+
+// Whose rows the blocks may touch in the last registered tensor (the launcher's own buffers, whose
+// layout it knows): along dim z_dim only index blockIdx.z, along y_dim only blockIdx.y, along row_dim
+// (packed sequences) only rows [bounds[z], bounds[z + 1]) of sequence z = blockIdx.z, `bounds` being
+// the launch's cu_seqlens (named bounds_name). -1: no rule for that dim.
+EMU_EXPORT void emu_region_rows(int z_dim, int y_dim, int row_dim, const long long* bounds, int n_bounds,
+                                const char* bounds_name) {
+#if EMU_SANITIZE
+  using namespace emu;
+  std::lock_guard<std::mutex> lock(g_mu);
+  if (g_regions.empty()) return;
+  Region& r = g_regions.back();
+  for (int d = 0; d < r.ndim; ++d) {  // dims of one element are always index 0: nothing to check there
+    if (r.dim[d] == z_dim) r.own_z = d;
+    if (r.dim[d] == y_dim) r.own_y = d;
+    if (r.dim[d] == row_dim && n_bounds > 1) {
+      r.seg_dim = d;
+      r.seg.assign(bounds, bounds + n_bounds);
+      r.seg_name = bounds_name;
+    }
+  }
+#else
+  (void)z_dim; (void)y_dim; (void)row_dim; (void)bounds; (void)n_bounds; (void)bounds_name;
 #endif
 }
 

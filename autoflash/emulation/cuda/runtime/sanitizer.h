@@ -1,9 +1,13 @@
 // The sanitizer's checks (included once, by runtime.cpp, built with EMU_SANITIZE=1): shadow state per
 // byte of shared memory for races and uninitialized reads, element checks of registered tensors for
-// out-of-bounds global accesses, alignment, and the ThreadSanitizer hooks the instrumented kernel calls
-// for every plain load and store.
+// out-of-bounds global accesses (with the rule of whose rows a block may touch in the launcher's own
+// buffers, and nothing outside the launch's tensors but the runtime's own memory), alignment, and the
+// ThreadSanitizer hooks the instrumented kernel calls for every plain load and store.
 #pragma once
+#include <link.h>
+
 #include <algorithm>
+#include <cinttypes>
 #include <cstring>
 
 #include "runtime/state.h"
@@ -13,26 +17,117 @@ namespace emu {
 namespace {
 
 
-// Where in the tensor (one index per dim, largest stride first) an element offset falls.
-std::string coords(const Region& r, long long elem) {
-  std::string s = "(";
-  for (int d = 0; d < r.ndim; ++d) {
-    const long long i = elem / r.stride[d];
-    elem %= r.stride[d];
-    s += fmt("%s%lld", d ? ", " : "", i);
-  }
-  s += ") of shape (";
-  for (int d = 0; d < r.ndim; ++d) s += fmt("%s%lld", d ? ", " : "", r.shape[d]);
-  return s + ")";
-}
-
-bool is_element(const Region& r, long long elem) {
+// The index along each of shape[] (largest stride first) of an element offset; false if the offset
+// is no element (past a dim, or between them: a guard band, another view's data).
+bool decompose(const Region& r, long long elem, long long* idx) {
+  if (r.empty) return false;
   if (!r.nested) return true;
   for (int d = 0; d < r.ndim; ++d) {
-    if (elem / r.stride[d] >= r.shape[d]) return false;
+    idx[d] = elem / r.stride[d];
+    if (idx[d] >= r.shape[d]) return false;
     elem %= r.stride[d];
   }
   return elem == 0;
+}
+
+bool is_element(const Region& r, long long elem) {
+  long long idx[8];
+  return decompose(r, elem, idx);
+}
+
+// Where in the tensor an element offset falls, in the tensor's own dim order: "(0, 1, 77, 3) of shape (...)".
+std::string coords(const Region& r, long long elem) {
+  long long own[8] = {};
+  if (!r.nested) return fmt("offset %lld (strides that do not nest)", elem);
+  for (int d = 0; d < r.ndim; ++d) {
+    own[r.dim[d]] = elem / r.stride[d];
+    elem %= r.stride[d];
+  }
+  std::string s = "(";
+  for (int d = 0; d < r.rank; ++d) s += fmt("%s%lld", d ? ", " : "", own[d]);
+  s += ") of shape (";
+  for (int d = 0; d < r.rank; ++d) s += fmt("%s%lld", d ? ", " : "", r.full_shape[d]);
+  return s + ")";
+}
+
+// [first, last) of the loaded library's image (code, constants, static data): kernel code may read
+// its own constant tables.
+std::pair<uintptr_t, uintptr_t> lib_image() {
+  struct Find { uintptr_t inside, lo, hi; };
+  static const Find image = [] {
+    Find f{lib_base(), 0, 0};
+    dl_iterate_phdr([](dl_phdr_info* info, size_t, void* data) {
+      Find& f = *static_cast<Find*>(data);
+      uintptr_t lo = UINTPTR_MAX, hi = 0;
+      for (int i = 0; i < info->dlpi_phnum; ++i)
+        if (info->dlpi_phdr[i].p_type == PT_LOAD) {
+          lo = std::min<uintptr_t>(lo, info->dlpi_addr + info->dlpi_phdr[i].p_vaddr);
+          hi = std::max<uintptr_t>(hi, info->dlpi_addr + info->dlpi_phdr[i].p_vaddr + info->dlpi_phdr[i].p_memsz);
+        }
+      if (f.inside < lo || f.inside >= hi) return 0;  // another object
+      f.lo = lo;
+      f.hi = hi;
+      return 1;
+    }, &f);
+    return f;
+  }();
+  return {image.lo, image.hi};
+}
+
+// Never resumed: the rest of the block is given up (the next block starts afresh). Used where going on
+// would touch memory that is no tensor's (a wild or null pointer), which could crash or corrupt the host.
+[[noreturn]] void abandon_block() {
+  Worker& w = *tw;
+  w.abandon = true;
+  yield(w, *w.cur);
+  __builtin_unreachable();
+}
+
+constexpr uintptr_t kNullPage = 64 * 1024;  // addresses below: a null pointer plus an offset
+
+// A global access that is in no registered tensor: legitimate only in the runtime's own memory (the
+// worker, fibers, launch, parameter copies) or the library's image; anything else is out-of-bounds,
+// and the block stops before the access is made.
+void unregistered_access(uintptr_t a, size_t size, bool write, const void* pc) {
+  Worker& w = *tw;
+  for (const auto& [lo, hi] : w.owned)
+    if (a >= lo && a + size <= hi) return;
+  const auto image = lib_image();
+  if (a >= image.first && a + size <= image.second) return;
+  std::string nulls;
+  for (const Region& r : g_regions)
+    if (r.origin == 0) nulls += (nulls.empty() ? "" : ", ") + r.name;
+  if (a < kNullPage)
+    report("out-of-bounds", pc, fmt("%zu-byte global %s at address 0x%" PRIxPTR ": a null pointer (+%" PRIuPTR
+                                     " bytes)%s%s", size, write ? "write" : "read", a, a,
+                                     nulls.empty() ? "" : "; passed as null: ", nulls.c_str()));
+  else
+    report("out-of-bounds", pc, fmt("%zu-byte global %s at address 0x%" PRIxPTR ": falls in no tensor of the "
+                                    "launch (past the end of one, or a wild pointer)", size, write ? "write" : "read", a));
+  abandon_block();
+}
+
+// The launcher's own buffers carry whose rows each block may touch (emu_region_rows).
+void owner_check(const Region& r, const long long* idx, bool write, long long elem, const void* pc) {
+  const dim3 b = tw->block;
+  const char* what = write ? "write" : "read";
+  if ((r.own_z >= 0 && idx[r.own_z] != b.z) || (r.own_y >= 0 && idx[r.own_y] != b.y)) {
+    const std::string z = r.own_z >= 0 ? fmt("dim %d is its batch, blockIdx.z = %u", r.dim[r.own_z], b.z) : "";
+    const std::string y = r.own_y >= 0 ? fmt("dim %d its head, blockIdx.y = %u", r.dim[r.own_y], b.y) : "";
+    report("out-of-bounds", pc, fmt("global %s of %s at element %s by block (%u, %u, %u): not in the rows of the "
+                                    "(batch, head) that block works on (%s%s%s), e.g. a row past its sequence length",
+                                    what, r.name.c_str(), coords(r, elem).c_str(), b.x, b.y, b.z, z.c_str(),
+                                    z.empty() || y.empty() ? "" : "; ", y.c_str()));
+    return;
+  }
+  if (r.seg_dim >= 0 && b.z + 1 < r.seg.size()) {
+    const long long row = idx[r.seg_dim], lo = r.seg[b.z], hi = r.seg[b.z + 1];
+    if (row < lo || row >= hi)
+      report("out-of-bounds", pc, fmt("global %s of %s at element %s by block (%u, %u, %u): row %lld is not one of "
+                                      "its sequence %u's rows [%lld, %lld) (%s), e.g. a row past its sequence length",
+                                      what, r.name.c_str(), coords(r, elem).c_str(), b.x, b.y, b.z, row, b.z, lo, hi,
+                                      r.seg_name.c_str()));
+  }
 }
 
 void global_access(const void* addr, size_t size, bool write, const void* pc) {
@@ -40,21 +135,23 @@ void global_access(const void* addr, size_t size, bool write, const void* pc) {
   const Region* hit = nullptr;
   for (const Region& r : g_regions)
     if (a < r.end && a + size > r.base) { hit = &r; break; }
-  if (!hit) return;  // not a tensor of this launch (the stack, the emulator's own data)
+  if (!hit) return unregistered_access(a, size, write, pc);
   const Region& r = *hit;
   if (a % size) {
     report("misaligned", pc, fmt("%zu-byte global %s of %s at byte offset %lld (not a multiple of %zu)", size,
                                  write ? "write" : "read", r.name.c_str(), (long long)(a - r.origin), size));
     return;
   }
+  long long idx[8];
   for (uintptr_t p = a; p < a + size; p += r.elem) {
     const long long off = (long long)p - (long long)r.origin;
-    if (p < r.origin || p >= r.end || off % r.elem || !is_element(r, off / r.elem)) {
+    if (p < r.origin || p >= r.end || off % r.elem || !decompose(r, off / r.elem, idx)) {
       report("out-of-bounds", pc, fmt("global %s of %s at element %s: not an element of the tensor",
                                       write ? "write" : "read", r.name.c_str(),
                                       coords(r, off / r.elem).c_str()));
       return;
     }
+    if (r.nested) owner_check(r, idx, write, off / r.elem, pc);
   }
 }
 
@@ -128,7 +225,9 @@ void any_access(const void* addr, size_t size, bool write, const void* pc) {
   Worker* w = tw;
   if (!w || !w->cur) return;
   const uintptr_t a = reinterpret_cast<uintptr_t>(addr), win = reinterpret_cast<uintptr_t>(w->window);
+  const uintptr_t stacks = reinterpret_cast<uintptr_t>(w->stacks);
   if (a >= win && a < win + kWindow) shared_access(a - win, size, write, pc, write ? "store" : "load");
+  else if (a >= stacks && a < stacks + size_t(w->launch->threads) * kStack) return;  // the threads' locals
   else global_access(addr, size, write, pc);
 }
 

@@ -64,17 +64,29 @@ struct Finding {
 
 struct Region {
   std::string name;
-  uintptr_t base, end;      // the tensor's storage: any access inside it is checked
-  uintptr_t origin;         // its first element
-  int elem;
-  int ndim;
-  long long shape[8], stride[8];  // sorted by stride, largest first, in elements
-  bool nested;                    // strides nest, so an offset decomposes into one index per dim
+  uintptr_t base = 0, end = 0;  // the tensor's storage: any access inside it is checked
+  uintptr_t origin = 0;         // its first element (0: an argument passed as a null pointer)
+  int elem = 1;
+  int ndim = 0;                   // dims of more than one element (an index past a 1-element dim is out anyway)
+  long long shape[8], stride[8];  // of those dims, sorted by stride, largest first, in elements
+  int dim[8];                     // which of the tensor's own dims each one is
+  int rank = 0;                   // the tensor's own dims, for messages
+  long long full_shape[8];        // the tensor's own shape
+  bool nested = true;             // strides nest, so an offset decomposes into one index per dim
+  bool empty = false;             // no elements at all
+  // Whose rows a block may touch (emu_region_rows; -1: no rule): the index along own_z must be the
+  // block's blockIdx.z, along own_y its blockIdx.y; along seg_dim it must lie in [seg[z], seg[z + 1])
+  // (packed sequences: the rows of the block's sequence z). Positions into shape[] above.
+  int own_z = -1, own_y = -1, seg_dim = -1;
+  std::vector<long long> seg;
+  std::string seg_name;
 };
 
 struct Launch {
   emu_entry_t entry;
-  void** args;
+  void** args;                       // into params: the launch's own copy of every argument's bytes
+  std::vector<unsigned char> params;
+  std::vector<void*> param_ptrs;
   const char* kernel;
   dim3 grid, block;
   size_t smem;
@@ -107,6 +119,9 @@ struct Worker {
   unsigned char* window = nullptr;
 #if EMU_SANITIZE
   std::vector<Shadow> shadow;
+  // Memory the kernel reaches that is the runtime's, not a tensor's: the worker, its fibers (threadIdx),
+  // the launch (gridDim, blockDim) and its parameter copies (the entry reads its arguments there).
+  std::vector<std::pair<uintptr_t, uintptr_t>> owned;
 #endif
 };
 
