@@ -12,10 +12,8 @@ import autoflash
 from autoflash import emulation
 from autoflash.emulation import guards, module
 from autoflash.emulation.limits import LaunchRefused, kernel_registers
-from autoflash.kernels.config import KernelConfig
 from autoflash.kernels.defaults import default_config
 from autoflash.kernels.gpus import get_profile
-from autoflash.kernels.resources import templates_dir
 from autoflash.selfcheck import main as selfcheck
 
 from test_emulation import _template_line
