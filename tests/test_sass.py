@@ -4,6 +4,7 @@ their analytic values (NVRTC + nvdisasm, no GPU), and the commands' output. No n
 wheel that the bench downloads is not needed here."""
 from __future__ import annotations
 
+import dataclasses
 import subprocess
 import sys
 
@@ -172,3 +173,108 @@ def test_bench_sass_help_explains_the_download():
     for words in ("torch CUDA wheel", "1 GB", "libtorch_cuda.so", "nvidia-cuda-cuobjdump", "no GPU", "static proxy",
                   "not timings", "--workdir"):
         assert words in text, words
+
+
+# FlashAttention-2's backward, shaped: an outer loop over key blocks (`n_block += gridDim.x`, one
+# trip per block by default) around the per-query-step loop that holds every HMMA, with the key
+# block's prologue (a load) and epilogue (dK/dV stores) in the outer loop's body.
+FA2_SHAPED = """
+	.section	.text.fa2,"ax",@progbits
+fa2:
+        /*0000*/                   S2R R0, SR_TID.X ;
+        /*0010*/                   ISETP.GE.AND P0, PT, R0, 0x10, PT ;
+.L_x_0:
+        /*0020*/                   LDGSTS.E.BYPASS.128 [R3], [R6.64] ;
+        /*0030*/                   IMAD R2, R2, 0x2, RZ ;
+.L_x_1:
+        /*0040*/                   LDSM.16.M88.4 R8, [R2] ;
+        /*0050*/                   HMMA.16816.F32.BF16 R4, R8, R12, R4 ;
+        /*0060*/                   HMMA.16816.F32.BF16 R16, R8, R14, R16 ;
+        /*0070*/                   IADD3 R0, R0, 0x1, RZ ;
+        /*0080*/                @P1 BRA `(.L_x_1) ;
+        /*0090*/                   STG.E [R6.64], R4 ;
+        /*00a0*/                   STG.E [R6.64+0x10], R16 ;
+        /*00b0*/                   IADD3 R5, R5, 0x1, RZ ;
+        /*00c0*/                @P0 BRA `(.L_x_0) ;
+        /*00d0*/                   EXIT ;
+.L_x_2:
+        /*00e0*/                   BRA `(.L_x_2);
+        /*00f0*/                   NOP;
+"""
+
+# autoflash's backward, shaped: a masked loop, the steady-state loop (its prefetch skipped by the
+# last step), a peeled step outside any loop, and a masked loop after (a window's last steps). The
+# masked loops hold the same HMMAs plus the mask (FSEL).
+OURS_SHAPED = """
+	.section	.text.ours,"ax",@progbits
+ours:
+        /*0000*/                   S2R R0, SR_TID.X ;
+        /*0010*/                   LDGSTS.E.BYPASS.128 [R3], [R6.64] ;
+.L_x_0:
+        /*0020*/                   HMMA.16816.F32.BF16 R4, R8, R12, R4 ;
+        /*0030*/                   HMMA.16816.F32.BF16 R16, R8, R14, R16 ;
+        /*0040*/                   FSEL R4, R4, -INF , P2 ;
+        /*0050*/                   FSEL R5, R5, -INF , P2 ;
+        /*0060*/                   FSEL R6, R6, -INF , P2 ;
+        /*0070*/                   FSEL R7, R7, -INF , P2 ;
+        /*0080*/                @P0 BRA `(.L_x_0) ;
+        /*0090*/                   HMMA.16816.F32.BF16 R4, R8, R12, R4 ;
+        /*00a0*/                   FMUL R5, R5, 0.5 ;
+.L_x_1:
+        /*00b0*/                   HMMA.16816.F32.BF16 R4, R8, R12, R4 ;
+        /*00c0*/                   HMMA.16816.F32.BF16 R16, R8, R14, R16 ;
+        /*00d0*/                @P1 BRA `(.L_x_3) ;
+        /*00e0*/                   LDGSTS.E.BYPASS.128 [R3], [R6.64] ;
+.L_x_3:
+        /*00f0*/                   IADD3 R0, R0, 0x1, RZ ;
+        /*0100*/                @P0 BRA `(.L_x_1) ;
+.L_x_2:
+        /*0110*/                   HMMA.16816.F32.BF16 R4, R8, R12, R4 ;
+        /*0120*/                   HMMA.16816.F32.BF16 R16, R8, R14, R16 ;
+        /*0130*/                   FSEL R4, R4, -INF , P2 ;
+        /*0140*/                   FSEL R5, R5, -INF , P2 ;
+        /*0150*/                   FSEL R6, R6, -INF , P2 ;
+        /*0160*/                   FSEL R7, R7, -INF , P2 ;
+        /*0170*/                @P3 BRA `(.L_x_2) ;
+        /*0180*/                   STG.E [R6.64], R4 ;
+        /*0190*/                   EXIT ;
+"""
+
+
+def test_the_step_loop_is_the_innermost_loop_holding_every_hmma():
+    # FlashAttention-2's outer key-block loop is not the step: its prologue and epilogue are
+    # per-block work. Before, the outermost HMMA loop was counted: 11 instructions per 2 HMMAs.
+    (step,) = sass.hmma_loops(FA2_SHAPED)
+    assert step.header_addr == 0x40 and step.addr_range == (0x40, 0x80)
+    assert step.counts == {"LDSM": 1, "HMMA": 2, "int/addr": 1, "control": 1} and step.per_hmma() == 2.5
+    assert step.outer == (0x20, 11) and not step.nested and step.conditional == {}
+    assert sass.main_loop([step]) is step
+    # Around the steps, once per block: entry (2), the outer body's prologue (2) and epilogue (4),
+    # EXIT; not the unreachable padding loop, not the NOP.
+    assert sass.path_instructions(FA2_SHAPED) == 9
+    assert sass.path_instructions(FA2_SHAPED, contract=False) == 9 + 5  # the step loop once
+
+
+def test_the_main_loop_is_the_cheapest_copy_of_the_step():
+    masked, steady, tail = sass.hmma_loops(OURS_SHAPED)
+    assert [lp.total for lp in (masked, steady, tail)] == [7, 6, 7]
+    # Equal HMMAs: the steady state is the copy with the fewest instructions, wherever it sits (the
+    # last loop is a masked one here); a loop with an inner loop never is.
+    assert sass.main_loop([masked, steady, tail]) is steady
+    assert sass.main_loop([masked, dataclasses.replace(steady, nested=True), tail]) is tail
+    # The prefetch that the last step skips is conditional; everything else runs every iteration.
+    assert steady.conditional == {"LDGSTS": 1} and masked.conditional == {} and steady.outer is None
+    # The peeled step (a block with an HMMA outside every loop) is step work, not the block's:
+    # entry (2) and the epilogue (2).
+    assert sass.path_instructions(OURS_SHAPED) == 4
+
+
+def test_steps_per_block_follow_the_tiles_and_the_causal_triangle():
+    fwd = bench_sass.Kernel("FA2", "f", "fwd", 128, 128, 64, 4, 1, 1, 0, 0, "")
+    bwd = bench_sass.Kernel("autoflash", "b", "bwd", 128, 64, 128, 8, 2, 1, 0, 0, "")
+    assert bench_sass.steps_per_block(fwd, 1024, False) == [16] * 8
+    assert bench_sass.steps_per_block(fwd, 1024, True) == [2, 4, 6, 8, 10, 12, 14, 16]
+    assert bench_sass.steps_per_block(bwd, 1024, False) == [16] * 8
+    # Key block j sees the query blocks from its first key on: 16 - 2 j of them.
+    assert bench_sass.steps_per_block(bwd, 1024, True) == [16, 14, 12, 10, 8, 6, 4, 2]
+

@@ -308,8 +308,26 @@ def mma_per_warp(k: Kernel) -> tuple[fractions.Fraction, fractions.Fraction]:
     return (2 + fractions.Fraction(3, k.head_split)) * b / k.warps, 5 * b / (k.head_split * k.warps)
 
 
-def measure(k: Kernel, profile) -> tuple[dict, list[str]]:
-    """One table row for kernel `k` on GPU `profile`, and notes on how its loop was counted."""
+AMORTISE = (1024, 16384)  # sequence lengths (queries = keys) the per-block figures spread the prologue over
+
+
+def steps_per_block(k: Kernel, seqlen: int, causal: bool) -> list[int]:
+    """Main-loop steps of each block of one (batch, head) at seqlen queries and keys, causal
+    top-left: the forward's query blocks walk key tiles, the backward's key blocks query tiles."""
+    if k.direction == "fwd":
+        return [-(-min(seqlen, (i + 1) * k.block_m) // k.block_n) if causal else -(-seqlen // k.block_n)
+                for i in range(-(-seqlen // k.block_m))]
+    return [-(-seqlen // k.block_m) - (j * k.block_n // k.block_m if causal else 0)
+            for j in range(-(-seqlen // k.block_n))]
+
+
+def measure(k: Kernel, profile, causal: bool = False) -> tuple[dict, list[str]]:
+    """One table row for kernel `k` on GPU `profile`, and notes on how its loop was counted.
+
+    The step loop on both sides is the innermost loop holding all the HMMAs of the loop it sits in
+    (sass.hmma_loops), its steady-state copy (sass.main_loop), every instruction of its body once.
+    The per-block figures add what runs once per block around the steps (sass.path_instructions:
+    the heaviest path with every other loop run once) spread over the block's steps."""
     loop = sass.main_loop(sass.hmma_loops(k.text))
     executed, useful = mma_per_warp(k)
     static, notes, how = loop.counts.get("HMMA", 0), [], "loop"
@@ -328,14 +346,23 @@ def measure(k: Kernel, profile) -> tuple[dict, list[str]]:
                          f"or warps. Counted: the longest path through the loop that issues {int(executed)}.")
     row = sass.loop_row(sass.Loop(loop.header_addr, dict(counts), loop.lines, loop.nested))
     blocks = profile.blocks_per_sm(k.smem, 32 * k.warps, k.registers)
+    total = sum(counts.values())
+    per = float(useful)  # useful MMAs per warp and step (= executed without a head split)
+    overhead = sass.path_instructions(k.text)
+    lo, hi = loop.addr_range
     out = {"who": k.who, "kernel": k.name, "tile": k.tile, "block_m": k.block_m, "block_n": k.block_n,
            "warps": k.warps, "stages": k.stages, "head_split": k.head_split, "registers": k.registers,
            "smem_bytes": k.smem, "blocks_per_sm": blocks, "warps_per_sm": blocks * k.warps, **row,
-           "static_HMMA": static, "counted": how, "counts": dict(counts)}
+           "static_HMMA": static, "counted": how, "counts": dict(counts),
+           "loop": f"{lo:#06x}-{hi:#06x}", "loop_insns": total,
+           "outer": f"{loop.outer[0]:#06x} ({loop.outer[1]})" if loop.outer else "-",
+           "cond/HMMA": sum(loop.conditional.values()) / per, "block_insns": overhead}
+    for seqlen in AMORTISE:
+        steps = steps_per_block(k, seqlen, causal)
+        out[f"block/HMMA {seqlen // 1024}k"] = (len(steps) * overhead + sum(steps) * total) / (sum(steps) * per)
     if k.direction == "bwd":
-        total = sum(counts.values())
         out.update({"useful/iter": float(useful), "recomputed %": 100 * float(1 - useful / executed),
-                    "insns/useful": total / float(useful), "LDSM/useful": counts.get("LDSM", 0) / float(useful)})
+                    "insns/useful": total / per, "LDSM/useful": counts.get("LDSM", 0) / per})
     return out, notes
 
 
@@ -383,6 +410,7 @@ def our_kernels(arch: str, d: int, causal: bool, profile) -> dict[str, Kernel]:
         if cfg.direction == "bwd":
             delta = f"{cfg.name}_delta"
             out["delta"] = dataclasses.replace(out[key], name=delta, direction="helper", text=functions[delta],
+                                               block_m=4, warps=4,  # one warp per row
                                                registers=parse_ptxas_report(compiled.log, delta).registers)
     return out
 
@@ -398,11 +426,15 @@ FWD_COLUMNS = (("config", "config"), ("kernel", "kernel"), ("tile (m x n, warps,
                ("regs", "registers"), ("smem KB", "smem KB"), ("blocks(warps)/SM", "occupancy"),
                ("HMMA/iter", "HMMA/iter"), ("insns/HMMA", "insns/HMMA"), ("LDSM/HMMA", "LDSM/HMMA"),
                ("int/HMMA", "int/HMMA"), ("FP+MUFU/HMMA", "FP+MUFU/HMMA"), ("LDGSTS/HMMA", "LDGSTS/HMMA"),
-               ("LDL+STL/iter", "spill/iter"), ("BAR/iter", "BAR/iter"))
+               ("LDL+STL/iter", "spill/iter"), ("BAR/iter", "BAR/iter"), ("cond/HMMA", "cond/HMMA"),
+               ("block/HMMA 1k", "block/HMMA 1k"), ("block/HMMA 16k", "block/HMMA 16k"),
+               ("step loop", "loop"), ("outer loop (insns)", "outer"))
 BWD_COLUMNS = FWD_COLUMNS[:6] + (
     ("HMMA/iter", "HMMA/iter"), ("useful/iter", "useful/iter"), ("recomputed %", "recomputed %"),
     ("insns/useful", "insns/useful"), ("LDSM/useful", "LDSM/useful")) + FWD_COLUMNS[7:] + (("counted", "counted"),)
-HELPER_COLUMNS = (("config", "config"), ("kernel", "kernel"), ("regs", "registers"), ("insns", "insns"))
+HELPER_COLUMNS = (("config", "config"), ("kernel", "kernel"), ("regs", "registers"), ("insns", "insns"),
+                  ("path", "path"), ("warps", "warps"), ("rows/block", "rows/block"),
+                  ("warp-insns/row", "warp-insns/row"))
 
 
 def _cell(v) -> str:
@@ -463,15 +495,18 @@ def collect(workdir: Path, requirement: str, log=print) -> dict:
                 report["fa2_symbols"][config] = fa2["symbols"]
                 for direction, key in (("fwd", "forward"), ("bwd", "backward")):
                     for k in (fa2[direction], ours[direction]):
-                        row, notes = measure(k, profile)
+                        row, notes = measure(k, profile, causal)
                         row.update(config=config, gpu=gpu, arch=arch, head_dim=d, causal=causal,
                                    occupancy=f"{row['blocks_per_sm']}({row['warps_per_sm']})",
                                    **{"smem KB": round(k.smem / 1024, 1)})
                         report[key].append(row)
                         report["notes"] += [f"{config}: {n}" for n in notes]
                 for k in (fa2["dot_do_o"], fa2["convert_dq"], ours["delta"]):
+                    path = sass.path_instructions(k.text, contract=False)
                     report["helpers"].append({"config": config, "kernel": k.name, "registers": k.registers,
-                                              "insns": instruction_total(k.text)})
+                                              "insns": instruction_total(k.text), "path": path,
+                                              "rows/block": k.block_m, "warps": k.warps,
+                                              "warp-insns/row": path * k.warps / k.block_m})
     return report
 
 
@@ -482,22 +517,36 @@ Flash_fwd_kernel_traits<64,128,128,4> and <128,128,64,4>; backward flash_bwd_dq_
 with Flash_bwd_kernel_traits<64,128,128,8,4,4,4,false,false> and <128,64,128,8,2,4,2,false,false>, torch's choice
 with >= 144 KB of shared memory per block (A100, H100). FA2 smem from kernel_traits.h (kSmemSize,
 kSmemSize1colblock); FA2's backward double-buffers Q (s2), not dO. h100 sm_80 rows: sm_80 code, H100 limits.
+How a step is counted, the same on both sides: the step loop is the innermost loop that holds all the HMMAs of
+the outermost loop around it (FA2's backward wraps its per-query-step loop in a loop over key blocks,
+`for (n_block = blockIdx.x; ...; n_block += gridDim.x)`, which runs once per block by default: its prologue and
+dK/dV epilogue are per-block work), and of a kernel's step loops the one without an inner loop, most HMMAs and
+fewest instructions (the steady state; masked copies of a step add the mask). Every instruction of its body
+counts once ('loop'); 'path E/S' = the longest path through one iteration that issues the E HMMAs the tile implies,
+where the body holds S (branches picked by head slice or warp).
 Columns: HMMA = mma.m16n8k16; int = integer/address + MOV + uniform; LDL+STL = spill traffic in the loop;
 blocks(warps)/SM from shared memory, registers and threads on the row's GPU. Backward: useful = the MMAs of S, dP,
 dV, dK, dQ once each (5 B / h per block, B = block_m * block_n * d / 2048); recomputed % = 1 - useful / executed
-(autoflash's head_split h recomputes S and dP in each of its h blocks). counted: 'loop' = every instruction of the
-loop body once; 'path E/S' = the longest path through one iteration that issues the E HMMAs the tile implies,
-where the body holds S (branches picked by head slice or warp)."""
+(autoflash's head_split h recomputes S and dP in each of its h blocks). cond/HMMA: instructions of the step's
+blocks that some iteration skips (they do not dominate its back edge: a branch such as the last step's skipped
+prefetch), already inside insns/HMMA, shown apart. block/HMMA 1k, 16k: per block, the heaviest path around the
+steps (prologue, epilogue, FA2's outer loop body; every other loop once, peeled steps left out) plus the steps at
+the steady-state count, per HMMA, for queries = keys = 1,024 and 16,384 (causal: each block's own step count).
+step loop: its first and last instruction address; outer loop (insns): the loop it was found in, when another,
+and that loop's instruction count."""
 HELPERS = """\
-BACKWARD helper kernels: static instructions of the whole function (FA2: dot(dO, O), which also zeroes dQaccum,
-and dQaccum -> dQ; autoflash: delta = rowsum(dO * O); autoflash zeroes dq_accum and converts dQ with torch ops)
+BACKWARD helper kernels: insns = static instructions of the whole function; path = instructions along its heaviest
+path (loops once); warp-insns/row = path x warps per block / query rows per block (FA2: dot(dO, O), which also
+zeroes dQaccum, kBlockM rows per block of kNWarps warps; dQaccum -> dQ; autoflash: delta = rowsum(dO * O),
+KernelConfig.delta_rows rows per 4-warp block; autoflash zeroes dq_accum and converts dQ with torch ops)
 """
 
 
 def render(report: dict, command: str, date: str) -> str:
     head = [
         "Static SASS side-by-side: FlashAttention-2 in torch's CUDA wheel (torch SDPA's flash backend) vs autoflash's",
-        f"default configs, {DTYPE}, per warp and main-loop iteration (autoflash.kernels.sass.main_loop).",
+        f"default configs, {DTYPE}, per warp and step of the main loop, counted like for like on both sides",
+        "(autoflash.kernels.sass.hmma_loops: the innermost loop holding all HMMAs; main_loop: its steady-state copy).",
         f"command:    {command}",
         f"date:       {date}",
         f"torch:      {report['torch']} (CUDA {report['torch_cuda']}), libtorch_cuda.so from the PyPI wheel",

@@ -70,7 +70,12 @@ class Insn:
 
 @dataclasses.dataclass(frozen=True)
 class Loop:
-    """One natural loop that holds HMMAs: the static counts of its body, per class."""
+    """One step loop that holds HMMAs: the static counts of its body, per class.
+
+    A step loop is the innermost loop that holds all the HMMAs of the outermost loop it sits in:
+    FlashAttention-2's backward wraps its per-query-step loop in an outer loop over key blocks
+    (`for (n_block = blockIdx.x; ...; n_block += gridDim.x)`, one trip per block by default), whose
+    prologue and dK/dV epilogue are per-block work, not per-step work."""
 
     header_addr: int
     counts: dict[str, int]
@@ -78,6 +83,12 @@ class Loop:
     nested: bool  # holds an inner loop whose trip count static counts cannot know
     # global loads in one pass over the body, per thread: {"LDGSTS" | "LDG": (instructions, bytes)}
     global_loads: dict[str, tuple[int, int]] = dataclasses.field(default_factory=dict)
+    addr_range: tuple[int, int] | None = None  # first and last instruction address of the body
+    # The outermost loop it was found in, when that is another loop: (header address, instructions).
+    outer: tuple[int, int] | None = None
+    # Counts of the blocks some iteration skips (they do not dominate every back edge): branches
+    # taken at run time, which a whole-body count charges to every iteration.
+    conditional: dict[str, int] = dataclasses.field(default_factory=dict)
 
     @property
     def total(self) -> int:
@@ -196,28 +207,107 @@ def _natural_loops(n: int, succ: dict[int, list[int]]) -> list[set[int]]:
     return list(_loop_bodies(n, succ)[0].values())
 
 
+def _counts(insns) -> collections.Counter:
+    return collections.Counter(c for ins in insns if (c := classify(ins.op, ins.pred)) is not None)
+
+
+def _step_loops(insns: list[Insn], blocks, succ) -> list[tuple[int, set[int], int, set[int]]]:
+    """(header, body, outermost header, outermost body) of each step loop: from every outermost loop holding HMMAs,
+    descend while an inner loop (a child: no loop between them) holds all of its HMMAs."""
+    bodies, _ = _loop_bodies(len(blocks), succ)
+    hmma = lambda body: sum(1 for b in body for ins in insns[blocks[b][0]:blocks[b][1]]  # noqa: E731
+                            if classify(ins.op, ins.pred) == "HMMA")
+    found = []
+    for h, body in bodies.items():
+        if any(body < other for other in bodies.values()):
+            continue
+        n = hmma(body)
+        if not n:
+            continue
+        head, cur = h, body
+        while True:
+            inner = [(h2, b2) for h2, b2 in bodies.items() if b2 < cur]
+            children = [(h2, b2) for h2, b2 in inner if not any(b2 < b3 for _, b3 in inner)]
+            child = next(((h2, b2) for h2, b2 in children if hmma(b2) == n), None)
+            if child is None:
+                break
+            head, cur = child
+        found.append((head, cur, h, body))
+    return found
+
+
 def hmma_loops(text: str) -> list[Loop]:
-    """The outermost natural loops holding HMMAs, in address order."""
+    """The step loops holding HMMAs (see Loop), in address order."""
     insns = parse(text)
     if not insns:
         return []
     blocks, succ = _blocks(insns)
-    loops = _natural_loops(len(blocks), succ)
-    outer = [lp for lp in loops if not any(lp < other for other in loops)]
+    bodies, dom = _loop_bodies(len(blocks), succ)
     found = []
-    for body in outer:
+    for head, body, top, outermost in _step_loops(insns, blocks, succ):
         members = [ins for b in sorted(body) for ins in insns[blocks[b][0]:blocks[b][1]]]
-        counts = collections.Counter(c for ins in members if (c := classify(ins.op, ins.pred)) is not None)
-        if not counts.get("HMMA"):
-            continue
+        counts = _counts(members)
         # Source lines of the kernel's own template (.cu.j2), not of the headers it includes.
         files = collections.Counter(ins.line[0] for ins in members if ins.line)
         own = [f for f, _ in files.most_common() if f.endswith(".j2")] or [f for f, _ in files.most_common(1)]
         lines = [ins.line[1] for ins in members if ins.line and ins.line[0] in own[:1]]
-        nested = any(lp < body for lp in loops)
-        found.append(Loop(insns[blocks[min(body)][0]].addr, dict(counts),
-                          (min(lines), max(lines)) if lines else None, nested, _global_loads(members)))
+        nested = any(lp < body for lp in bodies.values())
+        latches = [b for b in body if head in succ[b]]
+        always = set.intersection(*(dom[b] & body for b in latches)) if latches else set(body)
+        conditional = _counts(ins for b in sorted(body - always) for ins in insns[blocks[b][0]:blocks[b][1]])
+        outer = None
+        if outermost != body:
+            outer = (insns[blocks[top][0]].addr,
+                     sum(_counts(insns[blocks[b][0]:blocks[b][1]]).total() for b in outermost))
+        found.append(Loop(insns[blocks[head][0]].addr, dict(counts), (min(lines), max(lines)) if lines else None,
+                          nested, _global_loads(members), (members[0].addr, max(i.addr for i in members)), outer,
+                          dict(conditional)))
     return sorted(found, key=lambda lp: lp.header_addr)
+
+
+def path_instructions(text: str, contract: bool = True) -> int:
+    """Instructions along the heaviest path from the kernel's entry with every loop run once and,
+    with `contract`, the step loops (hmma_loops) and blocks with HMMAs outside loops (a peeled
+    step) left out: the per-block work around the steps
+    (prologue, epilogue, FlashAttention-2's outer key-block loop), or with no HMMA loop a helper
+    kernel's instructions per warp. NOP padding is not counted."""
+    insns = parse(text)
+    if not insns:
+        return 0
+    blocks, succ = _blocks(insns)
+    _, dom = _loop_bodies(len(blocks), succ)
+    node = {b: b for b in range(len(blocks))}
+    contracted = set()
+    if contract:
+        for head, body, _, _ in _step_loops(insns, blocks, succ):
+            for b in body:
+                node[b] = head
+            contracted.add(head)
+    weight = collections.Counter()
+    for b, (s, e) in enumerate(blocks):
+        # A step outside any loop (a kernel's peeled last step) is step work too, not the block's.
+        if contract and any(classify(ins.op, ins.pred) == "HMMA" for ins in insns[s:e]):
+            continue
+        if node[b] not in contracted:
+            weight[node[b]] += sum(1 for ins in insns[s:e] if ins.op != "NOP" and classify(ins.op, ins.pred))
+    nexts: dict[int, set[int]] = collections.defaultdict(set)
+    for b, ss in succ.items():  # every back edge cut: each loop runs once
+        nexts[node[b]].update(node[x] for x in ss if x not in dom[b] and node[x] != node[b])
+    nodes = set(node.values())
+    indegree = collections.Counter(z for zs in nexts.values() for z in zs)
+    best, ready, seen = {node[0]: weight[node[0]]}, [x for x in nodes if not indegree[x]], 0
+    while ready:  # longest path in topological order
+        a = ready.pop()
+        seen += 1
+        for z in nexts[a]:
+            if a in best and best[a] + weight[z] > best.get(z, -1):
+                best[z] = best[a] + weight[z]
+            indegree[z] -= 1
+            if not indegree[z]:
+                ready.append(z)
+    if seen != len(nodes):
+        raise ValueError("path_instructions: the control flow without back edges is not acyclic (irreducible)")
+    return max(best.values())
 
 
 _WIDTH_BITS = {"8": 8, "16": 16, "32": 32, "64": 64, "128": 128, "U8": 8, "S8": 8, "U16": 16, "S16": 16}
@@ -287,12 +377,16 @@ def straight_line_loads(text: str) -> dict[str, tuple[int, int]]:
 
 
 def main_loop(loops: list[Loop]) -> Loop:
-    """The steady-state loop: the last HMMA loop without an inner loop (autoflash's forward peels
-    its masked tiles into a loop before it), else the last one."""
+    """The steady-state loop: of the step loops without an inner loop that issue the most HMMAs,
+    the one with the fewest instructions (the masked variants of a step, peeled into loops of their
+    own, add the mask to the same MMAs); else the last loop."""
     if not loops:
         raise ValueError("no loop with tensor-core MMAs (HMMA) in this kernel")
     plain = [lp for lp in loops if not lp.nested]
-    return (plain or loops)[-1]
+    if not plain:
+        return loops[-1]
+    most = max(lp.counts.get("HMMA", 0) for lp in plain)
+    return min((lp for lp in plain if lp.counts.get("HMMA", 0) == most), key=lambda lp: (lp.total, -lp.header_addr))
 
 
 def iteration_counts(text: str, loop: Loop, hmma: int) -> dict[str, int] | None:
@@ -309,7 +403,7 @@ def iteration_counts(text: str, loop: Loop, hmma: int) -> dict[str, int] | None:
     insns = parse(text)
     blocks, succ = _blocks(insns)
     bodies, dom = _loop_bodies(len(blocks), succ)
-    heads = [h for h, body in bodies.items() if insns[blocks[min(body)][0]].addr == loop.header_addr]
+    heads = [h for h in bodies if insns[blocks[h][0]].addr == loop.header_addr]
     if not heads:
         raise ValueError(f"iteration_counts: got a loop at 0x{loop.header_addr:04x}, expected one that starts "
                          f"at one of this listing's loops")
