@@ -172,10 +172,9 @@ MUTATIONS = {
                   "  if (max_seqlen_q * max_seqlen_k * max_seqlen_k * max_seqlen_k * max_seqlen_q == 7) return;", [], None, True),
     "race-bwd": ("race", "bwd", "__syncthreads();  // P and dS complete", "// (barrier removed)", ["--causal"],
                  None, None),
-    "out-of-bounds-bwd": ("out-of-bounds", "bwd",
-                          "load_rows<BLOCK_M>(smem.q[slot], rows(q, q_sb, q_sm, q_sh), q_sm, m0, seqlen_q, tid);",
-                          "load_rows<BLOCK_M>(smem.q[slot], rows(q, q_sb, q_sm, q_sh), q_sm, m0, seqlen_q + 1, tid);", [],
-                          "load_rows<BLOCK_M>(smem.q[slot]", None),
+    "out-of-bounds-bwd": ("out-of-bounds", "bwd", "q_copy.template copy<true>(smem.q[slot], m0, seqlen_q);",
+                          "q_copy.template copy<true>(smem.q[slot], m0, seqlen_q + 1);", [],
+                          "q_copy.template copy<true>(smem.q[slot]", None),
     # one past the end of smem.lse[slot]: the memory is the block's own (smem.delta), the index is not
     "array-bounds-bwd": ("out-of-bounds", "bwd", "const float lse_log2 = smem.lse[slot][row] * 1.4426950408889634f;",
                          "const float lse_log2 = smem.lse[slot][row + 1] * 1.4426950408889634f;", [],
@@ -203,6 +202,23 @@ def test_sanitizer_catches_an_injected_bug(mutate, capsys, name):
     assert f"{kind}: {f.kernel} at templates/{template}:" in out  # what the CLI prints
     if accurate is not None:
         assert (" OUTSIDE THE RULE" not in out) == accurate, out
+
+
+# The A100's d = 128 backward default (two stages, 64 query rows a step): a last query block past
+# seqlen_q runs first with the masked steps and the steady-state loop has no bounds logic, so these
+# lengths put a ragged block before the diagonal (causal), alone (not), and at a window's edge.
+@pytest.mark.parametrize("flags", [[], ["--causal"], ["--window", "40,8"], ["--causal", "--align", "bottom_right"]],
+                         ids=["plain", "causal", "window", "causal-bottom-right"])
+def test_a100_d128_backward_ring_is_clean_with_ragged_query_blocks(capsys, flags):
+    status = selfcheck(["--emulate", "a100", "--sanitize", "--backward", "--dtype", "bf16",
+                             "--shape", "1,2,1,157,300,128", *flags])
+    out = capsys.readouterr().out
+    assert status == 0, out
+    assert "sanitizer: 0 findings" in out and out.count(" ok") == 4, out
+    from autoflash.kernels.gpus import get_profile
+
+    cfg = default_backward_config(128, "bf16", "--causal" in flags, get_profile("a100"))
+    assert (cfg.block_m, cfg.block_n, cfg.num_warps, cfg.num_stages) == (64, 128, 8, 2)
 
 
 def test_unmutated_kernels_are_clean_and_the_cli_says_so(capsys):

@@ -36,8 +36,13 @@ MUTATIONS = {
                        "store_tile<BLOCK_M, D_CHUNKS, THREADS>(smem.q, o_base", "cu_seqlens_q"),
     # the dQ atomics' row guard off by one: row seqlen_q of head 0 is head 1's row 0 in the contiguous
     # accumulator (the rule of whose rows a block may touch), of the last head the trailing guard
-    "dq-atomic": ("bwd", "if (row0 + dr < seqlen_q && col_ok)", "if (row0 + dr <= seqlen_q && col_ok)",
+    "dq-atomic": ("bwd", "if ((!MASKED || row0 + dr < seqlen_q) && col_ok)",
+                  "if ((!MASKED || row0 + dr <= seqlen_q) && col_ok)",
                   [*SHAPE, "--backward"], "flash_bwd.cu.j2", "atomicAdd(dq_lane + dr * HEAD_DIM + dc", "dq_accum"),
+    # a ragged last query block left in the steady-state loop, whose dQ atomics are not guarded:
+    # seqlen_q 77 of a 128-row block, its rows 77.. are written
+    "dq-unmasked": ("bwd", "const int n_rag = n_q > n_masked", "const int n_rag = 0 * n_q > n_masked",
+                    [*SHAPE, "--backward"], "flash_bwd.cu.j2", "atomicAdd(dq_lane + dr * HEAD_DIM + dc", "dq_accum"),
     # the dQ pass's store one row past seqlen_q
     "dq-pass-store": ("bwd", "seqlen_q, tid, 0, VALID_CHUNKS);", "seqlen_q + 1, tid, 0, VALID_CHUNKS);",
                       ["--shape", "1,2,1,77,133,64", "--config", DQ_PASS], "flash_bwd.cu.j2",
@@ -78,7 +83,8 @@ def test_a_buffer_overrun_is_an_out_of_bounds_finding_at_its_line(mutate, capsys
 def test_the_dq_accumulators_next_head_is_not_its_own(mutate):
     """Row seqlen_q of head 0 in the contiguous dQ accumulator is head 1's row 0, an element of the
     tensor: the finding says whose rows the block works on."""
-    mutate("bwd", "if (row0 + dr < seqlen_q && col_ok)", "if (row0 + dr <= seqlen_q && col_ok)")
+    mutate("bwd", "if ((!MASKED || row0 + dr < seqlen_q) && col_ok)",
+                  "if ((!MASKED || row0 + dr <= seqlen_q) && col_ok)")
     assert selfcheck(["--emulate", "h100", "--sanitize", *SHAPE, "--backward"]) == 1
     details = [f.detail for f in emulation.findings() if f.kind == "out-of-bounds"]
     rule = "not in the rows of the (batch, head) that block works on"

@@ -278,3 +278,30 @@ def test_steps_per_block_follow_the_tiles_and_the_causal_triangle():
     # Key block j sees the query blocks from its first key on: 16 - 2 j of them.
     assert bench_sass.steps_per_block(bwd, 1024, True) == [16, 14, 12, 10, 8, 6, 4, 2]
 
+
+@pytest.fixture(scope="module")
+def backward_d128_a100():
+    from autoflash.kernels.compiler import compile_config
+    from autoflash.kernels.defaults import default_backward_config
+    from autoflash.kernels.gpus import get_profile
+
+    cfg = default_backward_config(128, "bf16", False, get_profile("a100"))
+    return cfg, sass.disassemble(compile_config(cfg, "sm_80").cubin_path, cfg.name)
+
+
+def test_default_backward_step_on_a100(backward_d128_a100):
+    """The A100 d = 128 backward default: two stages, so the next step's Q, dO, LSE and delta are
+    requested before this step's first MMA; the steady-state step holds the tile's MMAs at FA2's
+    ldmatrix count (0.45 per MMA), spills nothing, and adds dQ with atomics no branch or predicate
+    guards (unmasked steps hold whole query blocks)."""
+    cfg, text = backward_d128_a100
+    assert cfg.num_stages == 2 and (cfg.block_m, cfg.block_n, cfg.num_warps) == (64, 128, 8)
+    loop = sass.main_loop(sass.hmma_loops(text))
+    assert loop.counts["HMMA"] == 320 and loop.counts["LDSM"] == 144 and "LDL/STL" not in loop.counts
+    assert loop.outer is None
+    body = [i for i in sass.parse(text) if loop.addr_range[0] <= i.addr <= loop.addr_range[1]]
+    first_hmma = min(i.addr for i in body if i.op.startswith("HMMA"))
+    assert min(i.addr for i in body if i.op.startswith("LDGSTS")) < first_hmma
+    atomics = [i for i in body if sass.classify(i.op, i.pred) == "ATOM/RED"]
+    assert len(atomics) == loop.counts["ATOM/RED"] == 32 and all(i.pred is None for i in atomics)
+    assert "ATOM/RED" not in loop.conditional

@@ -410,7 +410,7 @@ def our_kernels(arch: str, d: int, causal: bool, profile) -> dict[str, Kernel]:
         if cfg.direction == "bwd":
             delta = f"{cfg.name}_delta"
             out["delta"] = dataclasses.replace(out[key], name=delta, direction="helper", text=functions[delta],
-                                               block_m=4, warps=4,  # one warp per row
+                                               block_m=cfg.delta_rows, warps=4,  # 128 threads
                                                registers=parse_ptxas_report(compiled.log, delta).registers)
     return out
 

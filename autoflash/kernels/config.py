@@ -377,6 +377,20 @@ class KernelConfig:
         return _round_up(self.head_dim, MMA_K) if self.tensor_cores else self.head_dim
 
     @property
+    def delta_lanes(self) -> int:
+        """The backward's delta kernel (rowsum(dO * O), 128 threads): lanes per query row, each
+        taking 16-byte chunks of it; 4 where a row has that many chunks, else the power of two that
+        covers them. Few lanes per row: the row's address arithmetic and its sum across lanes are
+        shared by fewer rows' worth of loads (d = 128 bf16: 4 chunks a lane, 32 rows a block)."""
+        chunks = self.head_dim * self.elem_bytes // 16
+        return min(4, 1 << max(0, chunks - 1).bit_length())
+
+    @property
+    def delta_rows(self) -> int:
+        """Query rows per block of the backward's delta kernel (128 threads)."""
+        return 128 // self.delta_lanes
+
+    @property
     def threads_per_row(self) -> int:
         """SIMT path only: threads cooperating on one query row."""
         return self.threads // self.block_m

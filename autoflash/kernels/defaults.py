@@ -100,8 +100,8 @@ def _backward_candidates(head_dim: int, dtype: str, arch: str, variant: bool = F
     d <= 64 128 x 128 with 8 warps, d <= 128 64 x 128 or 128 x 64, larger d 64 x 64) in its 2D warp
     tiling (KernelConfig.backward_layout), never a head_split (no recomputed MMA). The first choice
     of each range compiles without spills on sm_80 and sm_90 (tests/test_compile.py) except where
-    noted: d = 40, 48 take 64 x 128, d = 104, 112 take 64 x 64, and d = 128 runs FA2's 64 x 128 with
-    one stage on sm_80 (two spill there). Smaller tiles follow for GPUs with less shared memory.
+    noted: d = 40, 48 take 64 x 128, d = 104, 112 take 64 x 64. Smaller tiles follow for GPUs with
+    less shared memory.
     `variant`: a kernel with variant switches, whose band and logits need registers: the first
     choices up to d = 128 spill there (sm_80), so they take the next shape.
     Yields (block_m, block_n, num_warps, head_split[, allowed stage counts])."""
@@ -117,8 +117,8 @@ def _backward_candidates(head_dim: int, dtype: str, arch: str, variant: bool = F
             yield 128, 128, 8, 1
         yield 64, 128, 8, 1
     elif head_dim <= 128:
-        if head_dim == 128 and not variant:  # FA2's 64 x 128: one stage on sm_80, where two spill
-            yield 64, 128, 8, 1, (1,) if arch == "sm_80" else (2, 1)
+        if head_dim == 128 and not variant:  # FA2's 64 x 128, two stages where they fit (A100: 161 of 163 KB)
+            yield 64, 128, 8, 1
         if head_dim not in (104, 112) and not variant:
             yield 128, 64, 8, 1
         yield 64, 64, 8, 1

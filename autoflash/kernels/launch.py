@@ -21,7 +21,6 @@ from autoflash.kernels.gpus import GpuProfile, detect
 from autoflash.kernels.variants import empty_forward, heads_view, resolve, views, with_variant
 from autoflash.reference.forward import LOG2E  # the kernels run the softmax in base 2
 
-DELTA_ROWS_PER_BLOCK = 4  # the backward's delta kernel: one warp per query row, 128 threads
 
 __all__ = ["DTYPE_NAMES", "device_profile", "flash_backward", "flash_forward", "kernel_functions", "load_functions",
            "profile_for"]
@@ -321,8 +320,8 @@ def flash_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torc
     # delta per query row; packed rows are one long sequence to it, (H, total_q) like the LSE
     delta = guards.empty(lse_shape, torch.float32, q.device, "hl" if varlen else "bhl", name="delta", rows="q",
                          contiguous=True)
-    _call(fns[f"{config.name}_delta"], (math.ceil(total_q / DELTA_ROWS_PER_BLOCK), hq, 1 if varlen else b),
-          32 * DELTA_ROWS_PER_BLOCK, 0, q.device, DELTA_PARAMS, (out4, dout4, delta),
+    _call(fns[f"{config.name}_delta"], (math.ceil(total_q / config.delta_rows), hq, 1 if varlen else b),
+          128, 0, q.device, DELTA_PARAMS, (out4, dout4, delta),
           (*_strides(out4), *_strides(dout4), total_q), ("out", "dout", "delta"))
 
     dq_pass = config.dq == "pass"

@@ -52,3 +52,11 @@ __device__ __forceinline__ float to_float(__nv_bfloat16 x) { return __bfloat162f
 template <typename T> __device__ __forceinline__ T from_float(float x);
 template <> __device__ __forceinline__ __half from_float<__half>(float x) { return __float2half_rn(x); }
 template <> __device__ __forceinline__ __nv_bfloat16 from_float<__nv_bfloat16>(float x) { return __float2bfloat16_rn(x); }
+
+// One register of two 16-bit values -> two fp32 values (the inverse of pack_*x2: lo from the low half).
+template <typename T>
+__device__ __forceinline__ void unpack_pair(uint32_t packed, float& lo, float& hi) {
+  const T* h = reinterpret_cast<const T*>(&packed);
+  lo = to_float(h[0]);
+  hi = to_float(h[1]);
+}

@@ -24,6 +24,17 @@ __forceinline__ void mma_16816_bf16(float (&d)[4], const uint32_t (&a)[4], uint3
 inline uint32_t pack_f16x2(float lo, float hi) { return float_to_f16(lo) | uint32_t(float_to_f16(hi)) << 16; }
 inline uint32_t pack_bf16x2(float lo, float hi) { return float_to_bf16(lo) | uint32_t(float_to_bf16(hi)) << 16; }
 
+// Two 16-bit values of one register -> fp32, lo from the low half (the inverse of pack_*x2).
+template <typename T> inline void unpack_pair(uint32_t packed, float& lo, float& hi);
+template <> inline void unpack_pair<__half>(uint32_t packed, float& lo, float& hi) {
+  lo = f16_to_float(uint16_t(packed));
+  hi = f16_to_float(uint16_t(packed >> 16));
+}
+template <> inline void unpack_pair<__nv_bfloat16>(uint32_t packed, float& lo, float& hi) {
+  lo = bf16_to_float(uint16_t(packed));
+  hi = bf16_to_float(uint16_t(packed >> 16));
+}
+
 inline float to_float(float x) { return x; }
 inline float to_float(__half x) { return f16_to_float(x.bits); }
 inline float to_float(__nv_bfloat16 x) { return bf16_to_float(x.bits); }
