@@ -305,3 +305,12 @@ def test_default_backward_step_on_a100(backward_d128_a100):
     atomics = [i for i in body if sass.classify(i.op, i.pred) == "ATOM/RED"]
     assert len(atomics) == loop.counts["ATOM/RED"] == 32 and all(i.pred is None for i in atomics)
     assert "ATOM/RED" not in loop.conditional
+
+
+def test_a_loop_that_stores_nothing_around_its_inner_loop_stays_the_step():
+    # autoflash's masked forward tiles: each trip loads a tile and walks its key slices in an inner
+    # loop that holds every HMMA, but writes no output; the tile loop is the step, nested.
+    tiles = FA2_SHAPED.replace("STG.E [R6.64], R4 ;", "FMUL R4, R4, 0.5 ;").replace(
+        "STG.E [R6.64+0x10], R16 ;", "FMUL R16, R16, 0.5 ;")
+    (step,) = sass.hmma_loops(tiles)
+    assert step.header_addr == 0x20 and step.nested and step.outer is None and step.total == 11

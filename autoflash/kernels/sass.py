@@ -212,11 +212,16 @@ def _counts(insns) -> collections.Counter:
 
 
 def _step_loops(insns: list[Insn], blocks, succ) -> list[tuple[int, set[int], int, set[int]]]:
-    """(header, body, outermost header, outermost body) of each step loop: from every outermost loop holding HMMAs,
-    descend while an inner loop (a child: no loop between them) holds all of its HMMAs."""
+    """(header, body, outermost header, outermost body) of each step loop: from every outermost loop
+    holding HMMAs, descend while an inner loop (a child: no loop between them) holds all of its HMMAs
+    and the loop stores to global memory outside it. Such a loop finishes a unit of output per trip:
+    it walks blocks, its child the steps (FlashAttention-2's key-block loop writes dK and dV). A loop
+    that only wraps its MMAs in an inner loop (autoflash's masked tiles walk key slices) stays the step."""
     bodies, _ = _loop_bodies(len(blocks), succ)
     hmma = lambda body: sum(1 for b in body for ins in insns[blocks[b][0]:blocks[b][1]]  # noqa: E731
                             if classify(ins.op, ins.pred) == "HMMA")
+    stores = lambda body: any(classify(ins.op, ins.pred) == "STG" for b in body  # noqa: E731
+                              for ins in insns[blocks[b][0]:blocks[b][1]])
     found = []
     for h, body in bodies.items():
         if any(body < other for other in bodies.values()):
@@ -228,7 +233,7 @@ def _step_loops(insns: list[Insn], blocks, succ) -> list[tuple[int, set[int], in
         while True:
             inner = [(h2, b2) for h2, b2 in bodies.items() if b2 < cur]
             children = [(h2, b2) for h2, b2 in inner if not any(b2 < b3 for _, b3 in inner)]
-            child = next(((h2, b2) for h2, b2 in children if hmma(b2) == n), None)
+            child = next(((h2, b2) for h2, b2 in children if hmma(b2) == n and stores(cur - b2)), None)
             if child is None:
                 break
             head, cur = child
@@ -496,11 +501,14 @@ def report(text: str) -> str:
     for lp in loops:
         role = "main loop" if lp is main else ("masked tiles (per key slice)" if lp.nested else "other loop")
         where = f", template lines {lp.lines[0]}-{lp.lines[1]}" if lp.lines else ""
+        inside = f", inside the loop @0x{lp.outer[0]:04x} ({lp.outer[1]} instructions)" if lp.outer else ""
         out.append(f"  {role} @0x{lp.header_addr:04x}{where}: {lp.total} instructions, "
-                   f"{lp.counts.get('HMMA', 0)} HMMA")
+                   f"{lp.counts.get('HMMA', 0)} HMMA{inside}")
         out.append("    " + "  ".join(f"{k} {v:.3g}" if isinstance(v, float) else f"{k} {v}"
                                       for k, v in loop_row(lp).items()))
         out.append("    " + "  ".join(f"{c} {lp.counts[c]}" for c in CLASSES if lp.counts.get(c)))
+        if lp.conditional:
+            out.append(f"    of them in blocks some iteration skips: {sum(lp.conditional.values())}")
         if lp.global_loads:
             out.append("    global loads per thread: " + ", ".join(
                 f"{kind} {n} ({size} B)" for kind, (n, size) in sorted(lp.global_loads.items())))
