@@ -46,10 +46,18 @@ def test_environment_variable(monkeypatch):
     monkeypatch.setenv(emulation.ENV, "h100:sanitize")
     assert emulation.active().gpu == "h100" and emulation.active().sanitize
     monkeypatch.setenv(emulation.ENV, "h100:fast")
-    with pytest.raises(ValueError, match="expected a GPU profile name, optionally followed by ':sanitize'"):
+    with pytest.raises(ValueError, match=r"AUTOFLASH_EMULATE: got 'h100:fast', expected a GPU profile name \[.*\], "
+                                         r"optionally followed by ':sanitize'"):
         emulation.active()
     monkeypatch.setenv(emulation.ENV, "0")
     assert emulation.active() is None
+    # A value that is no profile names the variable and the profiles, also from deep in a call.
+    for value in ("1", "a10"):
+        monkeypatch.setenv(emulation.ENV, value)
+        with pytest.raises(ValueError, match=rf"AUTOFLASH_EMULATE: got '{value}', expected a GPU profile name "
+                                             rf"\[.*'a100'.*'h100'.*\]"):
+            autoflash.attention(*(torch.randn(1, 1, 16, 64) for _ in range(3)))
+    assert "context manager" in autoflash.emulate.__doc__ and "AUTOFLASH_EMULATE" in autoflash.emulate.__doc__
 
 
 def test_bad_arguments_say_what_is_accepted():

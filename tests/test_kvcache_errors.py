@@ -62,6 +62,10 @@ CASES = {
                  "head_dim: got 36"),
     "dtype": (False, dict(q=torch.zeros(B, 1, H, D)), "expected one of float16, bfloat16"),
     "heads": (False, dict(q=torch.zeros(B, 1, 3, D, dtype=torch.bfloat16)), "kv heads dividing"),
+    # caches laid out (batch, heads, seqlen, head_dim): the message names the layout it takes
+    "cache layout": (False, dict(k_cache=torch.zeros(B, H, L, D, dtype=torch.bfloat16),
+                                 v_cache=torch.zeros(B, H, L, D, dtype=torch.bfloat16), k=None, v=None),
+                     "reads as (batch, heads, seqlen, head_dim): pass k_cache.transpose(1, 2)"),
     "num_splits": (False, dict(num_splits=-1), "num_splits: got -1"),
     "window": (False, dict(window_size=5), "window_size: got 5"),
     "softcap": (False, dict(softcap=-1.0), "softcap: got -1.0"),
@@ -88,3 +92,15 @@ def test_good_input_runs_and_appends():
         before = kw["k_cache"].clone()
         out = flash_attn_with_kvcache(**kw)
         assert out.shape == kw["q"].shape and not torch.equal(kw["k_cache"], before)
+
+
+def test_backward_says_it_is_forward_only():
+    """flash-attn's flash_attn_with_kvcache has no backward either; the error names the call and what
+    to use instead, not an internal op."""
+    kw = _inputs()
+    kw["q"] = kw["q"].float().to(torch.bfloat16).requires_grad_()
+    out = flash_attn_with_kvcache(**kw)
+    with pytest.raises(RuntimeError, match="flash_attn_with_kvcache is forward only.*flash_attn_func"):
+        out.float().sum().backward()
+    with torch.no_grad():  # inference: nothing is wrapped, nothing to differentiate
+        assert flash_attn_with_kvcache(**_inputs()).grad_fn is None

@@ -161,7 +161,25 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
                              cache_seqlens if seqlens_tensor is None else 0, cache_batch_idx, cache_leftpad,
                              block_table, alibi_slopes, None, None if softmax_scale is None else float(softmax_scale),
                              causal, window_size[0], window_size[1], float(softcap), rotary_interleaved, num_splits)
+    if torch.is_grad_enabled() and any(isinstance(t, torch.Tensor) and t.requires_grad
+                                       for t in (q, k_cache, v_cache, k, v)):
+        out, lse = _ForwardOnly.apply(out), _ForwardOnly.apply(lse)
     return (out, lse) if return_softmax_lse else out
+
+
+class _ForwardOnly(torch.autograd.Function):
+    """The identity, whose gradient is an error that names the call: flash_attn_with_kvcache has no
+    backward (nor has flash-attn's), and torch's own message would name an internal op."""
+
+    @staticmethod
+    def forward(ctx, x):
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        raise RuntimeError("flash_attn_with_kvcache is forward only, as flash-attn's is: no gradient flows through "
+                           "it. For training use flash_attn_func / flash_attn_varlen_func or autoflash.attention; "
+                           "for inference call it under torch.no_grad() or torch.inference_mode()")
 
 
 @torch.library.custom_op("autoflash::flash_kvcache", mutates_args=("k_cache", "v_cache"))

@@ -31,9 +31,12 @@ _stack: list[Emulation] = []
 
 @contextlib.contextmanager
 def emulate(gpu: str = "a100", *, sanitize: bool = False):
-    """Run the kernels of `gpu` (a profile name: "a100", "h100", "l4", ...) on CPU tensors, on the
-    host emulator. With sanitize=True kernels are built with the sanitizer (races, out-of-bounds,
-    misaligned and uninitialized accesses, barrier errors; see autoflash.emulation.findings())."""
+    """A context manager: inside `with autoflash.emulate("a100"):` every kernel entry point runs the
+    kernels of `gpu` (a profile name: "a100", "h100", "l4", ...) on CPU tensors, on the host
+    emulator. With sanitize=True kernels are built with the sanitizer (races, out-of-bounds,
+    misaligned and uninitialized accesses, barrier errors; see autoflash.emulation.findings()).
+    The environment variable AUTOFLASH_EMULATE=a100 (or a100:sanitize) does the same for a whole
+    program; an emulate() block takes precedence over it."""
     if not isinstance(sanitize, bool):
         raise TypeError(f"sanitize: got {sanitize!r}, expected a bool")
     state = Emulation(get_profile(gpu), sanitize)
@@ -46,10 +49,17 @@ def emulate(gpu: str = "a100", *, sanitize: bool = False):
 
 @functools.lru_cache(maxsize=8)
 def _from_env(value: str) -> Emulation | None:
+    from autoflash.kernels.gpus import PROFILES
+
     gpu, _, flag = value.partition(":")
+    expected = f"expected a GPU profile name {sorted(PROFILES)}, optionally followed by ':sanitize' (or 0: off)"
     if flag not in ("", "sanitize"):
-        raise ValueError(f"{ENV}: got {value!r}, expected a GPU profile name, optionally followed by ':sanitize'")
-    return Emulation(get_profile(gpu), flag == "sanitize")
+        raise ValueError(f"{ENV}: got {value!r}, {expected}")
+    try:
+        profile = get_profile(gpu)
+    except ValueError:  # name the variable the value came from, not the lookup
+        raise ValueError(f"{ENV}: got {value!r}, {expected}") from None
+    return Emulation(profile, flag == "sanitize")
 
 
 def active() -> Emulation | None:

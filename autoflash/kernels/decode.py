@@ -86,8 +86,12 @@ def check_kvcache(q, k_cache, v_cache, *, k=None, v=None, rotary_cos=None, rotar
         raise ValueError(f"empty input: got q {tuple(q.shape)}, k_cache {tuple(k_cache.shape)}; expected batch, "
                          f"seqlen_q, heads, heads_kv and cache rows >= 1")
     if heads % heads_kv:
-        raise ValueError(f"heads: got {heads} query heads and {heads_kv} kv heads; expected kv heads dividing "
-                         f"query heads")
+        hint = (f"; k_cache {tuple(k_cache.shape)} reads as (batch, heads, seqlen, head_dim): pass "
+                f"k_cache.transpose(1, 2) (and v_cache's)" if heads % length == 0 else "")
+        raise ValueError(f"heads: got {heads} query heads (q {tuple(q.shape)}: batch, seqlen_q, heads, head_dim) and "
+                         f"{heads_kv} kv heads (k_cache {tuple(k_cache.shape)}); expected kv heads dividing query "
+                         f"heads, the caches laid out as flash-attn's: (batch, seqlen_cache, heads_kv, head_dim), "
+                         f"or (num_blocks, page_size, heads_kv, head_dim) with a block_table{hint}")
     if batch > GRID_YZ_MAX or heads > GRID_YZ_MAX:
         raise ValueError(f"q {tuple(q.shape)}: expected batch and heads <= {GRID_YZ_MAX}")
     if not torch.compiler.is_compiling():  # data pointers exist at run time only, where the op checks again
