@@ -50,4 +50,5 @@ def __getattr__(name: str):
 
 
 def __dir__() -> list[str]:
-    return sorted(set(globals()) | set(_EXPORTS))
+    """The public names and the module's dunders: not the helpers the package itself imports."""
+    return sorted({n for n in globals() if n.startswith("__")} | set(_EXPORTS) | {"__version__"})

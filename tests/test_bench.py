@@ -119,6 +119,24 @@ def test_help_explains_measurement(capsys):
         assert w.lower() in " ".join(out.split()).lower(), w  # argparse re-wraps the option help
 
 
+def test_help_lists_every_subcommand_and_speaks_of_the_project(capsys):
+    with pytest.raises(SystemExit):
+        bench.main(["--help"])
+    out = capsys.readouterr().out
+    for sub in ("dispatch", "train", "emulator", "decode", "sass"):
+        assert f"python -m autoflash.bench {sub} --help" in out, sub
+    from autoflash.bench import emulator
+
+    assert "issue" not in emulator.__doc__
+
+
+def test_dir_shows_the_public_names_only():
+    import autoflash
+
+    public = [n for n in dir(autoflash) if not n.startswith("_")]
+    assert public == sorted(autoflash._EXPORTS) and "__version__" in dir(autoflash)
+
+
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the no-GPU path")
 def test_main_without_gpu_says_so_and_fails(capsys):
     assert bench.main(["--head-dims", "64", "--seqlens", "512"]) == 2

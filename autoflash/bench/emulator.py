@@ -1,11 +1,11 @@
 """Speed of the host emulator: the generated kernels run on the CPU (autoflash.emulate).
 
-    python -m autoflash.bench emulator                       # the issue's case: (1, 2, 128, 128) bf16
+    python -m autoflash.bench emulator                       # the default case: (1, 2, 128, 128) bf16
     python -m autoflash.bench emulator --shape 1,4,2,256,256,64 --causal --sanitize --json out.json
 
 Times, on this machine's CPU, the first call (building the kernels with the host compiler, or loading
 them from the disk cache), then the median of --reps warm calls of the forward, the backward (on a saved
-forward) and forward + backward (flash_attn then torch.autograd.grad). The target (issue: emulation)
+forward) and forward + backward (flash_attn then torch.autograd.grad). The target
 is forward + backward of (b=1, h=2, L=128, d=128) bf16 in <= 10 s warm on 2 cores. These are CPU
 timings of an emulator; they say nothing about the speed of the kernels on a GPU."""
 from __future__ import annotations

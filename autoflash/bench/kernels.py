@@ -7,6 +7,8 @@
     python -m autoflash.bench dispatch --help      # per-call overhead of autoflash.attention vs SDPA
     python -m autoflash.bench train --help         # a 4-layer transformer trained on both (GPU)
     python -m autoflash.bench emulator --help      # the host emulator's speed on this CPU (no GPU)
+    python -m autoflash.bench decode --help        # flash_attn_with_kvcache against SDPA: GB/s, HBM share
+    python -m autoflash.bench sass --help          # static SASS beside FlashAttention-2's (no GPU)
 
 Directions: fwd = the forward call; bwd = the backward only (autoflash: flash_backward on a saved
 forward; SDPA: torch.autograd.grad through a saved graph, retain_graph=True, under the backend);
