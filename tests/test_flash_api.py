@@ -414,7 +414,7 @@ DENSE_BAD = {
     "three_dims": ((_q(5, 4, 64), _q(6, 2, 64)), {}, ValueError,
                    r"q: got shape \(5, 4, 64\), expected 4 dims \(batch, seqlen, heads, head_dim\)"),
     "window_below_-1": ((_q(*Q), _q(*KV)), {"window_size": (-2, 0)}, ValueError,
-                        r"window_size: got \(-2, 0\), expected each side >= 0, or -1"),
+                        r"window_size: got \(-2, 0\), expected sizes >= 0, or -1"),
     "window_not_a_pair": ((_q(*Q), _q(*KV)), {"window_size": 4}, TypeError, "window_size: got 4, expected a pair"),
     "softcap_negative": ((_q(*Q), _q(*KV)), {"softcap": -1.0}, ValueError, "softcap: got -1.0, expected"),
     "alibi_dtype": ((_q(*Q), _q(*KV)), {"alibi_slopes": torch.zeros(4, dtype=torch.float16)}, TypeError,
@@ -590,3 +590,31 @@ class TestEmulatedKernels:
         same, _ = attention_ref(q, k, v, key_bias=bias, upcast=False)
         self._check("out", out, ref, same, 2.0)
         torch.testing.assert_close(lse, ref_lse, atol=1e-3, rtol=1e-3)
+
+
+def test_window_size_takes_any_pair_of_integers():
+    """flash-attn's own tests pass window_size as torch.randint(0, seqlen_k, (2,)): a 2-element
+    tensor (or numpy integers) means the same window as the tuple, at every entry point; floats and
+    bools are still refused."""
+    import numpy as np
+
+    from autoflash import flash_attn_with_kvcache
+    from autoflash.kernels.checks import window_pair
+
+    for pair in (torch.tensor([3, 1]), torch.tensor([3, 1], dtype=torch.int32), [np.int64(3), np.int32(1)],
+                 np.array([3, 1]), (3, 1)):
+        assert window_pair("window_size", pair) == (3, 1)
+    for bad in (torch.tensor([3.0, 1.0]), torch.tensor([True, False]), (True, 1), torch.tensor([1, 2, 3]), "31"):
+        with pytest.raises(TypeError, match="window_size: got .*expected a pair of ints"):
+            window_pair("window_size", bad)
+    q, kv = _q(*Q), _q(*KV)
+    want = flash_attn_func(q, kv, kv, window_size=(3, 1))
+    assert torch.equal(flash_attn_func(q, kv, kv, window_size=torch.tensor([3, 1])), want)
+    from autoflash.dispatch.flash_api import attention_variant
+
+    t = (q.transpose(1, 2), kv.transpose(1, 2), kv.transpose(1, 2))
+    assert all(torch.equal(a, b) for a, b in zip(attention_variant(*t, window=torch.tensor([3, 1])),
+                                                 attention_variant(*t, window=(3, 1))))
+    cache = torch.randn(2, 16, 2, 64).to(q.dtype)
+    assert torch.equal(flash_attn_with_kvcache(q, cache, cache, cache_seqlens=6, window_size=torch.tensor([3, 1])),
+                       flash_attn_with_kvcache(q, cache, cache, cache_seqlens=6, window_size=(3, 1)))

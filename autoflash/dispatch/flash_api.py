@@ -26,7 +26,7 @@ import torch
 import torch.nn.functional as F
 
 from autoflash.dispatch import variant_ops  # noqa: F401  (registers torch.ops.autoflash.flash_fwd / flash_bwd)
-from autoflash.kernels.checks import checks_values
+from autoflash.kernels.checks import checks_values, window_pair
 from autoflash.kernels.config import ALIGNS, HEAD_DIM_MAX, HEAD_DIM_MIN, HEAD_DIM_STEP
 
 __all__ = ["attention_variant", "flash_attn_func", "flash_attn_kvpacked_func", "flash_attn_qkvpacked_func",
@@ -121,12 +121,7 @@ def _check_scale(name: str, scale, head_dim: int) -> float:
 
 def _check_window(name: str, window, causal: bool) -> tuple[int, int]:
     """(left, right), -1 unbounded; causal makes right 0 (flash-attn's rule)."""
-    if (not isinstance(window, (tuple, list)) or len(window) != 2
-            or any(isinstance(w, bool) or not isinstance(w, int) for w in window)):
-        raise TypeError(f"{name}: got {window!r}, expected a pair of ints (left, right), -1 for unbounded")
-    left, right = window
-    if left < -1 or right < -1:
-        raise ValueError(f"{name}: got {tuple(window)}, expected each side >= 0, or -1 for unbounded")
+    left, right = window_pair(name, window)
     return (left, 0) if causal else (left, right)
 
 

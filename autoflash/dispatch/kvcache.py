@@ -20,7 +20,7 @@ from typing import Optional
 import torch
 
 from autoflash.dispatch.variant_ops import _like
-from autoflash.kernels.checks import check_scale, chunked, checks_values
+from autoflash.kernels.checks import check_scale, chunked, checks_values, window_pair
 from autoflash.kernels.decode import CacheShape, check_kvcache
 from autoflash.kernels.variants import resolve
 
@@ -147,9 +147,7 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
     _check_flag("causal", causal)
     _check_flag("rotary_interleaved", rotary_interleaved)
     _check_flag("return_softmax_lse", return_softmax_lse)
-    if (not isinstance(window_size, (tuple, list)) or len(window_size) != 2
-            or any(isinstance(w, bool) or not isinstance(w, int) for w in window_size)):
-        raise TypeError(f"window_size: got {window_size!r}, expected a pair of ints (left, right), -1 for unbounded")
+    window_size = window_pair("window_size", window_size)
     if isinstance(num_splits, bool) or not isinstance(num_splits, int) or num_splits < 0:
         raise ValueError(f"num_splits: got {num_splits!r}, expected an int >= 0 (0 chooses)")
     if isinstance(softcap, bool) or not isinstance(softcap, (int, float)):

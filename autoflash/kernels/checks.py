@@ -3,6 +3,7 @@ launcher and the references): errors say what was received and what is accepted.
 from __future__ import annotations
 
 import math
+import operator
 import os
 
 import torch
@@ -159,3 +160,25 @@ def check_config(config: KernelConfig, head_dim: int, dtype: str, causal: bool, 
             f"config {config.name} is for (head_dim, dtype, causal, direction) = {got}; the call needs {want}"
         )
     config.check_fits(profile.smem_per_block_optin, profile.name)
+
+
+def window_pair(name: str, window) -> tuple[int, int]:
+    """A sliding window's (left, right) as ints, each >= 0 or -1 (unbounded on that side), from any
+    pair of integers: a tuple or list, a 2-element integer tensor or array (flash-attn's own tests
+    pass `torch.randint(0, seqlen_k, (2,))`), numpy integers. A CUDA tensor's values are read on the
+    host. TypeError / ValueError name `name`, what came and what is taken."""
+    expected = "expected a pair of ints (left, right), -1 for unbounded (a tuple, a list, a 2-element integer tensor)"
+    try:
+        sides = list(window) if not isinstance(window, (str, bytes)) else None
+    except TypeError:
+        sides = None
+    if sides is None or len(sides) != 2 or any(
+            isinstance(w, bool) or (isinstance(w, torch.Tensor) and w.dtype == torch.bool) for w in sides):
+        raise TypeError(f"{name}: got {window!r}, {expected}")
+    try:
+        left, right = (operator.index(w) for w in sides)
+    except TypeError:
+        raise TypeError(f"{name}: got {window!r}, {expected}") from None
+    if left < -1 or right < -1:
+        raise ValueError(f"{name}: got {(left, right)}, expected sizes >= 0, or -1 for unbounded")
+    return left, right

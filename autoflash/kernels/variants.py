@@ -10,7 +10,7 @@ import math
 
 import torch
 
-from autoflash.kernels.checks import GRID_YZ_MAX, check_scale
+from autoflash.kernels.checks import GRID_YZ_MAX, check_scale, window_pair
 from autoflash.kernels.config import ALIGNS, KernelConfig
 
 LOG2E = 1.4426950408889634
@@ -70,12 +70,7 @@ def _window(window, causal: bool, align: str, lq: int, lk: int) -> tuple[bool, b
     a side long enough to reach past every key of every row is unbounded too, (unbounded, 0) is
     causal and (unbounded, unbounded) no window. Unbounded sides become lq + lk (no overflow in the
     kernels). lq, lk: the longest sequences."""
-    if (not isinstance(window, (tuple, list)) or len(window) != 2
-            or any(isinstance(w, bool) or not isinstance(w, int) for w in window)):
-        raise TypeError(f"window: got {window!r}, expected a pair of ints (left, right), -1 for unbounded")
-    left, right = window
-    if left < -1 or right < -1:
-        raise ValueError(f"window: got {tuple(window)}, expected sizes >= 0, or -1 for unbounded")
+    left, right = window_pair("window", window)
     # Row i's diagonal is key i + diag: the left side reaches key 0 from every row once it is at
     # least the last row's diagonal, the right side key lk - 1 from the first row's.
     bottom_right = align == "bottom_right"

@@ -30,12 +30,9 @@ def check_align(align) -> str:
 
 def check_window(window) -> tuple[int, int]:
     """(left, right) as a tuple of ints, each >= 0 or -1 (unbounded on that side)."""
-    if (not isinstance(window, (tuple, list)) or len(window) != 2
-            or any(isinstance(w, bool) or not isinstance(w, int) for w in window)):
-        raise TypeError(f"window: got {window!r}, expected a pair of ints (left, right)")
-    if min(window) < -1:
-        raise ValueError(f"window: got {tuple(window)}, expected sizes >= 0, or -1 for unbounded")
-    return int(window[0]), int(window[1])
+    from autoflash.kernels.checks import window_pair
+
+    return window_pair("window", window)
 
 
 def check_softcap(softcap) -> float:
