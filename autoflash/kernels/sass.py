@@ -211,13 +211,13 @@ def _counts(insns) -> collections.Counter:
     return collections.Counter(c for ins in insns if (c := classify(ins.op, ins.pred)) is not None)
 
 
-def _step_loops(insns: list[Insn], blocks, succ) -> list[tuple[int, set[int], int, set[int]]]:
+def _step_loops(insns: list[Insn], blocks, bodies: dict[int, set[int]]) -> list[tuple[int, set[int], int, set[int]]]:
     """(header, body, outermost header, outermost body) of each step loop: from every outermost loop
     holding HMMAs, descend while an inner loop (a child: no loop between them) holds all of its HMMAs
     and the loop stores to global memory outside it. Such a loop finishes a unit of output per trip:
     it walks blocks, its child the steps (FlashAttention-2's key-block loop writes dK and dV). A loop
-    that only wraps its MMAs in an inner loop (autoflash's masked tiles walk key slices) stays the step."""
-    bodies, _ = _loop_bodies(len(blocks), succ)
+    that only wraps its MMAs in an inner loop (autoflash's masked tiles walk key slices) stays the step.
+    `bodies`: the natural loops by header (_loop_bodies)."""
     hmma = lambda body: sum(1 for b in body for ins in insns[blocks[b][0]:blocks[b][1]]  # noqa: E731
                             if classify(ins.op, ins.pred) == "HMMA")
     stores = lambda body: any(classify(ins.op, ins.pred) == "STG" for b in body  # noqa: E731
@@ -249,7 +249,7 @@ def hmma_loops(text: str) -> list[Loop]:
     blocks, succ = _blocks(insns)
     bodies, dom = _loop_bodies(len(blocks), succ)
     found = []
-    for head, body, top, outermost in _step_loops(insns, blocks, succ):
+    for head, body, top, outermost in _step_loops(insns, blocks, bodies):
         members = [ins for b in sorted(body) for ins in insns[blocks[b][0]:blocks[b][1]]]
         counts = _counts(members)
         # Source lines of the kernel's own template (.cu.j2), not of the headers it includes.
@@ -280,11 +280,11 @@ def path_instructions(text: str, contract: bool = True) -> int:
     if not insns:
         return 0
     blocks, succ = _blocks(insns)
-    _, dom = _loop_bodies(len(blocks), succ)
+    bodies, dom = _loop_bodies(len(blocks), succ)
     node = {b: b for b in range(len(blocks))}
     contracted = set()
     if contract:
-        for head, body, _, _ in _step_loops(insns, blocks, succ):
+        for head, body, _, _ in _step_loops(insns, blocks, bodies):
             for b in body:
                 node[b] = head
             contracted.add(head)
