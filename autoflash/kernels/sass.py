@@ -298,21 +298,30 @@ def path_instructions(text: str, contract: bool = True) -> int:
     nexts: dict[int, set[int]] = collections.defaultdict(set)
     for b, ss in succ.items():  # every back edge cut: each loop runs once
         nexts[node[b]].update(node[x] for x in ss if x not in dom[b] and node[x] != node[b])
-    nodes = set(node.values())
+    return _heaviest_path(node[0], set(node.values()), nexts, weight, lambda a, b: a + b, lambda w: w,
+                          "path_instructions: the control flow without back edges")
+
+
+def _heaviest_path(start, nodes: set, nexts: dict, weight, add, key, what: str):
+    """The heaviest of the paths from `start` through the DAG (`nexts`: successors by node), a path
+    weighing add(...) of its nodes' weights compared by key(); ValueError saying `what` is not
+    acyclic (irreducible control flow) when the nodes have no topological order."""
     indegree = collections.Counter(z for zs in nexts.values() for z in zs)
-    best, ready, seen = {node[0]: weight[node[0]]}, [x for x in nodes if not indegree[x]], 0
+    best, ready, seen = {start: weight[start]}, [x for x in nodes if not indegree[x]], 0
     while ready:  # longest path in topological order
         a = ready.pop()
         seen += 1
         for z in nexts[a]:
-            if a in best and best[a] + weight[z] > best.get(z, -1):
-                best[z] = best[a] + weight[z]
+            if a in best:
+                path = add(best[a], weight[z])
+                if z not in best or key(path) > key(best[z]):
+                    best[z] = path
             indegree[z] -= 1
             if not indegree[z]:
                 ready.append(z)
     if seen != len(nodes):
-        raise ValueError("path_instructions: the control flow without back edges is not acyclic (irreducible)")
-    return max(best.values())
+        raise ValueError(f"{what} is not acyclic (irreducible)")
+    return max(best.values(), key=key)
 
 
 _WIDTH_BITS = {"8": 8, "16": 16, "32": 32, "64": 64, "128": 128, "U8": 8, "S8": 8, "U16": 16, "S16": 16}
@@ -361,24 +370,11 @@ def straight_line_loads(text: str) -> dict[str, tuple[int, int]]:
     nexts: dict[int, set[int]] = collections.defaultdict(set)
     for b, ss in succ.items():
         nexts[node[b]].update(node[s] for s in ss if node[s] != node[b])
-    indegree = collections.Counter(z for zs in nexts.values() for z in zs)
     key = lambda w: (w.get("LDGSTS", (0, 0))[1], w.get("LDG", (0, 0))[1])  # noqa: E731
     add = lambda w, v: {k: tuple(x + y for x, y in zip(w.get(k, (0, 0)), v.get(k, (0, 0))))  # noqa: E731
                         for k in set(w) | set(v)}
-    nodes = set(node.values())
-    best, ready, seen = {node[0]: dict(weight[node[0]])}, [x for x in nodes if not indegree[x]], 0
-    while ready:  # longest path in topological order
-        a = ready.pop()
-        seen += 1
-        for z in nexts[a]:
-            if a in best and (z not in best or key(add(best[a], weight[z])) > key(best[z])):
-                best[z] = add(best[a], weight[z])
-            indegree[z] -= 1
-            if not indegree[z]:
-                ready.append(z)
-    if seen != len(nodes):
-        raise ValueError("straight_line_loads: the control flow outside the loops is not acyclic (irreducible)")
-    return max(best.values(), key=key)
+    return dict(_heaviest_path(node[0], set(node.values()), nexts, weight, add, key,
+                               "straight_line_loads: the control flow outside the loops"))
 
 
 def main_loop(loops: list[Loop]) -> Loop:
