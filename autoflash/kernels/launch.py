@@ -321,7 +321,7 @@ def flash_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torc
     delta = guards.empty(lse_shape, torch.float32, q.device, "hl" if varlen else "bhl", name="delta", rows="q",
                          contiguous=True)
     _call(fns[f"{config.name}_delta"], (math.ceil(total_q / config.delta_rows), hq, 1 if varlen else b),
-          128, 0, q.device, DELTA_PARAMS, (out4, dout4, delta),
+          config.delta_rows * config.delta_lanes, 0, q.device, DELTA_PARAMS, (out4, dout4, delta),
           (*_strides(out4), *_strides(dout4), total_q), ("out", "dout", "delta"))
 
     dq_pass = config.dq == "pass"

@@ -17,6 +17,7 @@ from dataclasses import dataclass
 
 import torch
 
+from autoflash.kernels.checks import window_pair
 from autoflash.kernels.config import ALIGNS, KernelConfig
 
 NO_WINDOW = (-1, -1)
@@ -30,8 +31,6 @@ def check_align(align) -> str:
 
 def check_window(window) -> tuple[int, int]:
     """(left, right) as a tuple of ints, each >= 0 or -1 (unbounded on that side)."""
-    from autoflash.kernels.checks import window_pair
-
     return window_pair("window", window)
 
 
