@@ -36,11 +36,6 @@ _EXPORTS = {
 }
 __all__ = sorted(_EXPORTS) + ["__version__"]
 
-from autoflash import _moved  # noqa: E402  (old module paths, e.g. autoflash.defaults, still import)
-
-_moved.install()
-
-
 def __getattr__(name: str):
     if name in _EXPORTS:
         value = getattr(importlib.import_module(_EXPORTS[name]), name)
