@@ -57,7 +57,8 @@ from pathlib import Path
 
 from autoflash.kernels.config import DIRECTIONS, DTYPES, HEAD_DIM_MAX, HEAD_DIM_MIN, HEAD_DIM_STEP
 from autoflash.kernels.gpus import PROFILES, profile_arg
-from autoflash.tuning.problem import BUCKET_LABELS, KEY_VARIANTS, SEQLEN_BUCKETS, WINDOW_FRACTION, WINDOW_LEFT_MAX
+from autoflash.tuning.problem import BUCKET_LABELS, KEY_VARIANTS, SEQLEN_BUCKETS, WINDOW_FRACTION, WINDOW_LEFT_MAX, \
+    causal_label
 from autoflash.tuning.decode import BATCH_BUCKETS, BATCH_LABELS, CACHE_BUCKETS, CACHE_LABELS, PAGE_SIZE, Q_LABELS
 from autoflash.tuning.study import SAMPLERS, Settings
 
@@ -166,7 +167,8 @@ def make_parser() -> argparse.ArgumentParser:
     o.add_argument("--plot", action="store_true", help="also write <out>/<gpu>-search.png (best so far vs measurements)")
     o.add_argument("--record-timings", type=Path, default=None,
                    help="write every measurement to this JSON file (replayable by --backend simulated)")
-    o.add_argument("--no-progress", action="store_true", help="no progress bars")
+    o.add_argument("--no-progress", action="store_true",
+                   help="no progress: neither the bars (on a terminal) nor the per-key lines (in a file or pipe)")
     b = p.add_argument_group("simulated backend (tests, demos)")
     b.add_argument("--backend", choices=("cuda", "simulated"), default="cuda", help="default cuda (a real GPU)")
     b.add_argument("--simulate-timings", default=None, help="recorded timings file to replay (default: cost model)")
@@ -193,7 +195,7 @@ def _space_title(key) -> str:
     if key.is_decode:
         return (f"{key.gpu} decode {key.dtype} d{key.head_dim} {key.q_bucket} "
                 f"{'paged ' + str(PAGE_SIZE) if key.paged else 'dense'}")
-    title = f"{key.gpu} {key.direction} {key.dtype} d{key.head_dim} {'causal' if key.causal else 'full'}"
+    title = f"{key.gpu} {key.direction} {key.dtype} d{key.head_dim} {causal_label(key.causal)}"
     return title if key.variant == "plain" else f"{title} {key.variant}"
 
 

@@ -438,7 +438,7 @@ def test_new_profile_tune_dry_run(key, capsys):
                  "--no-progress", "--show-rejected"]) == 0
     out = capsys.readouterr().out
     default = default_config(64, "bf16", False, PROFILES[key]).name
-    assert f"{key} fwd bf16 d64 full (default {default})" in out
+    assert f"{key} fwd bf16 d64 non-causal (default {default})" in out
     m = re.search(r"(\d+) of (\d+) candidates survive", out)
     rows = [_ROW.match(line).groups() for line in out.splitlines() if _ROW.match(line)]
     assert m and int(m.group(1)) == len(rows) > 0

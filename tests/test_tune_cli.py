@@ -256,8 +256,8 @@ def test_dry_run_compiles_and_prunes_the_window_kernels_offline(capsys):
     assert rows and all("_br_win_" in name for name in rows)  # the variant's kernels, not plain ones
     m = re.search(r"(\d+) of (\d+) candidates survive", out)
     assert int(m.group(1)) == len(rows) and int(m.group(2)) == 4  # 2 x 2 tiles, the default (128 x 64) among them
-    assert "full window" not in out and "needs the GPU" in out
-    assert "no keys for window fp16 full" in captured.err  # window keys are causal: said, not silently dropped
+    assert "non-causal window" not in out and "needs the GPU" in out
+    assert "no keys for window fp16 non-causal" in captured.err  # window keys are causal: said, not silently dropped
 
 
 def test_dry_run_lists_one_space_per_variant(capsys):
@@ -288,4 +288,4 @@ def test_a_simulated_tune_of_a_window_key_writes_its_entry(tmp_path):
     assert entry.evaluated == 3 and entry.winner.config.window and key.matches(entry.winner.config)
     assert entry.default.name == default_for(key, get_profile("h100")).name
     assert entry.sdpa_flash_ms is None  # SDPA-flash has no sliding window: no baseline, not a made-up one
-    assert key.slug in proc.stdout
+    assert key.label in proc.stdout

@@ -254,5 +254,5 @@ def test_a_simulated_decode_tune_writes_num_splits(tmp_path, capsys):
     assert entry.evaluated == 4 and entry.winner.num_splits in (0, 1, 4) and key.matches(entry.winner.config)
     assert entry.default.num_splits == 0 and entry.default.name == default_for(key, H100).config.name
     assert entry.sdpa_flash_ms is not None
-    line = next(line for line in out.splitlines() if line.startswith(key.slug))
+    line = next(line for line in out.splitlines() if line.startswith(key.label))
     assert "GB/s" in line and "% of HBM" in line and "SDPA" in line

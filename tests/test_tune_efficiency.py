@@ -112,7 +112,7 @@ def test_cli_writes_json_and_exit_status_follows_the_gate(tmp_path, capsys):
     assert report["gate"]["pass"] == row["samplers"]["tpe"]["pass"]
     assert rc == (0 if report["gate"]["pass"] else 1)
     printed = capsys.readouterr().out
-    assert "simulated cost model" in printed and KEY.slug in printed
+    assert "simulated cost model" in printed and KEY.label in printed
     # No search reaches the target in 0.1% of the evaluations: the gate fails.
     assert efficiency.main([*CLI, "--seeds", "1", "--samplers", "tpe", "--fraction", "0.001"]) == 1
 

@@ -196,6 +196,6 @@ def test_build_keys_skips_combinations_that_make_no_key():
     keys = build_keys("h100", directions=["fwd"], head_dims=[64], buckets=["le1k"], **options)
     assert [k.slug for k in keys] == ["fwd/bf16/d64/full/le1k", "fwd/bf16/d64/causal/le1k", "fwd/fp32/d64/full/le1k",
                                       "fwd/fp32/d64/causal/le1k", "fwd/bf16/d64/causal/le1k/window"]
-    assert skipped_combinations(**options) == ["window bf16 full", "window fp32 full", "window fp32 causal"]
+    assert skipped_combinations(**options) == ["window bf16 non-causal", "window fp32 non-causal", "window fp32 causal"]
     assert build_keys("h100", directions=["fwd"], dtypes=["bf16"], head_dims=[64], causal=(True,),
                       buckets=["le1k"]) == [ProblemKey("h100", "fwd", "bf16", 64, True, "le1k")]  # plain by default

@@ -29,7 +29,7 @@ from pathlib import Path
 
 from autoflash.kernels.config import DIRECTIONS
 from autoflash.kernels.gpus import PROFILES, profile_arg
-from autoflash.tuning.problem import BUCKET_LABELS, KEY_VARIANTS
+from autoflash.tuning.problem import BUCKET_LABELS, KEY_VARIANTS, slug_label
 from autoflash.tune import CAUSAL_MODES, _head_dims, _list, _restriction
 from autoflash.tuning.study import SAMPLERS, KeyStudy, Settings, is_measured
 from autoflash.tuning.worker import _handle
@@ -163,7 +163,7 @@ def run(args) -> dict:
         feasible = feasible_for(key, candidates, backend.timings)
         if default.name not in {c.config.name for c in feasible}:
             why = "not recorded in the timings file" if backend.timings is not None else "not feasible"
-            print(f"skipping {key}: the built-in default {default.name} is {why}", file=sys.stderr)
+            print(f"skipping {key.gpu} {key.label}: the built-in default {default.name} is {why}", file=sys.stderr)
             continue
         ranked = exhaustive(key, feasible, backend)
         best = ranked[0][1]
@@ -177,7 +177,7 @@ def run(args) -> dict:
             row["samplers"][sampler] = summarise(ns, len(feasible), args.fraction)
         rows.append(row)
         if not args.no_progress:
-            print(f"done {key}", file=sys.stderr)
+            print(f"done {key.gpu} {key.label}", file=sys.stderr)
     if not rows:
         raise ValueError(f"no key to measure: got {len(keys)} key(s), expected at least one with its default feasible"
                          + (f" and recorded in {args.timings}" if args.timings else ""))
@@ -198,7 +198,7 @@ def format_table(report: dict) -> str:
     fmt = lambda x, f: "never" if x is None else format(x, f)  # noqa: E731
     for r in report["keys"]:
         for name, s in r["samplers"].items():
-            lines.append(f"{r['key']:<34} {r['feasible']:>4} {r['within_tolerance']:>3} "
+            lines.append(f"{slug_label(r['key']):<34} {r['feasible']:>4} {r['within_tolerance']:>3} "
                          f"{r['default_ms'] / r['best_ms']:>6.2f}x {name:<10} {fmt(s['median_n'], 'g'):>8} "
                          f"{fmt(s['worst_n'], 'g'):>7} {fmt(s['median_fraction'], '.2f'):>5}  "
                          f"{'yes' if s['pass'] else 'NO'}")

@@ -165,6 +165,21 @@ def variant_applies(variant: str, dtype: str, causal: bool) -> bool:
     return True
 
 
+def causal_label(causal: bool) -> str:
+    """A key's causal as printed for people: "causal" or "non-causal" (a slug says "full", as the
+    tuned tables and caches store it)."""
+    return "causal" if causal else "non-causal"
+
+
+def slug_label(slug: str) -> str:
+    """A slug as printed for people: its parts spaced, "non-causal" for the slug's "full", e.g.
+    "fwd bf16 d128 non-causal le4k window"."""
+    parts = slug.split("/")
+    if len(parts) > 3 and parts[0] != DECODE and parts[3] == "full":
+        parts[3] = causal_label(False)
+    return " ".join(parts)
+
+
 @dataclasses.dataclass(frozen=True)
 class ProblemKey:
     """What a call asks for. `variant` (default "plain") is one of KEY_VARIANTS, the variants that
@@ -259,6 +274,11 @@ class ProblemKey:
         parts = [self.direction, self.dtype, f"d{self.head_dim}", "causal" if self.causal else "full",
                  self.seqlen_bucket]
         return "/".join(parts if self.variant == "plain" else [*parts, self.variant])
+
+    @property
+    def label(self) -> str:
+        """The key as printed for people (slug_label of its slug)."""
+        return slug_label(self.slug)
 
     @classmethod
     def from_slug(cls, gpu: str, slug: str) -> "ProblemKey":

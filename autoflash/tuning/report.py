@@ -7,7 +7,7 @@ from pathlib import Path
 
 from autoflash.bench.report import flops, tflops
 from autoflash.kernels.gpus import GpuProfile
-from autoflash.tuning.problem import ProblemKey
+from autoflash.tuning.problem import ProblemKey, slug_label
 from autoflash.tuning.space import Candidate
 
 
@@ -67,18 +67,20 @@ def _ratio(num: float | None, den: float | None) -> str:
 
 
 def format_results(rows: list[dict]) -> str:
-    """rows: {"key", "winner", "ms", "tflops", "sdpa_flash_ms", "default_ms", "evaluated", "failed"};
-    x SDPA-flash and x default are speed-ups (their time over the winner's). Decode rows (with
-    "gb_per_s", "hbm_share" and maybe "sdpa_gb_per_s") add the K + V bytes read per second, as a
-    share of the GPU's HBM bandwidth, and SDPA's."""
-    header = (f"{'key':<34} {'winner':<46} {'ms':>9} {'TFLOPs':>7} {'x SDPA-flash':>12} {'x default':>9} "
+    """rows: {"key" (a slug, printed as its slug_label), "winner", "ms", "tflops", "sdpa_flash_ms",
+    "default_ms", "evaluated", "failed"}; x SDPA-flash and x default are speed-ups (their time over
+    the winner's). Decode rows (with "gb_per_s", "hbm_share" and maybe "sdpa_gb_per_s") add the K + V
+    bytes read per second, as a share of the GPU's HBM bandwidth, and SDPA's."""
+    width = max([34, *(len(slug_label(r["key"])) for r in rows)])
+    header = (f"{'key':<{width}} {'winner':<46} {'ms':>9} {'TFLOPs':>7} {'x SDPA-flash':>12} {'x default':>9} "
               f"{'evals':>5} {'failed':>6}")
     lines = [header, "-" * len(header)]
     for r in rows:
+        key = slug_label(r["key"])
         if r.get("winner") is None:
-            lines.append(f"{r['key']:<34} {'(no config measured successfully)':<46}")
+            lines.append(f"{key:<{width}} {'(no config measured successfully)':<46}")
             continue
-        lines.append(f"{r['key']:<34} {r['winner']:<46} {r['ms']:>9.4f} {r['tflops']:>7.1f} "
+        lines.append(f"{key:<{width}} {r['winner']:<46} {r['ms']:>9.4f} {r['tflops']:>7.1f} "
                      f"{_ratio(r.get('sdpa_flash_ms'), r['ms']):>12} {_ratio(r.get('default_ms'), r['ms']):>9} "
                      f"{r['evaluated']:>5} {r['failed']:>6}" + _bandwidth_cell(r))
     return "\n".join(lines)
@@ -110,7 +112,7 @@ def plot_search(histories: dict[str, list[tuple[int, float]]], defaults: dict[st
             best = min(best, ms)
             xs.append(n)
             ys.append(best / base)
-        ax.step(xs, ys, where="post", label=key)
+        ax.step(xs, ys, where="post", label=slug_label(key))
     ax.axhline(1.0, color="grey", lw=0.8, ls="--")
     ax.set_xlabel("measurements")
     ax.set_ylabel("best time so far / default's time")

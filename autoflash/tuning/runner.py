@@ -5,12 +5,12 @@ from __future__ import annotations
 
 import datetime
 import itertools
-import sys
 from pathlib import Path
 
 from autoflash.kernels.config import KernelConfig
 from autoflash.kernels.gpus import PROFILES, GpuProfile
-from autoflash.tuning.problem import ProblemKey, variant_applies
+from autoflash.tuning.problem import ProblemKey, causal_label, variant_applies
+from autoflash.tuning.progress import progress as progress_of
 from autoflash.tuning.report import key_bandwidth, key_tflops
 from autoflash.tuning.space import Candidate, DecodePoint, constrain, default_for, enumerate_space, knobs, \
     point_from_name
@@ -36,7 +36,7 @@ def build_decode_keys(gpu: str, *, dtypes, head_dims, q_buckets, cache_buckets, 
 
 def skipped_combinations(*, dtypes, causal, variants) -> list[str]:
     """The (variant, dtype, causal) combinations of the options that make no key, described."""
-    return [f"{v} {dt} {'causal' if c else 'full'}" for v, dt, c in itertools.product(variants, dtypes, causal)
+    return [f"{v} {dt} {causal_label(c)}" for v, dt, c in itertools.product(variants, dtypes, causal)
             if not variant_applies(v, dt, c)]
 
 
@@ -50,8 +50,6 @@ def prepare_spaces(keys: list[ProblemKey], profile: GpuProfile, *, restrict: dic
                    jobs: int | None = None, progress: bool = True) -> dict[tuple, tuple[KernelConfig, list[Candidate]]]:
     """(default, candidates) per space group: the enumerated space, narrowed by `restrict` (knob ->
     allowed values; the default always stays), through the shared-memory and spill constraints."""
-    from tqdm.auto import tqdm
-
     groups: dict[tuple, tuple[KernelConfig, list[KernelConfig]]] = {}
     for key in keys:
         if _group(key) in groups:
@@ -62,18 +60,18 @@ def prepare_spaces(keys: list[ProblemKey], profile: GpuProfile, *, restrict: dic
                    if c == default or all(getattr(c, k) in v for k, v in (restrict or {}).items() if k in own)]
         groups[_group(key)] = default, configs
     total = sum(len(c) for _, c in groups.values())
-    bar = tqdm(total=total, desc=f"constraints for {profile.name} ({profile.arch})", unit="cfg",
-               disable=not progress, file=sys.stderr)
+    shown = progress_of(total, f"constraints for {profile.name} ({profile.arch})", unit="cfg", enabled=progress,
+                        milestones=3)
     out, offset = {}, 0
 
     def step(done: int, _total: int) -> None:
-        bar.n = offset + done
-        bar.refresh()
+        shown.update_to(offset + done)
 
     for group, (default, configs) in groups.items():
         out[group] = default, constrain(configs, profile, jobs=jobs, progress=step)
         offset += len(configs)
-    bar.close()
+    survivors = sum(c.ok for _, candidates in out.values() for c in candidates)
+    shown.close(f"{survivors} survive in {len(out)} space(s)")
     return out
 
 
@@ -139,38 +137,43 @@ def history(outcome_trials) -> list[tuple[int, float]]:
 def run_keys(keys: list[ProblemKey], spaces: dict, *, pool, storage, study_prefix: str, settings: Settings,
              out_dir: Path, template_hash: str, prov: dict, progress: bool = True, log=print):
     """Tunes every key; returns (summary rows, {slug: history}, {slug: default ms})."""
-    from tqdm.auto import tqdm
-
     path = table_path(out_dir, keys[0].gpu)
     rows, histories, defaults = [], {}, {}
     for i, key in enumerate(keys):
         default, candidates = spaces_for(spaces, key)
-        bar = tqdm(total=settings.budget, desc=f"[{i + 1}/{len(keys)}] {key.slug}", unit="eval",
-                   disable=not progress, file=sys.stderr, leave=True)
+        shown = progress_of(settings.budget, f"[{i + 1}/{len(keys)}] {key.label}", unit="eval", enabled=progress)
 
-        def on_trial(frozen, ks: KeyStudy, bar=bar) -> None:
-            bar.n = min(ks.evaluated(), bar.total)
+        def on_trial(frozen, ks: KeyStudy, shown=shown) -> None:
+            shown.update_to(ks.evaluated())
             best = ks.outcome().ranked[:1]
             if best:
-                bar.set_postfix_str(f"best {best[0].value:.4f} ms {best[0].user_attrs['config']}")
-            bar.refresh()
+                shown.status(f"best {best[0].value:.4f} ms {best[0].user_attrs['config']}")
             if frozen.user_attrs.get("failure"):
-                bar.write(f"  trial {frozen.number} {frozen.user_attrs.get('config')} failed "
-                          f"({frozen.user_attrs['failure']}): {frozen.user_attrs.get('reason', '')[:300]}")
+                shown.write(f"  trial {frozen.number} {frozen.user_attrs.get('config')} failed "
+                            f"({frozen.user_attrs['failure']}): {frozen.user_attrs.get('reason', '')[:300]}")
 
         ks = KeyStudy(key, candidates, default, storage=storage, name=f"{study_prefix}/{key}", settings=settings,
                       pool=pool, on_trial=on_trial)
         outcome = ks.run()
-        bar.n = min(outcome.evaluated, bar.total)
-        bar.close()
+        rows.append(summary_row(outcome))
+        shown.update_to(outcome.evaluated)
+        shown.close(finished_line(rows[-1]))
         entry = entry_from(outcome, settings.runner_ups)
         if entry is not None:
             report = merge_into(path, Table(key.gpu, template_hash, prov, {}).with_entries(entry))
             if report.replaced_stale:
                 log(f"note: {path} held tables for other templates; kept as {report.replaced_stale}")
         else:
-            log(f"{key}: no config was measured successfully; nothing written for this key")
-        rows.append(summary_row(outcome))
+            log(f"{key.gpu} {key.label}: no config was measured successfully; nothing written for this key")
         histories[key.slug] = history(ks.trials())
         defaults[key.slug] = rows[-1]["default_ms"]
     return rows, histories, defaults
+
+
+def finished_line(row: dict) -> str:
+    """How a key's progress ends (a summary_row): its best time and config against the default's,
+    or that nothing was measured."""
+    if row["winner"] is None:
+        return f"no config measured successfully, {row['failed']} failed"
+    versus = f" ({row['default_ms'] / row['ms']:.2f}x the default)" if row.get("default_ms") else ""
+    return f"best {row['ms']:.4f} ms {row['winner']}{versus}, {row['failed']} failed"

@@ -148,7 +148,8 @@ class KeyStudy:
         self.feasible = {c.config.name for c in candidates if c.ok}
         if default.name not in self.feasible:
             why = self.by_name[default.name].reason if default.name in self.by_name else "not in the space"
-            raise ValueError(f"{key}: the built-in default {default.name} failed the constraints ({why})")
+            raise ValueError(f"{key.gpu} {key.label}: the built-in default {default.name} failed the constraints "
+                             f"({why})")
         self.values = param_values(candidates, key)
         self.names = list(knobs(key))
         self.study = optuna.create_study(study_name=name, storage=storage, direction="minimize", load_if_exists=True,
