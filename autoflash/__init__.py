@@ -11,8 +11,8 @@ __version__ = "0.1.0"
 
 _EXPORTS = {
     "Explanation": "autoflash.dispatch.explain",
-    "FallbackWarning": "autoflash.dispatch.sdpa",
-    "UnsupportedCallError": "autoflash.dispatch.sdpa",
+    "FallbackWarning": "autoflash.dispatch.policy",
+    "UnsupportedCallError": "autoflash.dispatch.policy",
     "attention": "autoflash.dispatch.sdpa",
     "explain": "autoflash.dispatch.explain",
     "patch_sdpa": "autoflash.dispatch.sdpa",

@@ -39,7 +39,8 @@ from __future__ import annotations
 
 import torch
 
-from autoflash.dispatch.sdpa import UnsupportedCallError, _torch_sdpa, _warn_once, attention, is_strict, plan
+from autoflash.dispatch.policy import UnsupportedCallError, fall_back
+from autoflash.dispatch.sdpa import _torch_sdpa, attention, plan
 from autoflash.dispatch.tensor_memo import MISSING, TensorMemo
 from autoflash.kernels.checks import host_reads_possible
 
@@ -147,6 +148,11 @@ def _refuse_unsupported(s_aux, kwargs) -> None:
                          "expected None: autoflash attends over the key/value tensors it is given")
 
 
+# autoflash.attention runs float32 on the SIMT kernels without switches; every call here carries some
+FLOAT32_REASON = ("float32 through autoflash.hf: its calls run the kernels' switches (bottom-right causal, padding "
+                  "bias, windows), built and tested for float16/bfloat16 only")
+
+
 def window_size(sliding_window: int | None, causal: bool, kv_len: int) -> tuple[int, int]:
     """transformers' sliding_window (the number of keys a query sees, itself included) as the
     kernels' (left, right) window, -1 unbounded: flash-attn's (w - 1, w - 1), right 0 when causal;
@@ -169,8 +175,9 @@ def run(query, key, value, key_mask: torch.Tensor | None, *, causal: bool, windo
                          f"{key.shape[2]})")
     causal = causal and query.shape[2] > 1  # bottom-right: a lone query sees every key either way
     p = plan(query, key, value, None, dropout, False, scale, enable_gqa)
-    if p.reason is not None:
-        return _fallback(p.reason, query, key, value, key_mask, causal, window, softcap, dropout, scale, enable_gqa)
+    reason = p.reason if p.reason is not None or query.dtype != torch.float32 else FLOAT32_REASON
+    if reason is not None:
+        return _fallback(reason, query, key, value, key_mask, causal, window, softcap, dropout, scale, enable_gqa)
     from autoflash.dispatch import flash_api
 
     if _decode_step(query, key, value, dropout):
@@ -254,9 +261,7 @@ def _fallback(reason: str, query, key, value, key_mask, causal, window, softcap,
     if softcap:
         raise UnsupportedCallError(f"autoflash.hf: softcap {softcap} with a call the kernels cannot run ({reason}); "
                                    "torch SDPA has no softcap: use attn_implementation='eager'")
-    if is_strict(None):
-        raise UnsupportedCallError(f"autoflash.hf (strict): {reason}; without strict this call would run torch SDPA")
-    _warn_once(reason)
+    fall_back("autoflash.hf", reason, None)
     mask = sdpa_bool_mask(key_mask, query.shape[2], key.shape[2], causal, window, query.device)
     top_left_causal = mask is None and causal  # only when q_len == kv_len (else a mask is built)
     return _torch_sdpa(query, key, value, attn_mask=mask, dropout_p=dropout, is_causal=top_left_causal, scale=scale,

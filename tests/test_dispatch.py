@@ -185,8 +185,12 @@ def test_each_reason_is_named(kernel_path):
     for word, kw in reasons.items():
         with pytest.warns(FallbackWarning, match=word):
             autoflash.attention(q, k, v, **kw)
-    with pytest.warns(FallbackWarning, match="dtype torch.float32"):
-        autoflash.attention(q.float(), k.float(), v.float())
+    with pytest.warns(FallbackWarning, match="dtype torch.float64"):
+        autoflash.attention(q.double(), k.double(), v.double())
+    with pytest.warns(FallbackWarning, match="float32 with an attn_mask"):  # plain float32 runs the SIMT kernels
+        autoflash.attention(q.float(), k.float(), v.float(), attn_mask=torch.ones(1, 1, 1, 8, dtype=torch.bool))
+    with pytest.warns(FallbackWarning, match="float32 with head_dim 60"):
+        autoflash.attention(*_qkv((1, 2, 8, 60), (1, 2, 8, 60), torch.float32))
     with pytest.warns(FallbackWarning, match="head_dim 264"):
         autoflash.attention(*_qkv((1, 2, 8, 264), (1, 2, 8, 264), torch.bfloat16))
     with pytest.warns(FallbackWarning, match="value 32"):

@@ -92,14 +92,15 @@ def test_masks_over_queries_or_heads_need_their_values_checked(mask_shape):
         varying[..., -1, 0] = ~varying[..., -1, 0]  # the last query row differs
     else:
         varying[:, -1, :, 0] = ~varying[:, -1, :, 0]  # the last head differs
-    assert dispatch.mask_reason(varying, p) == "attn_mask varies over queries or heads: not a key-padding mask"
+    assert dispatch.mask_reason(varying, p) == dispatch.VARYING_MASK
+    assert 'attn_implementation="autofa"' in dispatch.VARYING_MASK  # where a transformers user goes from here
 
 
 def test_a_causal_mask_is_not_key_padding():
     q, k, v = _qkv()
     causal = torch.ones(L, L, dtype=torch.bool).tril()
     p = _plan(q, k, v, causal)
-    assert dispatch.mask_reason(causal, p) == "attn_mask varies over queries or heads: not a key-padding mask"
+    assert dispatch.mask_reason(causal, p) == dispatch.VARYING_MASK
     heads = torch.ones(B, H, 1, L, dtype=torch.bool)
     heads[:, 1, :, :5] = False  # differs between heads
     assert "not a key-padding mask" in dispatch.mask_reason(heads, _plan(q, k, v, heads))
@@ -113,7 +114,7 @@ def test_no_mask_and_reasons_that_come_first():
     with pytest.raises(ValueError, match="attn_mask and is_causal"):  # as SDPA: a mask or is_causal
         _plan(q, k, v, _keep("left")[:, None, None, :], is_causal=True)
     p = _plan(q.float(), k.float(), v.float(), _keep("left")[:, None, None, :])
-    assert "dtype torch.float32" in p.reason
+    assert "float32 with an attn_mask" in p.reason  # the SIMT kernels run float32 without a mask only
 
 
 def test_plans_are_cached_per_mask_metadata_but_checked_per_call():

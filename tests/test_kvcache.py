@@ -313,3 +313,38 @@ def test_a_key_bias_masks_keys_on_the_cache_path(target, lq):
     unmasked, _ = attention_kvcache_ref(q.cpu().float(), k_cache.cpu().float(), v_cache.cpu().float(), [length] * b,
                                         causal=True)
     assert (unmasked - ref).abs().max() > 10 * bound  # the bias mattered
+
+
+@pytest.mark.parametrize("d, paged", [(59, False), (111, True), (20, False)])
+def test_head_dims_off_the_grid_run_zero_padded(target, d, paged):
+    """Head dims flash-attn accepts and the kernels have no tiles for run zero-padded: the result is
+    the padded call's, bit for bit, cut back; the appended rows land in the caller's caches, which
+    keep their head dim; and the output is within FlashAttention's rule of the reference."""
+    dev = device(target)
+    g = torch.Generator().manual_seed(d)
+    width = max(32, -(-d // 8) * 8)
+    q = torch.randn(2, 2, 4, d, generator=g).to(dev, torch.bfloat16)
+    k, v = (torch.randn(2, 2, 2, d, generator=g).to(dev, torch.bfloat16) for _ in range(2))
+    shape = (8, 16, 2, d) if paged else (2, 64, 2, d)
+    k_cache, v_cache = (torch.randn(shape, generator=g).to(dev, torch.bfloat16) for _ in range(2))
+    index = dict(cache_seqlens=torch.tensor([5, 30], dtype=torch.int32, device=dev))
+    if paged:
+        index["block_table"] = torch.tensor([[3, 0, 5, 1], [7, 2, 6, 4]], dtype=torch.int32, device=dev)
+
+    def pad(t):
+        return torch.nn.functional.pad(t, (0, width - d))
+
+    kp, vp = pad(k_cache), pad(v_cache)
+    want, want_lse = flash_attn_with_kvcache(pad(q), kp, vp, pad(k), pad(v), causal=True, softmax_scale=d ** -0.5,
+                                             return_softmax_lse=True, **index)
+    out, lse = flash_attn_with_kvcache(q, k_cache, v_cache, k, v, causal=True, return_softmax_lse=True, **index)
+    assert out.shape == q.shape and k_cache.shape == shape
+    assert torch.equal(out, want[..., :d]) and torch.equal(lse, want_lse)
+    assert torch.equal(k_cache, kp[..., :d]) and torch.equal(v_cache, vp[..., :d])
+    seqused = [7, 32]
+    cpu = dict(block_table=index["block_table"].cpu()) if paged else {}
+    ref, _ = attention_kvcache_ref(q.cpu().float(), k_cache.cpu().float(), v_cache.cpu().float(), seqused, causal=True,
+                                   **cpu)
+    low, _ = attention_kvcache_ref(q.cpu(), k_cache.cpu(), v_cache.cpu(), seqused, causal=True, upcast=False, **cpu)
+    ok, err, bound = within_tolerance(out.cpu(), ref, low)
+    assert ok, f"out: err {err:.3e} > bound {bound:.3e}"

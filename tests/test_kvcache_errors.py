@@ -56,10 +56,10 @@ CASES = {
     "batch_idx paged": (True, dict(cache_batch_idx=torch.zeros(B, dtype=torch.int32)), "cache_batch_idx: got a"),
     "batch_idx past the cache": (False, dict(cache_batch_idx=torch.tensor([0, 2], dtype=torch.int32)),
                                  "indices into the cache's 2 rows"),
-    "head_dim": (False, dict(q=torch.zeros(B, 1, H, 36, dtype=torch.bfloat16),
-                             k_cache=torch.zeros(B, L, HK, 36, dtype=torch.bfloat16),
-                             v_cache=torch.zeros(B, L, HK, 36, dtype=torch.bfloat16), k=None, v=None),
-                 "head_dim: got 36"),
+    "head_dim": (False, dict(q=torch.zeros(B, 1, H, 264, dtype=torch.bfloat16),  # off-grid ones run padded
+                             k_cache=torch.zeros(B, L, HK, 264, dtype=torch.bfloat16),
+                             v_cache=torch.zeros(B, L, HK, 264, dtype=torch.bfloat16), k=None, v=None),
+                 "head_dim: got 264"),
     "dtype": (False, dict(q=torch.zeros(B, 1, H, D)), "expected one of float16, bfloat16"),
     "heads": (False, dict(q=torch.zeros(B, 1, 3, D, dtype=torch.bfloat16)), "kv heads dividing"),
     # caches laid out (batch, heads, seqlen, head_dim): the message names the layout it takes

@@ -1,75 +1,168 @@
-"""`autoflash.explain(query, key, value, ...)`: which path a call would take and why, and on the
-kernels which forward and backward configs, with the table (or heuristic) each came from.
+"""`autoflash.explain(...)`: which path a call would take and why, without running it: on the kernels,
+which kernel family and which forward and backward configs (KV cache: the decode kernel and its
+key splits), with the table (or heuristic) each came from; off them, every reason.
 
-A call with a key-padding attn_mask runs the key-bias variant of the kernels, whose configs
-autoflash.dispatch.flash_api.attention_variant picks: explain names that path and leaves the
-configs out. A (..., Lq, Lk)-shaped mask is checked as the call would check it (its values: one
-comparison), so the path reported is the path taken."""
+Two forms, the same arguments as the call:
+- `explain(query, key, value, attn_mask=None, ...)`: autoflash.attention's call (SDPA's arguments);
+- `explain(autoflash.flash_attn_func, q, k, v, causal=True)`: any entry point of flash-attn's API
+  (flash_attn_func, flash_attn_varlen_func, their packed forms, flash_attn_with_kvcache) or
+  autoflash.attention itself. The function runs its own checks (so a bad call raises here as it
+  would there) and stops where it would launch.
+
+A (..., Lq, Lk)-shaped attn_mask is checked as the call would check it (its values: one comparison),
+so the path reported is the path taken."""
 from __future__ import annotations
 
 import dataclasses
 
 import torch
 
-from autoflash.kernels.checks import DTYPE_NAMES
-from autoflash.dispatch.sdpa import NO_MASK, mask_reason, plan
+from autoflash.dispatch.sdpa import NO_MASK, attention, mask_reason, native_head_dim, plan
 from autoflash.dispatch.selection import Selection
+from autoflash.kernels.checks import DTYPE_NAMES
+
+KERNELS = "autoflash kernels"
+EMULATED = "autoflash kernels (emulated on the CPU)"
+SDPA_FALLBACK = "torch SDPA (fallback)"
+REFERENCE_FALLBACK = "the PyTorch reference (fallback)"
+
+
+def family(config) -> str:
+    """The kernel family a config belongs to, as explain prints it."""
+    if config.dtype == "fp32":
+        return "SIMT (fp32: CUDA cores, no tensor cores; the FlashAttention-2 tiling) for sm_80 and newer"
+    return "mma.sync (FlashAttention-2 design: ldmatrix + mma.sync.m16n8k16, cp.async) for sm_80 and newer"
 
 
 @dataclasses.dataclass(frozen=True)
 class Explanation:
-    path: str  # "autoflash kernels", "autoflash kernels (emulated on the CPU)" or "torch SDPA (fallback)"
+    path: str  # KERNELS, EMULATED, SDPA_FALLBACK or REFERENCE_FALLBACK
     reason: str | None  # why the fallback; None on the kernels
     gpu: str | None  # the profile the configs were selected for
-    forward: Selection | None  # None on the fallback, and for a key-padding mask (the variant's own choice)
-    backward: Selection | None
+    forward: Selection | None  # the kernel (the KV cache's decode kernel); None on a fallback
+    backward: Selection | None  # None on a fallback and for the KV cache (forward only)
     mask: str | None = None  # on the kernels, how the attn_mask runs (None: no mask)
+    entry: str = "autoflash.attention"
+    notes: tuple[str, ...] = ()  # further facts of the choice (padding, key splits)
 
     @property
     def uses_kernels(self) -> bool:
         return self.reason is None
 
+    @property
+    def family(self) -> str | None:
+        return family(self.forward.config) if self.forward is not None else None
+
     def __str__(self) -> str:
         if not self.uses_kernels:
-            return f"path: {self.path}\nreason: {self.reason}"
-        lines = [f"path: {self.path} on {self.gpu}"]
+            return f"entry: {self.entry}\npath: {self.path}\nreason: {self.reason}"
+        lines = [f"entry: {self.entry}", f"path: {self.path} on {self.gpu}"]
+        if self.family:
+            lines.append(f"family: {self.family}")
         if self.mask is not None:
             lines.append(f"mask: {self.mask}")
         for what, sel in (("forward", self.forward), ("backward", self.backward)):
             if sel is None:
                 continue
             c = sel.config
+            key = f" for {sel.key}" if sel.key is not None else ""
             lines.append(f"{what}: {c.name} (block {c.block_m}x{c.block_n}, {c.num_warps} warps, {c.num_stages} "
-                         f"stages, {c.smem_bytes} B shared memory) for {sel.key}\n  from {sel.origin}")
+                         f"stages, {c.smem_bytes} B shared memory){key}\n  from {sel.origin}")
+        lines += self.notes
         return "\n".join(lines)
 
 
-def explain(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, attn_mask: torch.Tensor | None = None,
-            dropout_p: float = 0.0, is_causal: bool = False, scale: float | None = None, enable_gqa: bool = False,
-            *, gpu: str | None = None) -> Explanation:
-    """What autoflash.attention would do with these arguments, without running anything.
+def explain(query, *args, gpu: str | None = None, **kwargs) -> Explanation:
+    """What a call would do, without running anything. `explain(q, k, v, ...)` explains
+    autoflash.attention with SDPA's arguments; `explain(fn, *args, **kwargs)` explains a call of
+    entry point `fn` (autoflash.attention, flash_attn_func, flash_attn_varlen_func, the packed forms,
+    flash_attn_with_kvcache) with the call's own arguments.
 
     gpu=NAME (a profile: "h100", "a100", ...) explains the call as if the tensors were on that GPU,
-    so configs can be inspected on any machine; by default the tensors' own device decides (CPU tensors
-inside autoflash.emulate(): the emulated GPU, path "autoflash kernels (emulated on the CPU)")."""
+    so configs can be inspected on any machine; by default the tensors' own device decides (CPU
+    tensors inside autoflash.emulate(): the emulated GPU, path "autoflash kernels (emulated on the
+    CPU)"; outside it, the fallback and its reason)."""
+    if callable(query) and not isinstance(query, torch.Tensor):
+        if query is attention or getattr(query, "__wrapped__", None) is attention:
+            return _explain_attention(*args, gpu=gpu, **kwargs)
+        return _explain_entry(query, args, kwargs, gpu)
+    return _explain_attention(query, *args, gpu=gpu, **kwargs)
+
+
+def _profile(gpu: str | None, t: torch.Tensor):
     from autoflash.kernels.gpus import get_profile
     from autoflash.kernels.launch import profile_for
-    from autoflash.dispatch.flash_api import padded_head_dim
+
+    return get_profile(gpu) if gpu is not None else profile_for(t, "autoflash.explain")
+
+
+def _path(gpu: str | None, t: torch.Tensor) -> str:
+    return EMULATED if gpu is None and not t.is_cuda else KERNELS
+
+
+def _explain_attention(query, key, value, attn_mask=None, dropout_p: float = 0.0, is_causal: bool = False,
+                       scale: float | None = None, enable_gqa: bool = False, *, gpu: str | None = None,
+                       strict: bool | None = None) -> Explanation:
+    from autoflash.dispatch.flash_api import padded_head_dim, stand_in
     from autoflash.dispatch.selection import select_config
 
     p = plan(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa, device_check=gpu is None)
     reason = mask_reason(attn_mask, p)
     if reason is not None:
-        return Explanation("torch SDPA (fallback)", reason, gpu, None, None)
-    profile = get_profile(gpu) if gpu is not None else profile_for(query, "autoflash.dispatch.explain")
-    emulated = gpu is None and not query.is_cuda
-    path = "autoflash kernels (emulated on the CPU)" if emulated else "autoflash kernels"
-    if p.mask != NO_MASK:
-        return Explanation(path, None, profile.name, None, None,
-                           mask=f"{p.mask}: the kernels' per-key bias (key_bias variant, configs picked by "
-                                "attention_variant)")
-    # a head dim the kernels have no tiles for runs zero-padded to the next one (attention_variant)
-    d = padded_head_dim(query.shape[-1])
-    fwd, bwd = (select_config(profile, direction, DTYPE_NAMES[query.dtype], d, is_causal, key.shape[-2])
+        return Explanation(SDPA_FALLBACK, reason, gpu, None, None)
+    profile = _profile(gpu, query)
+    path = _path(gpu, query)
+    e = query.shape[-1]
+    if p.mask != NO_MASK or not native_head_dim(e):  # attention_variant's path: the variant ops' choice
+        d = padded_head_dim(e)
+        b = max(1, int(torch.Size(p.batch_shape).numel()))
+        stand_ins = [stand_in((b, t.shape[-3], t.shape[-2], d), t.dtype, query.device) for t in (query, key)]
+        kw = dict(causal=is_causal and p.mask == NO_MASK, align="top_left", window=(-1, -1), softcap=0.0,
+                  alibi_slopes=None, key_bias=None)
+        mask = None
+        if p.mask != NO_MASK:
+            kw["key_bias"] = stand_in((b, key.shape[-2]), torch.float32, query.device)
+            mask = f"{p.mask}: the kernels' per-key bias (key_bias switch)"
+        fwd, bwd = _variant_plan(profile, *stand_ins, kw)
+        notes = () if d == e else (f"head_dim {e} runs zero-padded to {d}",)
+        return Explanation(path, None, profile.name, fwd, bwd, mask=mask, notes=notes)
+    fwd, bwd = (select_config(profile, direction, DTYPE_NAMES[query.dtype], e, is_causal, key.shape[-2])
                 for direction in ("fwd", "bwd"))
     return Explanation(path, None, profile.name, fwd, bwd)
+
+
+def _variant_plan(profile, q, k, kw):
+    from autoflash.dispatch.variant_ops import kernel_plan
+
+    return kernel_plan(profile, q, k, kw)
+
+
+def _explain_entry(fn, args, kwargs, gpu: str | None) -> Explanation:
+    from autoflash.dispatch import kvcache
+    from autoflash.dispatch.flash_api import Captured, explaining
+
+    name = getattr(fn, "__name__", repr(fn))
+    try:
+        with explaining():
+            fn(*args, **kwargs)
+    except Captured as captured:
+        call = captured.call
+    else:
+        raise TypeError(f"explain: got {name}, expected autoflash.attention or a function of autoflash's flash-attn "
+                        "API (flash_attn_func, flash_attn_varlen_func, their packed forms, flash_attn_with_kvcache)")
+    entry = name
+    if call.fallback is not None and gpu is None:
+        return Explanation(REFERENCE_FALLBACK, call.fallback, None, None, None, entry=entry)
+    profile = _profile(gpu, call.q)  # the call's own q, or its stand-in on the call's device
+    path = _path(gpu, call.q)
+    notes = () if call.head_dim == call.q.shape[-1] or isinstance(call, kvcache.KvCacheCall) else \
+        (f"head_dim {call.head_dim} runs zero-padded to {call.q.shape[-1]}",)
+    if isinstance(call, kvcache.KvCacheCall):
+        selection, splits, how = kvcache.kernel_plan(profile, call)
+        notes = (f"key splits: {splits} ({how})",)
+        if call.head_dim != call.shape.head_dim:
+            notes += (f"head_dim {call.shape.head_dim} runs zero-padded to {call.head_dim} (the caches copied "
+                      "padded for each call)",)
+        return Explanation(path, None, profile.name, selection, None, entry=entry, notes=notes)
+    fwd, bwd = _variant_plan(profile, call.q, call.k, call.variant)
+    return Explanation(path, None, profile.name, fwd, bwd, entry=entry, notes=notes)

@@ -10,7 +10,9 @@ what is accepted) before anything is launched, zero-pads head dims the kernels h
 and calls the custom ops of autoflash/dispatch/variant_ops.py, which run the kernels on CUDA (or on
 the CPU inside autoflash.emulate()) and are differentiable and torch.compile-able. On CPU tensors
 outside autoflash.emulate() they compute the PyTorch reference instead (in fp32: slow, for tests
-and for code that must run anywhere).
+and for code that must run anywhere), after one FallbackWarning per reason; strict=True (or
+AUTOFLASH_STRICT=1) raises UnsupportedCallError there instead (autoflash.dispatch.policy).
+`strict` is the one keyword flash-attn's functions do not have.
 
 What flash-attn has and this does not: attention dropout (dropout_p must be 0.0), the returned
 attention probabilities (return_attn_probs gives None in their place, as flash-attn does without
@@ -18,6 +20,8 @@ dropout). KV caches, paged ones included, are flash_attn_with_kvcache's (dispatc
 """
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import dataclasses
 import math
 import operator
@@ -25,7 +29,8 @@ import operator
 import torch
 import torch.nn.functional as F
 
-from autoflash.dispatch import variant_ops  # noqa: F401  (registers torch.ops.autoflash.flash_fwd / flash_bwd)
+from autoflash.dispatch import variant_ops  # registers torch.ops.autoflash.flash_fwd / flash_bwd
+from autoflash.dispatch.policy import CPU_REASON, REFERENCE, emulating, fall_back, is_strict
 from autoflash.kernels.checks import checks_values, window_pair
 from autoflash.kernels.config import ALIGNS, HEAD_DIM_MAX, HEAD_DIM_MIN, HEAD_DIM_STEP
 
@@ -240,15 +245,73 @@ def _pad(t: torch.Tensor, width: int) -> torch.Tensor:
     return t if t.shape[-1] == width else F.pad(t, (0, width - t.shape[-1]))
 
 
+@dataclasses.dataclass(frozen=True)
+class CheckedCall:
+    """A call of the flash-attn API after its checks, as it would reach the kernels (explain mode):
+    q, k, v zero-padded to the kernels' head dim (stand-ins on the call's device: metadata only), the
+    ops' variant keywords, and why it would not run on the kernels (None if it would)."""
+
+    entry: str
+    q: torch.Tensor
+    k: torch.Tensor
+    v: torch.Tensor
+    scale: float
+    variant: dict
+    deterministic: bool
+    fallback: str | None
+    head_dim: int  # the caller's, before padding
+
+
+class Captured(Exception):
+    """Raised instead of running, inside explaining(): carries the CheckedCall."""
+
+    def __init__(self, call):
+        super().__init__(type(call).__name__)
+        self.call = call
+
+
+_EXPLAINING = contextvars.ContextVar("autoflash_explaining", default=False)
+
+
+@contextlib.contextmanager
+def explaining():
+    """A context in which the entry points check their arguments and raise Captured instead of running."""
+    token = _EXPLAINING.set(True)
+    try:
+        yield
+    finally:
+        _EXPLAINING.reset(token)
+
+
+def stand_in(shape, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """A tensor of `shape`, `dtype` on `device` holding one row (expanded over the other dims, the
+    last one contiguous): what explain hands the config choice, which reads metadata only."""
+    return torch.empty(shape[-1], dtype=dtype, device=device).expand(shape)
+
+
+def cpu_fallback(t: torch.Tensor) -> str | None:
+    """Why a call on `t` would not run the kernels (CPU tensors outside autoflash.emulate()), or None."""
+    return CPU_REASON if t.device.type == "cpu" and not emulating() else None
+
+
 def _run(q, k, v, *, scale: float, causal: bool, align: str, window: tuple[int, int], softcap: float, alibi_slopes,
-         key_bias, packed, deterministic: bool):
+         key_bias, packed, deterministic: bool, entry: str, strict: bool | None):
     """(out, lse) from the forward op on checked arguments; q, k, v zero-padded to the kernels' head
     dim and out cut back (autograd sees the original width). `packed`: (cu_seqlens_q, cu_seqlens_k,
-    max_seqlen_q, max_seqlen_k) or None."""
-    d = q.shape[-1]
+    max_seqlen_q, max_seqlen_k) or None. On CPU tensors outside autoflash.emulate() the op computes
+    the PyTorch reference: the fallback policy's warning first (autoflash.dispatch.policy)."""
+    d, device = q.shape[-1], q.device
     width = padded_head_dim(d)
-    q, k, v = (_pad(t, width) for t in (q, k, v))
     cu_q, cu_k, max_q, max_k = packed if packed is not None else (None, None, 0, 0)
+    reason = cpu_fallback(q)
+    if not torch.compiler.is_compiling() and _EXPLAINING.get():  # stand-ins of the padded tensors: their metadata, no copy
+        q, k, v = (stand_in((*t.shape[:-1], width), t.dtype, device) for t in (q, k, v))
+        kw = variant_ops._variant(causal, align, window[0], window[1], softcap, alibi_slopes, key_bias, cu_q, cu_k,
+                                  max_q, max_k)
+        raise Captured(CheckedCall(entry, q, k, v, scale, kw, deterministic, reason, d))
+    q, k, v = (_pad(t, width) for t in (q, k, v))
+    if reason is not None:
+        fall_back(entry, reason, strict, REFERENCE, explain=f"autoflash.explain(autoflash.{entry}, ...)")
     out, lse = torch.ops.autoflash.flash_fwd(q, k, v, alibi_slopes, key_bias, cu_q, cu_k, scale, causal, align,
                                              window[0], window[1], softcap, max_q, max_k, deterministic)
     return (out if width == d else out[..., :d]), lse
@@ -257,7 +320,7 @@ def _run(q, k, v, *, scale: float, causal: bool, align: str, window: tuple[int, 
 def attention_variant(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, scale: float | None = None,
                       causal: bool = False, align: str = "top_left", window=(-1, -1), softcap: float = 0.0,
                       alibi_slopes: torch.Tensor | None = None, key_bias: torch.Tensor | None = None,
-                      deterministic: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+                      deterministic: bool = False, strict: bool | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Differentiable attention with flash-attn's variants, in SDPA's layout: (out like q, lse
     (B, Hq, Lq) fp32); gradients for q, k, v.
 
@@ -277,12 +340,14 @@ def attention_variant(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, scal
                                                                                q.device),
                     key_bias=_check_fp32("key_bias", key_bias, ((dims.batch, dims.seqlen_k),), q.device,
                                          "(batch, seqlen_k): one additive bias per key"),
-                    packed=None, deterministic=_check_flag("deterministic", deterministic))
+                    packed=None, deterministic=_check_flag("deterministic", deterministic),
+                    entry="dispatch.flash_api.attention_variant", strict=strict)
     return out, lse
 
 
-def _check_common(dropout_p, causal, deterministic, return_attn_probs) -> None:
+def _check_common(dropout_p, causal, deterministic, return_attn_probs, strict) -> None:
     _check_dropout(dropout_p)
+    is_strict(strict)  # a bool or None
     for name, flag in (("causal", causal), ("deterministic", deterministic), ("return_attn_probs", return_attn_probs)):
         _check_flag(name, flag)
 
@@ -294,7 +359,7 @@ def _result(out: torch.Tensor, lse: torch.Tensor, return_attn_probs: bool):
 
 # ------------------------------------------------------------------ flash-attn's API
 def flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False, window_size=(-1, -1), softcap=0.0,
-                    alibi_slopes=None, deterministic=False, return_attn_probs=False):
+                    alibi_slopes=None, deterministic=False, return_attn_probs=False, *, strict=None):
     """flash-attn's flash_attn_func: q (batch, seqlen_q, heads, head_dim), k and v (batch, seqlen_k,
     heads_k, head_dim) with heads_k dividing heads (MQA/GQA), float16/bfloat16, head_dim 1..256.
 
@@ -307,20 +372,20 @@ def flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False, wi
     Returns out (batch, seqlen_q, heads, head_dim); with return_attn_probs=True (out, softmax_lse
     (batch, heads, seqlen_q) fp32, None). Differentiable in q, k, v.
     """
-    _check_common(dropout_p, causal, deterministic, return_attn_probs)
+    _check_common(dropout_p, causal, deterministic, return_attn_probs, strict)
     dims = _check_qkv(q, k, v, "bshd")
     out, lse = _run(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
                     scale=_check_scale("softmax_scale", softmax_scale, dims.head_dim), causal=causal,
                     align="bottom_right", window=_check_window("window_size", window_size, causal),
                     softcap=_check_softcap(softcap),
                     alibi_slopes=_check_alibi(alibi_slopes, dims.batch, dims.heads, q.device),
-                    key_bias=None, packed=None, deterministic=deterministic)
+                    key_bias=None, packed=None, deterministic=deterministic, entry="flash_attn_func", strict=strict)
     return _result(out.transpose(1, 2), lse, return_attn_probs)
 
 
 def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p=0.0,
                            softmax_scale=None, causal=False, window_size=(-1, -1), softcap=0.0, alibi_slopes=None,
-                           deterministic=False, return_attn_probs=False, block_table=None):
+                           deterministic=False, return_attn_probs=False, block_table=None, *, strict=None):
     """flash-attn's flash_attn_varlen_func: packed sequences. q (total_q, heads, head_dim), k and v
     (total_k, heads_k, head_dim); cu_seqlens_q / cu_seqlens_k int32 (batch + 1,), the cumulative
     lengths (sequence b is rows cu[b]:cu[b + 1]; zero-length sequences are allowed); max_seqlen_q /
@@ -330,7 +395,7 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
     Returns out (total_q, heads, head_dim); with return_attn_probs=True (out, softmax_lse (heads,
     total_q) fp32, None). block_table (paged KV cache) is not supported: it must be None.
     """
-    _check_common(dropout_p, causal, deterministic, return_attn_probs)
+    _check_common(dropout_p, causal, deterministic, return_attn_probs, strict)
     if block_table is not None:
         raise ValueError(f"block_table: got {type(block_table).__name__}, expected None (autoflash has no paged "
                          "KV cache)")
@@ -340,7 +405,8 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
     out, lse = _run(q, k, v, scale=_check_scale("softmax_scale", softmax_scale, dims.head_dim), causal=causal,
                     align="bottom_right", window=_check_window("window_size", window_size, causal),
                     softcap=_check_softcap(softcap), alibi_slopes=_check_alibi(alibi_slopes, batch, dims.heads, q.device),
-                    key_bias=None, packed=(cu_q, cu_k, max_q, max_k), deterministic=deterministic)
+                    key_bias=None, packed=(cu_q, cu_k, max_q, max_k), deterministic=deterministic,
+                    entry="flash_attn_varlen_func", strict=strict)
     return _result(out, lse, return_attn_probs)
 
 
@@ -354,35 +420,39 @@ def _unpack(name: str, t, parts: int, layout: str, axis: int) -> tuple[torch.Ten
 
 
 def flash_attn_qkvpacked_func(qkv, dropout_p=0.0, softmax_scale=None, causal=False, window_size=(-1, -1),
-                              softcap=0.0, alibi_slopes=None, deterministic=False, return_attn_probs=False):
+                              softcap=0.0, alibi_slopes=None, deterministic=False, return_attn_probs=False, *,
+                              strict=None):
     """flash_attn_func on qkv (batch, seqlen, 3, heads, head_dim); the gradient comes back packed."""
     q, k, v = _unpack("qkv", qkv, 3, "(batch, seqlen, 3, heads, head_dim)", 2)
     return flash_attn_func(q, k, v, dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes,
-                           deterministic, return_attn_probs)
+                           deterministic, return_attn_probs, strict=strict)
 
 
 def flash_attn_kvpacked_func(q, kv, dropout_p=0.0, softmax_scale=None, causal=False, window_size=(-1, -1),
-                             softcap=0.0, alibi_slopes=None, deterministic=False, return_attn_probs=False):
+                             softcap=0.0, alibi_slopes=None, deterministic=False, return_attn_probs=False, *,
+                             strict=None):
     """flash_attn_func on q (batch, seqlen_q, heads, head_dim) and kv (batch, seqlen_k, 2, heads_k, head_dim)."""
     k, v = _unpack("kv", kv, 2, "(batch, seqlen_k, 2, heads_k, head_dim)", 2)
     return flash_attn_func(q, k, v, dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes,
-                           deterministic, return_attn_probs)
+                           deterministic, return_attn_probs, strict=strict)
 
 
 def flash_attn_varlen_qkvpacked_func(qkv, cu_seqlens, max_seqlen, dropout_p=0.0, softmax_scale=None, causal=False,
                                      window_size=(-1, -1), softcap=0.0, alibi_slopes=None, deterministic=False,
-                                     return_attn_probs=False):
+                                     return_attn_probs=False, *, strict=None):
     """flash_attn_varlen_func on qkv (total, 3, heads, head_dim): queries and keys share cu_seqlens."""
     q, k, v = _unpack("qkv", qkv, 3, "(total, 3, heads, head_dim)", 1)
     return flash_attn_varlen_func(q, k, v, cu_seqlens, cu_seqlens, max_seqlen, max_seqlen, dropout_p, softmax_scale,
-                                  causal, window_size, softcap, alibi_slopes, deterministic, return_attn_probs)
+                                  causal, window_size, softcap, alibi_slopes, deterministic, return_attn_probs,
+                                  strict=strict)
 
 
 def flash_attn_varlen_kvpacked_func(q, kv, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p=0.0,
                                     softmax_scale=None, causal=False, window_size=(-1, -1), softcap=0.0,
-                                    alibi_slopes=None, deterministic=False, return_attn_probs=False):
+                                    alibi_slopes=None, deterministic=False, return_attn_probs=False, *,
+                                    strict=None):
     """flash_attn_varlen_func on q (total_q, heads, head_dim) and kv (total_k, 2, heads_k, head_dim)."""
     k, v = _unpack("kv", kv, 2, "(total_k, 2, heads_k, head_dim)", 1)
     return flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p,
                                   softmax_scale, causal, window_size, softcap, alibi_slopes, deterministic,
-                                  return_attn_probs)
+                                  return_attn_probs, strict=strict)

@@ -15,10 +15,13 @@ launches per step.
 
 No `from __future__ import annotations` here: torch.library reads the op's annotations as types.
 """
+import dataclasses
 from typing import Optional
 
 import torch
 
+from autoflash.dispatch.flash_api import _EXPLAINING, Captured, _pad, cpu_fallback, padded_head_dim
+from autoflash.dispatch.policy import REFERENCE, fall_back, is_strict
 from autoflash.dispatch.variant_ops import _like
 from autoflash.kernels.checks import check_scale, chunked, checks_values, window_pair
 from autoflash.kernels.decode import CacheShape, check_kvcache
@@ -119,7 +122,7 @@ def _append(cache: torch.Tensor, new: torch.Tensor, cache_seqlens, cache_batch_i
 def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None, rotary_sin=None, cache_seqlens=None,
                             cache_batch_idx=None, cache_leftpad=None, block_table=None, softmax_scale=None,
                             causal=False, window_size=(-1, -1), softcap=0.0, rotary_interleaved=True,
-                            alibi_slopes=None, num_splits=0, return_softmax_lse=False):
+                            alibi_slopes=None, num_splits=0, return_softmax_lse=False, *, strict=None):
     """Attention of q over a KV cache, appending new keys and values first (flash-attn 2.x).
 
     q: (batch, seqlen_q, heads, head_dim). k_cache, v_cache: (batch_cache, seqlen_cache, heads_kv,
@@ -139,14 +142,22 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
     head_dim), and with return_softmax_lse also the natural-log LSE (batch, heads, seqlen_q) fp32
     (+inf for rows that see no key, whose out is 0).
 
+    Head dims 1..256 off the kernels' grid (not multiples of 8 in 32..256) run zero-padded, as
+    flash_attn_func's do: the caches are copied padded for the call (and, when k and v are appended,
+    written back into the caller's caches, which keep their head dim): a copy of the whole cache per
+    call, so a model with such a head dim decodes far slower than at 64 or 128.
+    On CPU tensors outside autoflash.emulate() the attention is the PyTorch reference, after one
+    FallbackWarning; strict=True (or AUTOFLASH_STRICT=1) raises UnsupportedCallError there instead.
+
     One custom op, autoflash::flash_kvcache (mutating k_cache and v_cache), so torch.compile traces
     it as a single node."""
-    check_kvcache(q, k_cache, v_cache, k=k, v=v, rotary_cos=rotary_cos, rotary_sin=rotary_sin,
-                  cache_seqlens=cache_seqlens, cache_batch_idx=cache_batch_idx, cache_leftpad=cache_leftpad,
-                  block_table=block_table)
+    shape = check_kvcache(q, k_cache, v_cache, k=k, v=v, rotary_cos=rotary_cos, rotary_sin=rotary_sin,
+                          cache_seqlens=cache_seqlens, cache_batch_idx=cache_batch_idx, cache_leftpad=cache_leftpad,
+                          block_table=block_table, any_head_dim=True)
     _check_flag("causal", causal)
     _check_flag("rotary_interleaved", rotary_interleaved)
     _check_flag("return_softmax_lse", return_softmax_lse)
+    is_strict(strict)
     window_size = window_pair("window_size", window_size)
     if isinstance(num_splits, bool) or not isinstance(num_splits, int) or num_splits < 0:
         raise ValueError(f"num_splits: got {num_splits!r}, expected an int >= 0 (0 chooses)")
@@ -154,15 +165,77 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
         raise TypeError(f"softcap: got {softcap!r}, expected a float >= 0 (0 = no capping)")
     if softmax_scale is not None and (isinstance(softmax_scale, bool) or not isinstance(softmax_scale, (int, float))):
         raise TypeError(f"softmax_scale: got {softmax_scale!r}, expected a float or None")
+    d, width = shape.head_dim, padded_head_dim(shape.head_dim)
+    scale = check_scale(softmax_scale, d)  # of the caller's head dim, padded or not
     seqlens_tensor = cache_seqlens if isinstance(cache_seqlens, torch.Tensor) else None
+    reason = cpu_fallback(q)
+    if _explaining():
+        raise Captured(KvCacheCall(q, k_cache, shape, alibi_slopes, causal, window_size, float(softcap), num_splits,
+                                   reason, width))
+    if reason is not None:
+        fall_back("flash_attn_with_kvcache", reason, strict, REFERENCE,
+                  explain="autoflash.explain(autoflash.flash_attn_with_kvcache, ...)")
+    caches = (k_cache, v_cache)
+    if width != d:  # zero-padded copies; the rows appended to them go back into the caller's caches below
+        q, k, v, k_cache, v_cache = (None if t is None else _pad(t, width) for t in (q, k, v, k_cache, v_cache))
     out, lse = flash_kvcache(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, seqlens_tensor,
                              cache_seqlens if seqlens_tensor is None else 0, cache_batch_idx, cache_leftpad,
-                             block_table, alibi_slopes, None, None if softmax_scale is None else float(softmax_scale),
-                             causal, window_size[0], window_size[1], float(softcap), rotary_interleaved, num_splits)
+                             block_table, alibi_slopes, None, scale, causal, window_size[0], window_size[1],
+                             float(softcap), rotary_interleaved, num_splits)
+    if width != d:
+        if k is not None:
+            for cache, padded in zip(caches, (k_cache, v_cache)):
+                cache.copy_(padded[..., :d])
+        out = out[..., :d]
     if torch.is_grad_enabled() and any(isinstance(t, torch.Tensor) and t.requires_grad
-                                       for t in (q, k_cache, v_cache, k, v)):
+                                       for t in (q, *caches, k, v)):
         out, lse = _ForwardOnly.apply(out), _ForwardOnly.apply(lse)
     return (out, lse) if return_softmax_lse else out
+
+
+@dataclasses.dataclass(frozen=True)
+class KvCacheCall:
+    """A flash_attn_with_kvcache call after its checks (explain mode): what the kernel choice reads,
+    and why it would not run on the kernels (None if it would). head_dim: the kernels' (padded)."""
+
+    q: torch.Tensor
+    k_cache: torch.Tensor
+    shape: CacheShape
+    alibi_slopes: Optional[torch.Tensor]
+    causal: bool
+    window: tuple
+    softcap: float
+    num_splits: int
+    fallback: Optional[str]
+    head_dim: int
+
+
+def kernel_plan(profile, call: KvCacheCall):
+    """(Selection of the KV-cache kernel a call launches, its key splits, how they were chosen):
+    metadata only, what flash_kvcache and kernels.decode.flash_decode pick (autoflash.explain)."""
+    from autoflash.dispatch.selection import HEURISTIC, Selection, select_decode
+    from autoflash.kernels.checks import DTYPE_NAMES
+    from autoflash.kernels.decode import decode_launch, packed_heads
+
+    shape = dataclasses.replace(call.shape, head_dim=call.head_dim)
+    causal, variant = resolve(call.q.transpose(1, 2), call.k_cache.transpose(1, 2), call.causal, align="bottom_right",
+                              window=call.window, softcap=call.softcap, alibi_slopes=call.alibi_slopes,
+                              cache_len=shape.capacity)
+    tuned, tuned_splits = select_decode(profile, call.q, shape)
+    runs_tuned = tuned is not None and not _has_switches(call.window, call.softcap, call.alibi_slopes, None)
+    config, splits = decode_launch(shape, DTYPE_NAMES[call.q.dtype], profile, causal, variant,
+                                   tuned if runs_tuned else None, call.num_splits or tuned_splits,
+                                   packed_heads(shape, call.alibi_slopes))
+    origin = "tuned decode table (autoflash.dispatch.selection.select_decode)" if runs_tuned else HEURISTIC
+    how = ("num_splits given" if call.num_splits else "tuned split count" if tuned_splits
+           else "split heuristic, kernels.decode.choose_num_splits")
+    return Selection(None, config, origin), splits, how
+
+
+def _has_switches(window, softcap, alibi_slopes, key_bias) -> bool:
+    """Whether a call carries a switch the tuned decode tiles were not measured with (their registers
+    may spill with it, see kernels.defaults): those calls take the built-in tiles."""
+    return tuple(window) != (-1, -1) or bool(softcap) or alibi_slopes is not None or key_bias is not None
 
 
 class _ForwardOnly(torch.autograd.Function):
@@ -230,9 +303,7 @@ def flash_kvcache(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
         from autoflash.kernels.launch import profile_for
 
         config, tuned_splits = select_decode(profile_for(q, "flash_attn_with_kvcache"), q, shape)
-        if window != (-1, -1) or softcap or alibi_slopes is not None or key_bias is not None:
-            # Tuned tiles were measured without these switches' registers (they may spill with them,
-            # see kernels.defaults): the built-in tiles for the kernel, the tuned split count still.
+        if _has_switches(window, softcap, alibi_slopes, key_bias):  # the built-in tiles, the tuned split count
             config = None
         out, lse = flash_decode(chunked(q), k_cache, v_cache, seqused, num_splits=num_splits or tuned_splits,
                                 config=config, **kw)
@@ -258,6 +329,11 @@ def attention_over_cache(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.
     out, _ = flash_kvcache(q, k_cache, v_cache, None, None, None, None, None, seqlen, None, cache_leftpad, None, None,
                            key_bias, scale, causal, window[0], window[1], float(softcap), False, 0)
     return out
+
+
+def _explaining() -> bool:
+    """Inside autoflash.explain (never while torch.compile traces: explain runs eagerly)."""
+    return not torch.compiler.is_compiling() and _EXPLAINING.get()
 
 
 def _emulating() -> bool:

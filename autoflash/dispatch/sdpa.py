@@ -23,11 +23,12 @@ import contextlib
 import dataclasses
 import functools
 import math
-import os
-import warnings
 
 import torch
 
+from autoflash.dispatch.policy import fall_back
+from autoflash.dispatch.policy import (  # noqa: F401  (the policy's names, importable from here as before)
+    STRICT_ENV, FallbackWarning, UnsupportedCallError, _warned)
 from autoflash.dispatch.tensor_memo import MISSING, TensorMemo
 from autoflash.kernels.checks import GRID_YZ_MAX, device_index, host_reads_possible
 from autoflash.kernels.config import HEAD_DIM_MAX, HEAD_DIM_MIN, HEAD_DIM_STEP
@@ -36,16 +37,8 @@ from autoflash.kernels.config import HEAD_DIM_MAX, HEAD_DIM_MIN, HEAD_DIM_STEP
 # route the fallback back into autoflash.
 _torch_sdpa = torch._C._nn.scaled_dot_product_attention
 
-KERNEL_DTYPES = (torch.float16, torch.bfloat16)
-STRICT_ENV = "AUTOFLASH_STRICT"
-
-
-class UnsupportedCallError(ValueError):
-    """Raised in strict mode for a call the kernels cannot run (instead of falling back to SDPA)."""
-
-
-class FallbackWarning(RuntimeWarning):
-    """A call ran torch SDPA instead of the autoflash kernels; given once per reason per process."""
+# fp16/bf16 on tensor cores, fp32 on the SIMT path (plain calls only: see _decide)
+KERNEL_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
 
 # Plan.mask: how an attn_mask reaches the kernels
@@ -254,7 +247,7 @@ def _decide(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gq
         return Plan(f"{query.device.type} tensors: the kernels run on CUDA GPUs (or on the CPU inside "
                     "autoflash.emulate())", sc)
     if query.dtype not in KERNEL_DTYPES:
-        return Plan(f"dtype {query.dtype}: the kernels run float16 and bfloat16", sc)
+        return Plan(f"dtype {query.dtype}: the kernels run float16, bfloat16 and float32", sc)
     mask = _mask_kind(attn_mask, query)
     if attn_mask is not None and attn_mask.requires_grad:
         return Plan("attn_mask requires grad: the kernels give no gradient for a mask", sc)
@@ -269,6 +262,11 @@ def _decide(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gq
                     f"{HEAD_DIM_MAX}", sc)
     if not sc > 0.0:
         return Plan(f"scale {sc}: the kernels take a positive scale", sc)
+    if query.dtype == torch.float32 and (attn_mask is not None or not native_head_dim(e)):
+        what = "an attn_mask" if attn_mask is not None else f"head_dim {e}"
+        return Plan(f"float32 with {what}: the float32 (SIMT) kernels run plain and causal calls at head dims "
+                    f"{HEAD_DIM_MIN}..{HEAD_DIM_MAX} in steps of {HEAD_DIM_STEP}; their variant switches are built "
+                    "and tested for float16/bfloat16 only", sc)
     if query.dim() < 3 or not (query.dim() == key.dim() == value.dim()) \
             or query.shape[:-3] != key.shape[:-3] or key.shape[:-3] != value.shape[:-3] \
             or (not enable_gqa and not (query.shape[-3] == key.shape[-3] == value.shape[-3])):
@@ -309,7 +307,9 @@ def _first_row(attn_mask: torch.Tensor) -> torch.Tensor:
     return _with_heads_dim(attn_mask).narrow(-2, 0, 1).narrow(-3, 0, 1)
 
 
-VARYING_MASK = "attn_mask varies over queries or heads: not a key-padding mask"
+VARYING_MASK = ("attn_mask varies over queries or heads: not a key-padding mask (a transformers model on "
+                "attn_implementation=\"sdpa\" hands over such a 4D mask for a padded batch: "
+                "autoflash.hf.register() and attn_implementation=\"autofa\" run it on the kernels)")
 CAPTURED_MASK = ("attn_mask shaped (..., Lq, Lk) under CUDA graph capture: telling a key-padding mask from "
                  "another reads its values, which capture forbids (masks that broadcast over queries and "
                  "heads, e.g. (B, 1, 1, Lk), run on the kernels)")
@@ -349,29 +349,6 @@ def key_bias(attn_mask: torch.Tensor, batch_shape: tuple[int, ...], seqlen_k: in
     return row.to(torch.float32, copy=True)
 
 
-# ------------------------------------------------------------------ fallback policy
-_warned: set[str] = set()
-
-
-@torch.compiler.assume_constant_result
-def _warn_once(reason: str) -> bool:
-    """One FallbackWarning per reason per process (under torch.compile: once, at trace time)."""
-    if reason not in _warned:
-        _warned.add(reason)
-        warnings.warn(f"autoflash: running torch SDPA instead of the autoflash kernels: {reason} "
-                      f"(strict=True or {STRICT_ENV}=1 raises instead; autoflash.explain(...) shows the path)",
-                      FallbackWarning, stacklevel=3)
-    return True
-
-
-def is_strict(strict: bool | None) -> bool:
-    if strict is None:
-        return os.environ.get(STRICT_ENV, "").strip().lower() in ("1", "true", "yes", "on")
-    if not isinstance(strict, bool):
-        raise TypeError(f"strict: got {strict!r}, expected a bool or None ({STRICT_ENV})")
-    return strict
-
-
 # ------------------------------------------------------------------ the entry point
 def attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, attn_mask: torch.Tensor | None = None,
               dropout_p: float = 0.0, is_causal: bool = False, scale: float | None = None, enable_gqa: bool = False,
@@ -388,18 +365,17 @@ def attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, attn_
     masked gets output 0 from the kernels; torch SDPA gives 0 or NaN there, by backend and version.
     Head dims up to 256 that the kernels have no tiles for (not multiples of 8, or below 32) run
     zero-padded, as flash-attn's wrapper does.
-    What the kernels do not run yet (CPU tensors, float32, other masks, a mask that requires grad,
-    dropout, a value head dim other than the query's, head dims over 256, broadcast batch dims) runs
-    torch SDPA with one FallbackWarning per
-    reason; strict=True (or AUTOFLASH_STRICT=1) raises UnsupportedCallError instead.
+    float32 runs the SIMT kernels (no tensor cores) for calls without a mask at the kernels' own head
+    dims. What the kernels do not run (CPU tensors outside autoflash.emulate(), float64, float32
+    with a mask or a padded head dim, other masks, a mask that requires grad, dropout, a value head
+    dim other than the query's, head dims over 256, broadcast batch dims) runs torch SDPA with one
+    FallbackWarning per reason; strict=True (or AUTOFLASH_STRICT=1) raises UnsupportedCallError
+    instead (autoflash.dispatch.policy).
     """
     p = plan(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa)
     reason = mask_reason(attn_mask, p)
     if reason is not None:
-        if is_strict(strict):
-            raise UnsupportedCallError(f"autoflash.attention (strict): {reason}; without strict this call "
-                                       "would run torch SDPA")
-        _warn_once(reason)
+        fall_back("autoflash.attention", reason, strict)
         return _torch_sdpa(query, key, value, attn_mask=attn_mask, dropout_p=dropout_p, is_causal=is_causal,
                            scale=scale, enable_gqa=enable_gqa)
     q, k, v = (t if t.dim() == 4 else t.reshape(-1, *t.shape[-3:]) for t in (query, key, value))

@@ -18,7 +18,7 @@ from typing import Optional
 
 import torch
 
-from autoflash.dispatch.selection import HEURISTIC, select_config
+from autoflash.dispatch.selection import HEURISTIC, Selection, select_config
 from autoflash.kernels.checks import DTYPE_NAMES, chunked
 from autoflash.kernels.launch import flash_backward, flash_forward, profile_for
 
@@ -51,6 +51,12 @@ def _like(t: torch.Tensor, ref: torch.Tensor) -> torch.Tensor:
 
 # ------------------------------------------------------------------ the kernels
 def _config(q: torch.Tensor, direction: str, kw: dict, seqlen_k: int):
+    """The tuned config for a call on q's GPU (tuned_selection), or None: the launcher's built-in tiles."""
+    selection = tuned_selection(profile_for(q, "autoflash.dispatch.variant_ops"), q, direction, kw, seqlen_k)
+    return None if selection is None else selection.config
+
+
+def tuned_selection(profile, q: torch.Tensor, direction: str, kw: dict, seqlen_k: int):
     """A tuned config for the call when a table has one for its key, else None (the launcher then
     takes its built-in tiles for kernels carrying variant switches). The key's variant: packed
     sequences are "varlen" (bucketed by max_seqlen_k), a causal sliding window (right side 0) is
@@ -58,7 +64,6 @@ def _config(q: torch.Tensor, direction: str, kw: dict, seqlen_k: int):
     switch at all: they were measured without the registers a switch needs (spills, see
     autoflash.kernels.defaults), so a softcap, ALiBi, key-bias, bottom-right or two-sided-window
     call takes the variant tiles instead."""
-    profile = profile_for(q, "autoflash.dispatch.variant_ops")
     left, right = kw["window"]
     windowed = (left, right) != (-1, -1)
     if "cu_seqlens_k" in kw:
@@ -75,7 +80,28 @@ def _config(q: torch.Tensor, direction: str, kw: dict, seqlen_k: int):
                                   variant=variant)
     except ValueError:  # a variant with no tuner key (e.g. fp32): the built-in tiles
         return None
-    return None if selection.origin == HEURISTIC else selection.config
+    return None if selection.origin == HEURISTIC else selection
+
+
+def kernel_plan(profile, q, k, kw: dict, directions=("fwd", "bwd")) -> tuple:
+    """What the ops would launch for a checked call, per direction: Selection(tuner key or None,
+    the KernelConfig with the call's switches, where its tiles came from). Metadata only: nothing is
+    compiled or launched (autoflash.explain)."""
+    from autoflash.kernels.launch import variant_config
+    from autoflash.kernels.variants import resolve, views
+
+    _, q4, k4, _ = views(q, k, k, kw.get("cu_seqlens_q"), kw.get("cu_seqlens_k"))
+    rest = {n: value for n, value in kw.items() if n != "causal"}
+    causal, variant = resolve(q4, k4, kw["causal"], **rest)
+    dtype, d = DTYPE_NAMES[q.dtype], q.shape[-1]
+    chosen = []
+    for direction in directions:
+        tuned = tuned_selection(profile, q, direction, kw, max(1, _seqlen_k(k, kw)))
+        config = variant_config(tuned.config if tuned else None, direction, d, dtype, causal, variant, profile)
+        origin = tuned.origin if tuned else HEURISTIC + (", the tiles for the call's variant switches"
+                                                          if variant.needs_registers else "")
+        chosen.append(Selection(tuned.key if tuned else None, config, origin))
+    return tuple(chosen)
 
 
 def _seqlen_k(k: torch.Tensor, kw: dict) -> int:

@@ -59,9 +59,10 @@ def _int32_vector(name: str, t, batch: int, device: torch.device) -> None:
 
 
 def check_kvcache(q, k_cache, v_cache, *, k=None, v=None, rotary_cos=None, rotary_sin=None, cache_seqlens=None,
-                  cache_batch_idx=None, cache_leftpad=None, block_table=None) -> CacheShape:
+                  cache_batch_idx=None, cache_leftpad=None, block_table=None, any_head_dim: bool = False) -> CacheShape:
     """Metadata checks of a flash_attn_with_kvcache call (shapes, dtypes, devices, layouts: nothing
-    that reads a value); raises ValueError / TypeError with what was got and what is accepted."""
+    that reads a value); raises ValueError / TypeError with what was got and what is accepted.
+    The kernel's head dims only, unless `any_head_dim` (1..HEAD_DIM_MAX: the caller zero-pads)."""
     for name, t in (("q", q), ("k_cache", k_cache), ("v_cache", v_cache)):
         _tensor(name, t)
         if t.dim() != 4:
@@ -79,7 +80,9 @@ def check_kvcache(q, k_cache, v_cache, *, k=None, v=None, rotary_cos=None, rotar
     rows, length, heads_kv, dk = k_cache.shape
     if dk != d:
         raise ValueError(f"head_dim: got {d} in q and {dk} in k_cache; expected one head_dim")
-    if not (HEAD_DIM_MIN <= d <= HEAD_DIM_MAX and d % HEAD_DIM_STEP == 0):
+    if any_head_dim and not 1 <= d <= HEAD_DIM_MAX:
+        raise ValueError(f"head_dim: got {d}, expected 1..{HEAD_DIM_MAX}")
+    if not any_head_dim and not (HEAD_DIM_MIN <= d <= HEAD_DIM_MAX and d % HEAD_DIM_STEP == 0):
         raise ValueError(f"head_dim: got {d}, expected a multiple of {HEAD_DIM_STEP} in [{HEAD_DIM_MIN}, "
                          f"{HEAD_DIM_MAX}] (flash_attn_with_kvcache pads other head dims)")
     if min(batch, seqlen_q, heads, heads_kv, rows) == 0:
@@ -94,8 +97,10 @@ def check_kvcache(q, k_cache, v_cache, *, k=None, v=None, rotary_cos=None, rotar
                          f"or (num_blocks, page_size, heads_kv, head_dim) with a block_table{hint}")
     if batch > GRID_YZ_MAX or heads > GRID_YZ_MAX:
         raise ValueError(f"q {tuple(q.shape)}: expected batch and heads <= {GRID_YZ_MAX}")
-    if not torch.compiler.is_compiling():  # data pointers exist at run time only, where the op checks again
-        # q is copied where needed (flash_attn_with_kvcache); the caches are written in place.
+    native = HEAD_DIM_MIN <= d <= HEAD_DIM_MAX and d % HEAD_DIM_STEP == 0
+    if native and not torch.compiler.is_compiling():  # data pointers exist at run time only: the op checks again
+        # q is copied where needed (flash_attn_with_kvcache); the caches are written in place (a padded
+        # head dim's are copied).
         for name, t in (("k_cache", k_cache), ("v_cache", v_cache)):
             check_chunked_layout(name, t)
 
@@ -218,6 +223,25 @@ def decode_config(shape: CacheShape, dtype: str, profile: GpuProfile, causal: bo
     return config
 
 
+def packed_heads(shape: CacheShape, alibi_slopes) -> int:
+    """Query heads folded into one K/V head's rows: the group, unless ALiBi needs each row's own head."""
+    return shape.group if shape.group > 1 and alibi_slopes is None else 1
+
+
+def decode_launch(shape: CacheShape, dtype: str, profile: GpuProfile, causal: bool, variant,
+                  config: KernelConfig | None, num_splits: int, qpack: int) -> tuple[KernelConfig, int]:
+    """(the kernel, the number of key splits) a call launches: decode_config's kernel, split
+    num_splits ways (0: choose_num_splits from the blocks and the SMs), at most MAX_SPLITS and the
+    key tiles."""
+    config = decode_config(shape, dtype, profile, causal, variant, config)
+    m_blocks = math.ceil(shape.seqlen_q * qpack / config.block_m)
+    key_tiles = math.ceil(shape.capacity / config.block_n)
+    if num_splits == 0:
+        num_splits = choose_num_splits(shape.batch * (shape.heads // qpack) * m_blocks, profile.sm_count, key_tiles)
+    num_splits = max(1, min(num_splits, MAX_SPLITS, key_tiles))
+    return config.replace(split=num_splits > 1), num_splits
+
+
 def flash_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, cache_seqlens, *,
                  cache_batch_idx: torch.Tensor | None = None, cache_leftpad: torch.Tensor | None = None,
                  block_table: torch.Tensor | None = None, causal: bool = False, scale: float | None = None,
@@ -250,16 +274,10 @@ def flash_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, 
     causal, variant = resolve(q.transpose(1, 2), k_cache.transpose(1, 2), causal, align="bottom_right",
                               window=window, softcap=softcap, alibi_slopes=alibi_slopes, key_bias=key_bias,
                               cache_len=shape.capacity)
-    # Fold a K/V head's query heads into the rows unless ALiBi needs each row's own head.
-    qpack = g if g > 1 and alibi_slopes is None else 1
+    qpack = packed_heads(shape, alibi_slopes)
     heads, rows = hq // qpack, lq * qpack
-    config = decode_config(shape, dtype, profile, causal, variant, config)
+    config, num_splits = decode_launch(shape, dtype, profile, causal, variant, config, num_splits, qpack)
     m_blocks = math.ceil(rows / config.block_m)
-    key_tiles = math.ceil(shape.capacity / config.block_n)
-    if num_splits == 0:
-        num_splits = choose_num_splits(b * heads * m_blocks, profile.sm_count, key_tiles)
-    num_splits = max(1, min(num_splits, MAX_SPLITS, key_tiles))
-    config = config.replace(split=num_splits > 1)
 
     if qpack > 1:  # (B, Lq, Hkv * g, d) -> (B, Hkv, Lq * g, d): row i * g + j is query i of head kv * g + j
         q4 = q.reshape(b, lq, hkv, g, d).permute(0, 2, 1, 3, 4).reshape(b, hkv, rows, d)

@@ -23,7 +23,7 @@ from autoflash.reference.forward import LOG2E  # the kernels run the softmax in 
 
 
 __all__ = ["DTYPE_NAMES", "device_profile", "flash_backward", "flash_forward", "kernel_functions", "load_functions",
-           "profile_for"]
+           "profile_for", "variant_config"]
 
 
 @functools.lru_cache(maxsize=None)
@@ -213,6 +213,16 @@ def _strides(t: torch.Tensor, varlen: bool = False) -> tuple[int, ...]:
     return (0 if varlen else sb), sh, sm
 
 
+def variant_config(config: KernelConfig | None, direction: str, d: int, dtype: str, causal: bool, variant,
+                   profile: GpuProfile) -> KernelConfig:
+    """The kernel a call launches: `config` (tuned or explicit) or the built-in default for the
+    direction, with the call's variant switches (kernels.variants.resolve) turned on."""
+    if config is None:
+        default = default_config if direction == "fwd" else default_backward_config
+        config = default(d, dtype, causal or variant.switches["window"], profile, variant.needs_registers)
+    return with_variant(config, causal, variant)
+
+
 def flash_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool = False,
                   scale: float | None = None, config: KernelConfig | None = None, align: str = "top_left",
                   window=(-1, -1), softcap: float = 0.0, alibi_slopes: torch.Tensor | None = None,
@@ -248,8 +258,7 @@ def flash_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: 
     hkv, lk = k4.shape[1], k4.shape[2]
     if varlen:
         b, lq, lk = cu_seqlens_q.numel() - 1, max_seqlen_q, max_seqlen_k
-    config = with_variant(config or default_config(d, dtype, causal or variant.switches["window"], profile,
-                                                    variant.needs_registers), causal, variant)
+    config = variant_config(config, "fwd", d, dtype, causal, variant, profile)
     check_config(config, d, dtype, causal, profile, "fwd")
 
     out = guards.empty_like(q, "lhd" if varlen else "bhld", name="out", rows="q")
@@ -311,8 +320,7 @@ def flash_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torc
         got = f"{tuple(lse.shape)} {lse.dtype} on {lse.device}" if isinstance(lse, torch.Tensor) else type(lse).__name__
         raise ValueError(f"lse: got {got}; expected {lse_shape} float32 on {q.device} (the forward's LSE)")
     lse = lse.contiguous()
-    config = with_variant(config or default_backward_config(d, dtype, causal or variant.switches["window"], profile,
-                                                             variant.needs_registers), causal, variant)
+    config = variant_config(config, "bwd", d, dtype, causal, variant, profile)
     check_config(config, d, dtype, causal, profile, "bwd")
     fns = kernel_functions(config, profile, q)
     out4, dout4 = (heads_view(out), heads_view(dout)) if varlen else (out, dout)
