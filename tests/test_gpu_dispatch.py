@@ -110,9 +110,9 @@ def test_transformers_model_runs_on_the_kernels(target, monkeypatch):
                num_key_value_heads=2, max_position_embeddings=256)
     torch.manual_seed(0)
     ours = LlamaForCausalLM._from_config(LlamaConfig(**cfg), attn_implementation=autoflash.hf.NAME,
-                                         torch_dtype=torch.bfloat16).to(device(target)).eval()
+                                         dtype=torch.bfloat16).to(device(target)).eval()
     theirs = LlamaForCausalLM._from_config(LlamaConfig(**cfg), attn_implementation="sdpa",
-                                           torch_dtype=torch.bfloat16).to(device(target)).eval()
+                                           dtype=torch.bfloat16).to(device(target)).eval()
     theirs.load_state_dict(ours.state_dict())
     ids = torch.randint(0, 256, (2, 200 if target == "gpu" else 70), device=device(target))
     with torch.no_grad():
