@@ -11,6 +11,8 @@
 //   last thread to reach a barrier releases the block. A block in which no fiber can run any more
 //   (some wait where others never arrive) is a barrier error.
 // - cp.async copies are queued per thread in commit groups and land only at cp.async.wait_group.
+// - wgmma (sm_90a) runs per warpgroup of 128 threads, its results landing at the covering
+//   wgmma.wait_group (runtime/wgmma.h, which lists its own checks: kinds "async" and "wgmma").
 //
 // Built with EMU_SANITIZE=1 it also checks every access (kinds as compute-sanitizer names them):
 //   race           shared-memory bytes touched by two threads, one of them writing, with no
@@ -38,7 +40,8 @@
 // runtime/sanitizer.h defines the __tsan_* and __ubsan_handle_* hooks in place of their runtimes. Without EMU_SANITIZE only the checks that keep the emulator itself safe run
 // (shared addresses inside the window, barrier errors); they fail the launch.
 // The parts: runtime/fiber.h (stack switching), runtime/state.h (fibers, warps, blocks, findings),
-// runtime/sanitizer.h (the checks and the ThreadSanitizer hooks); this file runs warps, blocks and
+// runtime/sanitizer.h (the checks and the ThreadSanitizer hooks), runtime/wgmma.h (warpgroup
+// operations); this file runs warps, blocks and
 // launches, and holds what the kernel calls and the library's C interface.
 #include "runtime.h"
 
@@ -59,6 +62,7 @@ alignas(128) thread_local unsigned char smem_raw[kWindow];
 #include "runtime/fiber.h"
 #include "runtime/state.h"
 #include "runtime/sanitizer.h"
+#include "runtime/wgmma.h"
 
 namespace emu {
 namespace {
@@ -228,6 +232,7 @@ void fiber_main() {
   --w.live;
   Warp& wp = w.warps[f.warp];
   --wp.live;
+  group_exit(w, f);
   if (!f.groups.empty() || !f.open.empty()) {  // copies still in flight at exit land anyway
     for (auto& g : f.groups) land(w, f, g);
     land(w, f, f.open);
@@ -262,6 +267,11 @@ void run_block(Worker& w, dim3 block) {
     w.warps[i].first = 32 * i;
     w.warps[i].lanes = w.warps[i].live = std::min(32, L.threads - 32 * i);
   }
+  w.wgroups.assign((L.threads + 127) / 128, Group{});
+  for (size_t i = 0; i < w.wgroups.size(); ++i) {
+    w.wgroups[i].first = 128 * int(i);
+    w.wgroups[i].threads = w.wgroups[i].live = std::min(128, L.threads - 128 * int(i));
+  }
   std::memset(w.window, 0xff, L.smem);
 #if EMU_SANITIZE
   for (size_t i = 0; i < L.smem; ++i) w.shadow[i] = Shadow{-1, 0, -1, 0, -1, -1, -1, 0};
@@ -293,8 +303,11 @@ void run_block(Worker& w, dim3 block) {
       for (const Fiber& f : w.fibers) at_bar += f.st == St::Bar;
       for (const Warp& wp : w.warps)
         if (wp.arrived) where += fmt("; warp %d: %d of %d lanes in %s", int(&wp - w.warps.data()), wp.arrived, wp.live, op_name(wp.op));
+      for (const Group& g : w.wgroups)
+        if (g.arrived) where += fmt("; warpgroup %d: %d of %d threads in %s", g.first / 128, g.arrived, g.live, wg_name(g.op));
       const void* pc = at_bar ? w.bar_pc : nullptr;
       for (const Warp& wp : w.warps) if (!pc && wp.arrived) pc = wp.pc;
+      for (const Group& g : w.wgroups) if (!pc && g.arrived) pc = g.pc;
       report("barrier", pc, fmt("deadlock: %d threads wait at __syncthreads%s", at_bar, where.c_str()));
       break;
     }

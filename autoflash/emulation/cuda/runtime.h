@@ -22,6 +22,13 @@ void cp_async(void* smem_dst, const void* gmem_src, int bytes, bool valid);  // 
 void cp_async_commit();
 void cp_async_wait(int pending);
 float atomic_add(float* address, float value);
+// wgmma (sm_90a), collective over the calling thread's warpgroup (runtime/wgmma.h). d: the thread's n/2
+// accumulators; a: its 4 A registers (RS), or null with desc_a (SS); trans_*: 1 = MN-major.
+void wgmma_fence();
+void wgmma(float* d, int n, const uint32_t* a, uint64_t desc_a, uint64_t desc_b, bool scale_d, int trans_a, int trans_b,
+           bool bf16);
+void wgmma_commit();
+void wgmma_wait(int pending);
 uint32_t cvta_shared(const void* p);
 }  // namespace emu
 

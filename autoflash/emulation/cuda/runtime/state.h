@@ -6,6 +6,7 @@
 
 #include <atomic>
 #include <cstdarg>
+#include <deque>
 #include <cstdio>
 #include <mutex>
 #include <set>
@@ -20,7 +21,7 @@ namespace {
 constexpr size_t kStack = 256 * 1024;
 constexpr int kMaxFindings = 200;
 
-enum class St : uint8_t { Run, Bar, Warp, Done };
+enum class St : uint8_t { Run, Bar, Warp, Group, Done };
 enum class Op : uint8_t { None, Shfl, Ldmatrix, LdmatrixT, MmaF16, MmaBF16, Syncwarp };
 const char* op_name(Op op) {
   switch (op) {
@@ -35,6 +36,37 @@ const char* op_name(Op op) {
 
 struct Copy { unsigned char* dst; const unsigned char* src; bool valid; unsigned char bytes; };
 
+// wgmma (runtime/wgmma.h). A thread's operands of a warpgroup operation:
+enum class WgOp : uint8_t { None, Fence, Mma, Commit, Wait };
+struct WgPost {
+  float* d = nullptr;          // its accumulators (n / 2)
+  const uint32_t* a = nullptr;  // its A registers (RS), else null
+  uint64_t da = 0, db = 0;
+  int n = 0, flags = 0, arg = 0;
+};
+// One wgmma.mma_async in flight: what it was issued with, per thread of the warpgroup.
+struct WgMma {
+  int n = 0, trans_a = 0, trans_b = 0;
+  bool bf16 = false, scale_d = false, rs = false;
+  uint64_t da = 0, db = 0;
+  const void* pc = nullptr;
+  float* d[128] = {};              // null once the thread has exited
+  const uint32_t* a_ptr[128] = {};
+  uint32_t a[128][4] = {};         // RS: the A registers as issued (the hardware reads them then)
+  std::vector<float> expect;       // each thread's accumulators as this wgmma must find them at completion
+  std::vector<float> a_issue, b_issue;  // sanitizing: the shared operands as they were at issue
+};
+// A warpgroup: 4 consecutive warps, 128 threads from a multiple of 128.
+struct Group {
+  int arrived = 0, live = 0, first = 0, threads = 0;
+  WgOp op = WgOp::None;
+  int arg = 0;                      // wait_group's N
+  const void* pc = nullptr;
+  bool fenced = false;              // a wgmma.fence since the accumulators were last the threads' (a wait)
+  std::vector<WgMma> open;          // issued since the last commit_group
+  std::deque<std::vector<WgMma>> committed;  // oldest first
+};
+
 struct Fiber {
   Context ctx;
   dim3 idx;
@@ -46,6 +78,7 @@ struct Fiber {
   float f[4] = {};
   uint32_t ou[4] = {};
   float of[4] = {};
+  WgPost wg;
 };
 
 struct Warp {
@@ -109,6 +142,7 @@ struct Worker {
   Launch* launch = nullptr;
   std::vector<Fiber> fibers;
   std::vector<Warp> warps;
+  std::vector<Group> wgroups;
   unsigned char* stacks = nullptr;
   Fiber* cur = nullptr;
   dim3 block;
