@@ -233,3 +233,47 @@ def test_the_probe_compiles_for_sm_90a_without_serialization(rs):
     assert not compiled.resources.spills
     for code in ("C7508", "C7511", "C7517", "C7519"):  # wgmma serialized, or a fence / wait injected
         assert code not in compiled.log, compiled.log
+
+
+# ------------------------------------------------------------------ stmatrix
+STMATRIX_PROBE = r"""
+#include "common/mma_sm80.cuh"
+#include "common/wgmma_sm90.cuh"
+// One warp: a 16 x 16 tile into shared memory, ldmatrix_x4 (the emulator's cross-checked load), then
+// stmatrix_x4 (must give the tile back) and stmatrix_x4_trans (each 8 x 8 block transposed in place).
+extern "C" __global__ void stmatrix_probe(const uint4* tile, uint4* out, uint4* out_t) {
+  extern __shared__ __align__(128) unsigned char smem_raw[];
+  const int l = threadIdx.x, i = l / 8, r = l % 8;
+  uint4* s = reinterpret_cast<uint4*>(smem_raw);
+  s[l] = tile[l];  // 32 x 16 bytes: the tile, row-major, 32 bytes a row
+  __syncwarp();
+  const uint32_t base = __cvta_generic_to_shared(smem_raw), row = ((i % 2) * 8 + r) * 32 + (i / 2) * 16;
+  uint32_t regs[4];
+  ldmatrix_x4(regs, base + row);
+  stmatrix_x4(base + 512 + row, regs);
+  stmatrix_x4_trans(base + 1024 + row, regs);
+  __syncwarp();
+  out[l] = s[32 + l];
+  out_t[l] = s[64 + l];
+}
+"""
+
+
+@pytest.mark.parametrize("sanitize", [False, True])
+def test_stmatrix_is_the_inverse_of_ldmatrix(sanitize):
+    module = EmulatedModule(build.build_library(STMATRIX_PROBE, "stmatrix_probe", ("stmatrix_probe",), sanitize),
+                            sanitize)
+    tile = torch.randint(-30000, 30000, (16, 16), dtype=torch.int16)
+    out, out_t = torch.zeros_like(tile), torch.zeros_like(tile)
+    module.get_function("stmatrix_probe")((1, 1, 1), (32, 1, 1), (tile, out, out_t), shared_mem=1536,
+                                          names=("tile", "out", "out_t"))
+    assert torch.equal(out, tile)
+    blocks = tile.view(2, 8, 2, 8).transpose(1, 3).reshape(16, 16)  # each 8 x 8 block transposed in place
+    assert torch.equal(out_t, blocks)
+    assert module.findings() == []
+
+
+def test_stmatrix_compiles_for_sm_90a():
+    from autoflash.kernels.compiler import compile_source
+
+    assert not compile_source(STMATRIX_PROBE, "stmatrix_probe", "sm_90a").resources.spills

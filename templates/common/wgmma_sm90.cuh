@@ -29,6 +29,20 @@ __device__ __forceinline__ void wgmma_fence_operand(uint32_t (&r)[R]) {
   for (int i = 0; i < R; ++i) asm volatile("" : "+r"(r[i])::"memory");
 }
 
+// Four 8x8 16-bit matrices to shared memory (the inverse of ldmatrix_x4: lanes 8i..8i+7 give the row
+// addresses of matrix i, register i holds it, lane l row l / 4, columns 2 (l % 4) and 2 (l % 4) + 1);
+// _trans stores each transposed. The epilogue's way from accumulators to a tile (PTX 9.7.9.x stmatrix).
+__device__ __forceinline__ void stmatrix_x4(uint32_t smem_addr, const uint32_t (&r)[4]) {
+  asm volatile("stmatrix.sync.aligned.m8n8.x4.shared.b16 [%0], {%1, %2, %3, %4};\n" ::"r"(smem_addr), "r"(r[0]),
+               "r"(r[1]), "r"(r[2]), "r"(r[3])
+               : "memory");
+}
+__device__ __forceinline__ void stmatrix_x4_trans(uint32_t smem_addr, const uint32_t (&r)[4]) {
+  asm volatile("stmatrix.sync.aligned.m8n8.x4.trans.shared.b16 [%0], {%1, %2, %3, %4};\n" ::"r"(smem_addr),
+               "r"(r[0]), "r"(r[1]), "r"(r[2]), "r"(r[3])
+               : "memory");
+}
+
 // D (64 x N, fp32, N/2 registers a thread) = A (64 x 16) * B (N x 16)^T + (scale_d ? D : 0), A and B
 // of element type T (__half or __nv_bfloat16) in shared memory through descriptors (SS) or A in
 // registers (RS: 4 registers a thread, K-major); TransA / TransB: 0 K-major, 1 MN-major. Fragments

@@ -63,6 +63,7 @@ alignas(128) thread_local unsigned char smem_raw[kWindow];
 #include "runtime/state.h"
 #include "runtime/sanitizer.h"
 #include "runtime/wgmma.h"
+#include "runtime/mbarrier.h"
 
 namespace emu {
 namespace {
@@ -132,6 +133,42 @@ void run_warp_op(Worker& w, Warp& wp) {
       }
       break;
     }
+    case Op::Stmatrix:
+    case Op::StmatrixT: {
+      // The inverse of ldmatrix: lane l's register i holds row g, columns 2q, 2q+1 of matrix i, whose
+      // rows lanes 8i..8i+7 address (transposed: rows 2q, 2q+1 of column g).
+      const bool trans = wp.op == Op::StmatrixT;
+      for (int l = 0; l < n; ++l) {
+        if (lanes[l].u[0] % 16 || lanes[l].u[0] + 16 > w.launch->smem) {
+          report(lanes[l].u[0] % 16 ? "misaligned" : "out-of-bounds", wp.pc,
+                 fmt("stmatrix row address of lane %d at shared offset %u (16 bytes, 16-aligned, inside the block's %zu)",
+                     l, lanes[l].u[0], w.launch->smem));
+          w.abandon = true;
+          return;
+        }
+#if EMU_SANITIZE
+        Fiber* saved = w.cur;
+        w.cur = &lanes[l];
+        shared_access(lanes[l].u[0], 16, true, wp.pc, trans ? "stmatrix.trans" : "stmatrix");
+        w.cur = saved;
+#endif
+      }
+      auto put = [&](uint32_t addr, uint16_t v) { std::memcpy(w.window + addr, &v, 2); };
+      for (int l = 0; l < 32 && l < n; ++l) {
+        const int g = l / 4, q = l % 4;
+        for (int i = 0; i < 4; ++i) {
+          const uint16_t lo = uint16_t(lanes[l].u[1 + i]), hi = uint16_t(lanes[l].u[1 + i] >> 16);
+          if (!trans) {
+            put(lanes[8 * i + g].u[0] + 4 * q, lo);
+            put(lanes[8 * i + g].u[0] + 4 * q + 2, hi);
+          } else {
+            put(lanes[8 * i + 2 * q].u[0] + 2 * g, lo);
+            put(lanes[8 * i + 2 * q + 1].u[0] + 2 * g, hi);
+          }
+        }
+      }
+      break;
+    }
     case Op::MmaF16:
     case Op::MmaBF16: {
       // A (16x16, row): lane l = 4g + q holds a0 (g, 2q..2q+1), a1 (g+8, ..), a2 (g, 2q+8..), a3 (g+8, 2q+8..);
@@ -170,6 +207,15 @@ void run_warp_op(Worker& w, Warp& wp) {
     case Op::Syncwarp:
       ++wp.epoch;
       break;
+    case Op::Elect: {  // the lowest live lane
+      int chosen = -1;
+      for (int l = 0; l < n; ++l) {
+        lanes[l].ou[0] = 0;
+        if (chosen < 0 && lanes[l].st != St::Done) chosen = l;
+      }
+      if (chosen >= 0) lanes[chosen].ou[0] = 1;
+      break;
+    }
     case Op::None:
       break;
   }
@@ -267,6 +313,9 @@ void run_block(Worker& w, dim3 block) {
     w.warps[i].first = 32 * i;
     w.warps[i].lanes = w.warps[i].live = std::min(32, L.threads - 32 * i);
   }
+  w.mbars.clear();
+  for (NamedBar& b : w.named) b = NamedBar{};
+  w.phases = w.phases_seen = 0;
   w.wgroups.assign((L.threads + 127) / 128, Group{});
   for (size_t i = 0; i < w.wgroups.size(); ++i) {
     w.wgroups[i].first = 128 * int(i);
@@ -285,6 +334,7 @@ void run_block(Worker& w, dim3 block) {
     f.st = St::Run;
     f.open.clear();
     f.groups.clear();
+    f.named = -1;
     ctx_init(f.ctx, w.stacks + size_t(t) * kStack, kStack, fiber_entry);
   }
   while (w.live > 0 && !w.abandon) {
@@ -297,6 +347,12 @@ void run_block(Worker& w, dim3 block) {
       w.cur = nullptr;
       if (w.abandon) break;
     }
+    if (!ran && !w.abandon && w.phases != w.phases_seen) {  // a phase completed: its spinners look again
+      w.phases_seen = w.phases;
+      for (Fiber& f : w.fibers)
+        if (f.st == St::Spin) f.st = St::Run;
+      continue;
+    }
     if (!ran && !w.abandon) {  // every live thread waits for one that will never come
       std::string where;
       int at_bar = 0;
@@ -305,13 +361,27 @@ void run_block(Worker& w, dim3 block) {
         if (wp.arrived) where += fmt("; warp %d: %d of %d lanes in %s", int(&wp - w.warps.data()), wp.arrived, wp.live, op_name(wp.op));
       for (const Group& g : w.wgroups)
         if (g.arrived) where += fmt("; warpgroup %d: %d of %d threads in %s", g.first / 128, g.arrived, g.live, wg_name(g.op));
+      for (int id = 0; id < 16; ++id)
+        if (w.named[id].arrived) where += fmt("; named barrier %d: %d of %d threads", id, w.named[id].arrived, w.named[id].count);
+      std::map<std::pair<uint32_t, uint32_t>, int> spins;  // (mbarrier, parity) -> threads spinning on it
+      for (const Fiber& f : w.fibers)
+        if (f.st == St::Spin) ++spins[{f.spin_bar, f.spin_parity}];
+      for (const auto& [key, count] : spins) {
+        const Mbar& m = w.mbars[key.first];
+        where += fmt("; %d threads wait on the mbarrier at shared offset %u for the phase of parity %u, which never "
+                     "completes (phase %u: %d of %d arrivals pending, %lld transaction bytes)", count, key.first,
+                     key.second, m.phase, m.pending, m.expected, m.tx);
+      }
       const void* pc = at_bar ? w.bar_pc : nullptr;
       for (const Warp& wp : w.warps) if (!pc && wp.arrived) pc = wp.pc;
       for (const Group& g : w.wgroups) if (!pc && g.arrived) pc = g.pc;
-      report("barrier", pc, fmt("deadlock: %d threads wait at __syncthreads%s", at_bar, where.c_str()));
-      break;
+      for (int id = 0; id < 16; ++id) if (!pc && w.named[id].arrived) pc = w.named[id].pc;
+      report(spins.empty() ? "barrier" : "mbarrier", pc,
+             fmt("deadlock: %d threads wait at __syncthreads%s", at_bar, where.c_str()));
+      return;
     }
   }
+  if (!w.abandon) check_mbarriers_balanced(w);
 }
 
 void worker_main(Launch* L) {
@@ -380,6 +450,13 @@ void ldmatrix_x4(uint32_t (&r)[4], uint32_t addr, bool trans) {
   f.u[0] = addr;
   warp_op(trans ? Op::LdmatrixT : Op::Ldmatrix, __builtin_return_address(0));
   for (int i = 0; i < 4; ++i) r[i] = f.ou[i];
+}
+
+void stmatrix_x4(const uint32_t (&r)[4], uint32_t addr, bool trans) {
+  Fiber& f = *tw->cur;
+  f.u[0] = addr;
+  for (int i = 0; i < 4; ++i) f.u[1 + i] = r[i];
+  warp_op(trans ? Op::StmatrixT : Op::Stmatrix, __builtin_return_address(0));
 }
 
 void mma_16816(float (&d)[4], const uint32_t (&a)[4], uint32_t b0, uint32_t b1, bool bf16) {

@@ -17,6 +17,7 @@ void syncthreads();
 void syncwarp(unsigned mask);
 float shfl_xor(float x, int offset, unsigned mask);
 void ldmatrix_x4(uint32_t (&r)[4], uint32_t smem_addr, bool trans);
+void stmatrix_x4(const uint32_t (&r)[4], uint32_t smem_addr, bool trans);
 void mma_16816(float (&d)[4], const uint32_t (&a)[4], uint32_t b0, uint32_t b1, bool bf16);
 void cp_async(void* smem_dst, const void* gmem_src, int bytes, bool valid);  // bytes: 4, 8 or 16
 void cp_async_commit();
@@ -29,6 +30,15 @@ void wgmma(float* d, int n, const uint32_t* a, uint64_t desc_a, uint64_t desc_b,
            bool bf16);
 void wgmma_commit();
 void wgmma_wait(int pending);
+// sm_90 synchronisation (runtime/mbarrier.h): mbarriers by shared address; named barriers; elect.sync;
+// setmaxnreg (collective over the warpgroup).
+void mbarrier_init(uint32_t bar, uint32_t count);
+void mbarrier_arrive(uint32_t bar, uint32_t expect_tx_bytes);
+bool mbarrier_try_wait(uint32_t bar, uint32_t parity);
+void mbarrier_complete_tx(uint32_t bar, uint32_t bytes);
+void named_barrier(int id, int threads, bool wait);
+bool elect_one();
+void setmaxnreg(int regs, bool inc);
 uint32_t cvta_shared(const void* p);
 }  // namespace emu
 

@@ -16,6 +16,9 @@ inline void wgmma_fence_operand(float (&)[R]) {}
 template <int R>
 inline void wgmma_fence_operand(uint32_t (&)[R]) {}
 
+__forceinline__ void stmatrix_x4(uint32_t smem_addr, const uint32_t (&r)[4]) { emu::stmatrix_x4(r, smem_addr, false); }
+__forceinline__ void stmatrix_x4_trans(uint32_t smem_addr, const uint32_t (&r)[4]) { emu::stmatrix_x4(r, smem_addr, true); }
+
 template <typename T, int N, int TransA, int TransB>
 __forceinline__ void wgmma_ss(float (&d)[N / 2], uint64_t desc_a, uint64_t desc_b, int scale_d) {
   emu::wgmma(d, N, nullptr, desc_a, desc_b, scale_d != 0, TransA, TransB, std::is_same_v<T, __nv_bfloat16>);

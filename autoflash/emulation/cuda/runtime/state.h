@@ -7,6 +7,7 @@
 #include <atomic>
 #include <cstdarg>
 #include <deque>
+#include <map>
 #include <cstdio>
 #include <mutex>
 #include <set>
@@ -21,8 +22,10 @@ namespace {
 constexpr size_t kStack = 256 * 1024;
 constexpr int kMaxFindings = 200;
 
-enum class St : uint8_t { Run, Bar, Warp, Group, Done };
-enum class Op : uint8_t { None, Shfl, Ldmatrix, LdmatrixT, MmaF16, MmaBF16, Syncwarp };
+// Bar: __syncthreads; Warp / Group: a warp or warpgroup operation; Named: bar.sync; Spin: an mbarrier
+// try_wait that found its phase incomplete (run again once some phase completes).
+enum class St : uint8_t { Run, Bar, Warp, Group, Named, Spin, Done };
+enum class Op : uint8_t { None, Shfl, Ldmatrix, LdmatrixT, MmaF16, MmaBF16, Syncwarp, Elect, Stmatrix, StmatrixT };
 const char* op_name(Op op) {
   switch (op) {
     case Op::Shfl: return "__shfl_xor_sync";
@@ -30,6 +33,9 @@ const char* op_name(Op op) {
     case Op::LdmatrixT: return "ldmatrix.trans";
     case Op::MmaF16: case Op::MmaBF16: return "mma.sync";
     case Op::Syncwarp: return "__syncwarp";
+    case Op::Elect: return "elect.sync";
+    case Op::Stmatrix: return "stmatrix";
+    case Op::StmatrixT: return "stmatrix.trans";
     default: return "?";
   }
 }
@@ -37,7 +43,7 @@ const char* op_name(Op op) {
 struct Copy { unsigned char* dst; const unsigned char* src; bool valid; unsigned char bytes; };
 
 // wgmma (runtime/wgmma.h). A thread's operands of a warpgroup operation:
-enum class WgOp : uint8_t { None, Fence, Mma, Commit, Wait };
+enum class WgOp : uint8_t { None, Fence, Mma, Commit, Wait, Setmaxnreg };
 struct WgPost {
   float* d = nullptr;          // its accumulators (n / 2)
   const uint32_t* a = nullptr;  // its A registers (RS), else null
@@ -56,11 +62,19 @@ struct WgMma {
   std::vector<float> expect;       // each thread's accumulators as this wgmma must find them at completion
   std::vector<float> a_issue, b_issue;  // sanitizing: the shared operands as they were at issue
 };
+// mbarrier state (runtime/mbarrier.h), by shared offset: the PTX ISA's phase state machine.
+struct Mbar {
+  uint32_t phase = 0;  // phases completed
+  int pending = 0, expected = 0;
+  long long tx = 0;    // transaction bytes still to land in the current phase
+};
+struct NamedBar { int arrived = 0, count = 0; const void* pc = nullptr; };
 // A warpgroup: 4 consecutive warps, 128 threads from a multiple of 128.
 struct Group {
   int arrived = 0, live = 0, first = 0, threads = 0;
   WgOp op = WgOp::None;
-  int arg = 0;                      // wait_group's N
+  int arg = 0;                      // wait_group's N, setmaxnreg's count
+  int regs = 0;                     // setmaxnreg's last count (0: none)
   const void* pc = nullptr;
   bool fenced = false;              // a wgmma.fence since the accumulators were last the threads' (a wait)
   std::vector<WgMma> open;          // issued since the last commit_group
@@ -79,6 +93,9 @@ struct Fiber {
   uint32_t ou[4] = {};
   float of[4] = {};
   WgPost wg;
+  int named = -1;        // the named barrier it waits at
+  uint32_t spin_bar = 0;  // the mbarrier it spins on, and the parity
+  uint32_t spin_parity = 0;
 };
 
 struct Warp {
@@ -143,6 +160,9 @@ struct Worker {
   std::vector<Fiber> fibers;
   std::vector<Warp> warps;
   std::vector<Group> wgroups;
+  std::map<uint32_t, Mbar> mbars;
+  NamedBar named[16];
+  uint64_t phases = 0, phases_seen = 0;  // mbarrier phases completed; as many when spinners last woke
   unsigned char* stacks = nullptr;
   Fiber* cur = nullptr;
   dim3 block;

@@ -26,6 +26,7 @@ const char* wg_name(WgOp op) {
     case WgOp::Mma: return "wgmma.mma_async";
     case WgOp::Commit: return "wgmma.commit_group";
     case WgOp::Wait: return "wgmma.wait_group";
+    case WgOp::Setmaxnreg: return "setmaxnreg";
     default: return "?";
   }
 }
@@ -216,6 +217,9 @@ void run_group_op(Worker& w, Group& g) {
         g.committed.pop_front();
       }
       g.fenced = false;
+      break;
+    case WgOp::Setmaxnreg:
+      g.regs = g.arg;
       break;
     case WgOp::None:
       break;
