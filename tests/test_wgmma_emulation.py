@@ -170,6 +170,8 @@ MISUSES = {
     "no fence": ("async", "wgmma.mma_async with no wgmma.fence"),
     "descriptors differ": ("wgmma", "issued wgmma.mma_async with other descriptors"),
     "divergent": ("barrier", "warpgroup 0"),
+    "no proxy fence": ("async", "through the async proxy, which thread 0 wrote through the generic proxy with no "
+                                "fence.proxy.async since"),
 }
 
 

@@ -323,7 +323,7 @@ void run_block(Worker& w, dim3 block) {
   }
   std::memset(w.window, 0xff, L.smem);
 #if EMU_SANITIZE
-  for (size_t i = 0; i < L.smem; ++i) w.shadow[i] = Shadow{-1, 0, -1, 0, -1, -1, -1, 0};
+  for (size_t i = 0; i < L.smem; ++i) w.shadow[i] = Shadow{-1, 0, -1, 0, -1, -1, -1, 0, 0};
 #endif
   for (int t = 0; t < L.threads; ++t) {
     Fiber& f = w.fibers[t];
@@ -335,6 +335,7 @@ void run_block(Worker& w, dim3 block) {
     f.open.clear();
     f.groups.clear();
     f.named = -1;
+    f.proxy_fences = 0;
     ctx_init(f.ctx, w.stacks + size_t(t) * kStack, kStack, fiber_entry);
   }
   while (w.live > 0 && !w.abandon) {

@@ -26,6 +26,7 @@ float atomic_add(float* address, float value);
 // wgmma (sm_90a), collective over the calling thread's warpgroup (runtime/wgmma.h). d: the thread's n/2
 // accumulators; a: its 4 A registers (RS), or null with desc_a (SS); trans_*: 1 = MN-major.
 void wgmma_fence();
+void fence_proxy_async();  // fence.proxy.async: this thread's generic-proxy shared writes reach the async proxy
 void wgmma(float* d, int n, const uint32_t* a, uint64_t desc_a, uint64_t desc_b, bool scale_d, int trans_a, int trans_b,
            bool bf16);
 void wgmma_commit();

@@ -12,7 +12,7 @@ __forceinline__ void mbarrier_wait(uint32_t bar, uint32_t parity) {
   while (!emu::mbarrier_try_wait(bar, parity)) {
   }
 }
-__forceinline__ void fence_proxy_async() {}
+__forceinline__ void fence_proxy_async() { emu::fence_proxy_async(); }
 __forceinline__ void named_barrier_sync(int id, int threads) { emu::named_barrier(id, threads, true); }
 __forceinline__ void named_barrier_arrive(int id, int threads) { emu::named_barrier(id, threads, false); }
 __forceinline__ bool elect_one() { return emu::elect_one(); }

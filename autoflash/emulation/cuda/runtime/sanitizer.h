@@ -205,6 +205,7 @@ void shared_access(size_t off, size_t size, bool write, const void* pc, const ch
       }
       s.wT = T; s.wB = B; s.wW = W; s.rB = -1;
       s.st = 2;
+      s.wP = f.proxy_fences;
     }
   }
 }

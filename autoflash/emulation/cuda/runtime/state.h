@@ -94,6 +94,7 @@ struct Fiber {
   float of[4] = {};
   WgPost wg;
   int named = -1;        // the named barrier it waits at
+  int32_t proxy_fences = 0;  // fence.proxy.async executed
   uint32_t spin_bar = 0;  // the mbarrier it spins on, and the parity
   uint32_t spin_parity = 0;
 };
@@ -150,6 +151,7 @@ struct Shadow {
   int32_t wB, wW, rB, rW;
   int16_t wT, rT, rWarp;
   uint8_t st;  // 0 never written, 1 cp.async in flight, 2 written
+  int32_t wP;  // the writer's fence.proxy.async count when it wrote (runtime/wgmma.h's proxy check)
 };
 constexpr int16_t kMany = -2;
 #endif

@@ -11,7 +11,9 @@
 // Sanitizing, the hazards the ISA calls undefined are findings (kind "async"): accumulators or A
 // registers touched while their wgmma is in flight, shared memory an in-flight wgmma reads written
 // before it completes, an mma_async with no wgmma.fence since the warpgroup last held its
-// accumulators (its start, or a wait_group). Always, kind "wgmma": descriptors, shape or flags that
+// accumulators (its start, or a wait_group), operands a thread wrote through the generic proxy with
+// no fence.proxy.async since. Its operand reads are also the shared-memory reads of the issuing
+// thread for the uninitialized and race checks. Always, kind "wgmma": descriptors, shape or flags that
 // differ across the warpgroup, a descriptor base offset (not modelled: tiles start on their swizzle
 // pattern's boundary), operands outside the block's shared memory; kind "barrier": a warpgroup
 // operation not reached by all 128 threads, or at different places.
@@ -58,10 +60,29 @@ uint32_t operand_offset(uint64_t desc, int r, int kk, int mn_major) {
   return x ^ (((x >> 7) & (W / 16 - 1)) << 4);
 }
 
+#if EMU_SANITIZE
+// An element an mma_async reads through the async proxy, at issue: the shared-memory checks of a read
+// by the issuing thread (uninitialized, race) and the proxy rule: bytes a thread wrote through the
+// generic proxy (st.shared, stmatrix, cp.async) reach the async proxy only after that thread's
+// fence.proxy.async (PTX 9.7.13.4; then a barrier orders it before the reader, which the race rule sees).
+void async_proxy_read(Worker& w, uint32_t off, const void* pc, const char* which) {
+  shared_access(off, 2, false, pc, which);
+  for (uint32_t i = off; i < off + 2; ++i) {
+    const Shadow& s = w.shadow[i];
+    if (s.st == 2 && s.wT >= 0 && w.fibers[s.wT].proxy_fences == s.wP) {
+      report("async", pc, fmt("%s reads shared offset %u through the async proxy, which thread %d wrote through the "
+                              "generic proxy with no fence.proxy.async since", which, i, s.wT));
+      return;
+    }
+  }
+}
+#endif
+
 // The rows x 16 operand behind `desc`, as floats (out[r * 16 + kk]); false (and a finding) when the
 // descriptor cannot be read as the emulator models it, or reaches outside the block's shared memory.
+// `issue`: read as the wgmma is issued (sanitizing: with the async-proxy read checks).
 bool read_operand(Worker& w, uint64_t desc, int rows, int mn_major, bool bf16, std::vector<float>& out,
-                  const void* pc, const char* which) {
+                  const void* pc, const char* which, bool issue = false) {
   const int mode = int(desc >> 62), base = int((desc >> 49) & 7);
   const uint32_t start = uint32_t(desc & 0x3FFF) << 4, W = mode == 1 ? 128 : mode == 2 ? 64 : mode == 3 ? 32 : 16;
   if (base != 0) {
@@ -83,6 +104,11 @@ bool read_operand(Worker& w, uint64_t desc, int rows, int mn_major, bool bf16, s
                                 which, r, kk, off, w.launch->smem));
         return false;
       }
+#if EMU_SANITIZE
+      if (issue) async_proxy_read(w, off, pc, which[0] == 'A' ? "wgmma.mma_async (A operand)" : "wgmma.mma_async (B operand)");
+#else
+      (void)issue;
+#endif
       uint16_t h;
       std::memcpy(&h, w.window + off, 2);
       out[size_t(r) * 16 + kk] = half_to_float(h, bf16);
@@ -195,8 +221,8 @@ void run_group_op(Worker& w, Group& g) {
         }
       }
 #if EMU_SANITIZE
-      if ((!m.rs && !read_operand(w, m.da, 64, m.trans_a, m.bf16, m.a_issue, m.pc, "A")) ||
-          !read_operand(w, m.db, m.n, m.trans_b, m.bf16, m.b_issue, m.pc, "B")) {
+      if ((!m.rs && !read_operand(w, m.da, 64, m.trans_a, m.bf16, m.a_issue, m.pc, "A", true)) ||
+          !read_operand(w, m.db, m.n, m.trans_b, m.bf16, m.b_issue, m.pc, "B", true)) {
         w.abandon = true;
         return;
       }
@@ -275,6 +301,8 @@ void group_exit(Worker& w, Fiber& f) {
 }  // namespace
 
 void wgmma_fence() { group_op(WgOp::Fence, __builtin_return_address(0)); }
+
+void fence_proxy_async() { ++tw->cur->proxy_fences; }
 
 void wgmma(float* d, int n, const uint32_t* a, uint64_t desc_a, uint64_t desc_b, bool scale_d, int trans_a, int trans_b,
            bool bf16) {
