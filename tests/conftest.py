@@ -68,6 +68,49 @@ def mutate(monkeypatch):
 
 
 @pytest.fixture
+def broken_runtime(tmp_path, monkeypatch):
+    """broken_runtime(file, old, new): the emulator's runtime is built, for the rest of the test, from a
+    copy of autoflash/emulation/cuda whose `file` has `old` replaced by `new`: an emulator broken on
+    purpose, which the check under test must catch."""
+    import shutil
+
+    from autoflash.emulation import build
+
+    def apply(file, old, new):
+        headers = tmp_path / "cuda"
+        shutil.copytree(build.HEADERS, headers)
+        path = headers / file
+        text = path.read_text()
+        assert old in text, f"mutation target not in {file}: {old!r}"
+        path.write_text(text.replace(old, new))
+        monkeypatch.setattr(build, "HEADERS", headers)
+        build.headers_hash.cache_clear()
+
+    yield apply
+    build.headers_hash.cache_clear()
+
+
+@pytest.fixture
+def launches(monkeypatch):
+    """The configs the launcher asks kernels for; each ask raises Launched there, so a call stops at
+    its launch (nothing is compiled)."""
+    from autoflash.kernels import launch
+
+    seen = []
+
+    def spy(config, profile, t):
+        seen.append(config)
+        raise Launched(config.name)
+
+    monkeypatch.setattr(launch, "kernel_functions", spy)
+    return seen
+
+
+class Launched(Exception):
+    """Raised by the `launches` spy in place of a launch: the kernel that would run."""
+
+
+@pytest.fixture
 def one_thread():
     """One intra-op thread: on tiny tensors more only add overhead, and on a busy machine OpenMP
     spin-waiting makes the many small ops of gradcheck tens of times slower."""

@@ -9,25 +9,10 @@ import autoflash
 from autoflash.dispatch import variant_ops
 from autoflash.dispatch.explain import EMULATED, KERNELS, REFERENCE_FALLBACK, SDPA_FALLBACK
 from autoflash.dispatch.flash_api import Captured, explaining
-from autoflash.kernels import launch
+
+from conftest import Launched
 
 B, L, H, HK = 2, 40, 4, 2
-
-
-class _Launched(Exception):
-    pass
-
-
-@pytest.fixture
-def launches(monkeypatch):
-    seen = []
-
-    def spy(config, profile, t):
-        seen.append(config)
-        raise _Launched(config.name)
-
-    monkeypatch.setattr(launch, "kernel_functions", spy)
-    return seen
 
 
 def _t(*shape, seed=0):
@@ -58,7 +43,7 @@ CASES = {
 
 
 def _launched(fn, args, kw, launches):
-    with pytest.raises(_Launched):
+    with pytest.raises(Launched):
         fn(*args, **kw)
     return launches[-1]
 
@@ -80,7 +65,7 @@ def test_explain_names_the_kernels_the_call_launches(case, d, launches):
             real = [torch.zeros(t.shape, dtype=t.dtype) for t in (c.q, c.k, c.v)]
             lse = torch.zeros(real[0].shape[:-1] if "cu_seqlens_q" not in c.variant
                               else (real[0].shape[1], real[0].shape[0]))
-            with pytest.raises(_Launched):
+            with pytest.raises(Launched):
                 variant_ops._backward_kernels(real[0], *real, real[0], lse, c.scale, False, c.variant)
             assert launches[-1] == e.backward.config
     text = str(e)

@@ -11,8 +11,9 @@ import torch
 import autoflash
 from autoflash import hf
 from autoflash.dispatch import policy
-from autoflash.kernels import launch
 from autoflash.reference.forward import attention_ref, within_tolerance
+
+from conftest import Launched
 
 B, L, H, HK, D = 2, 24, 4, 2, 64
 
@@ -91,29 +92,12 @@ def test_strict_raises_instead(entry, monkeypatch):
         fn(*args, **kw, strict="yes")
 
 
-class _Launched(Exception):
-    """Raised by the spy in place of a launch: the kernel that would run."""
-
-
-@pytest.fixture
-def launches(monkeypatch):
-    """The configs the launcher asks kernels for; each ask stops the call there."""
-    seen = []
-
-    def spy(config, profile, t):
-        seen.append(config)
-        raise _Launched(config.name)
-
-    monkeypatch.setattr(launch, "kernel_functions", spy)
-    return seen
-
-
 @pytest.mark.parametrize("entry", sorted(CALLS))
 def test_inside_emulate_the_kernels_run_without_a_warning(entry, launches):
     fn, args, kw = CALLS[entry]()
     with warnings.catch_warnings(record=True) as caught, autoflash.emulate("a100"):
         warnings.simplefilter("always")
-        with pytest.raises(_Launched):
+        with pytest.raises(Launched):
             fn(*args, **kw, strict=True)
     assert not _fallbacks(caught) and len(launches) == 1
 
@@ -128,7 +112,7 @@ def test_float32_runs_the_simt_kernels_through_attention(launches):
     q, k, v = (t.float() for t in _sdpa_args())
     with autoflash.emulate("a100"), warnings.catch_warnings():
         warnings.simplefilter("error", autoflash.FallbackWarning)
-        with pytest.raises(_Launched):
+        with pytest.raises(Launched):
             autoflash.attention(q, k, v, is_causal=True)
     assert launches[0].dtype == "fp32" and launches[0].causal
 

@@ -81,6 +81,29 @@ size_t window_offset(const void* p, size_t size, const void* pc, const char* wha
 }
 
 // ------------------------------------------------------------------ warp operations
+// The lanes' row addresses of an ldmatrix / stmatrix: 16 bytes each, 16-aligned, inside the block's
+// shared memory (else a finding, and the block stops); sanitizing, each row is its lane's own access.
+bool matrix_rows(Worker& w, const Warp& wp, Fiber* lanes, int n, bool write, const char* what) {
+  for (int l = 0; l < n; ++l) {
+    const uint32_t row = lanes[l].u[0];
+    if (row % 16 || row + 16 > w.launch->smem) {
+      report(row % 16 ? "misaligned" : "out-of-bounds", wp.pc,
+             row % 16 ? fmt("%s row address of lane %d at shared offset %u (not a multiple of 16)", what, l, row)
+                      : fmt("%s row address of lane %d at shared offset %u: past the block's %zu bytes", what, l, row,
+                            w.launch->smem));
+      w.abandon = true;
+      return false;
+    }
+#if EMU_SANITIZE
+    Fiber* saved = w.cur;
+    w.cur = &lanes[l];
+    shared_access(row, 16, write, wp.pc, what);
+    w.cur = saved;
+#endif
+  }
+  return true;
+}
+
 void run_warp_op(Worker& w, Warp& wp) {
   Fiber* lanes = &w.fibers[wp.first];
   const int n = wp.lanes;
@@ -96,25 +119,7 @@ void run_warp_op(Worker& w, Warp& wp) {
       // Lanes 8i..8i+7 give the row addresses of matrix i; register i of lane l gets row g, columns
       // 2q, 2q+1 (transposed: rows 2q, 2q+1 of column g), g = l / 4, q = l % 4.
       const bool trans = wp.op == Op::LdmatrixT;
-      for (int l = 0; l < n; ++l) {
-        if (lanes[l].u[0] % 16) {
-          report("misaligned", wp.pc, fmt("ldmatrix row address of lane %d at shared offset %u (not a multiple of 16)", l, lanes[l].u[0]));
-          w.abandon = true;
-          return;
-        }
-        if (lanes[l].u[0] + 16 > w.launch->smem) {
-          report("out-of-bounds", wp.pc, fmt("ldmatrix row address of lane %d at shared offset %u: past the block's %zu bytes",
-                                             l, lanes[l].u[0], w.launch->smem));
-          w.abandon = true;
-          return;
-        }
-#if EMU_SANITIZE
-        Fiber* saved = w.cur;
-        w.cur = &lanes[l];
-        shared_access(lanes[l].u[0], 16, false, wp.pc, trans ? "ldmatrix.trans" : "ldmatrix");
-        w.cur = saved;
-#endif
-      }
+      if (!matrix_rows(w, wp, lanes, n, false, trans ? "ldmatrix.trans" : "ldmatrix")) return;
       auto u16 = [&](uint32_t addr) { uint16_t v; std::memcpy(&v, w.window + addr, 2); return v; };
       for (int l = 0; l < 32 && l < n; ++l) {
         const int g = l / 4, q = l % 4;
@@ -138,21 +143,7 @@ void run_warp_op(Worker& w, Warp& wp) {
       // The inverse of ldmatrix: lane l's register i holds row g, columns 2q, 2q+1 of matrix i, whose
       // rows lanes 8i..8i+7 address (transposed: rows 2q, 2q+1 of column g).
       const bool trans = wp.op == Op::StmatrixT;
-      for (int l = 0; l < n; ++l) {
-        if (lanes[l].u[0] % 16 || lanes[l].u[0] + 16 > w.launch->smem) {
-          report(lanes[l].u[0] % 16 ? "misaligned" : "out-of-bounds", wp.pc,
-                 fmt("stmatrix row address of lane %d at shared offset %u (16 bytes, 16-aligned, inside the block's %zu)",
-                     l, lanes[l].u[0], w.launch->smem));
-          w.abandon = true;
-          return;
-        }
-#if EMU_SANITIZE
-        Fiber* saved = w.cur;
-        w.cur = &lanes[l];
-        shared_access(lanes[l].u[0], 16, true, wp.pc, trans ? "stmatrix.trans" : "stmatrix");
-        w.cur = saved;
-#endif
-      }
+      if (!matrix_rows(w, wp, lanes, n, true, trans ? "stmatrix.trans" : "stmatrix")) return;
       auto put = [&](uint32_t addr, uint16_t v) { std::memcpy(w.window + addr, &v, 2); };
       for (int l = 0; l < 32 && l < n; ++l) {
         const int g = l / 4, q = l % 4;
