@@ -30,7 +30,7 @@ import torch
 import torch.nn.functional as F
 
 from autoflash.dispatch import variant_ops  # registers torch.ops.autoflash.flash_fwd / flash_bwd
-from autoflash.dispatch.policy import CPU_REASON, REFERENCE, emulating, fall_back, is_strict
+from autoflash.dispatch.policy import REFERENCE, cpu_fallback, fall_back, is_strict
 from autoflash.kernels.checks import checks_values, window_pair
 from autoflash.kernels.config import ALIGNS, HEAD_DIM_MAX, HEAD_DIM_MIN, HEAD_DIM_STEP
 
@@ -251,13 +251,11 @@ class CheckedCall:
     q, k, v zero-padded to the kernels' head dim (stand-ins on the call's device: metadata only), the
     ops' variant keywords, and why it would not run on the kernels (None if it would)."""
 
-    entry: str
     q: torch.Tensor
     k: torch.Tensor
     v: torch.Tensor
     scale: float
     variant: dict
-    deterministic: bool
     fallback: str | None
     head_dim: int  # the caller's, before padding
 
@@ -289,9 +287,9 @@ def stand_in(shape, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
     return torch.empty(shape[-1], dtype=dtype, device=device).expand(shape)
 
 
-def cpu_fallback(t: torch.Tensor) -> str | None:
-    """Why a call on `t` would not run the kernels (CPU tensors outside autoflash.emulate()), or None."""
-    return CPU_REASON if t.device.type == "cpu" and not emulating() else None
+def explaining_now() -> bool:
+    """Inside explaining() (never while torch.compile traces: explain runs eagerly)."""
+    return not torch.compiler.is_compiling() and _EXPLAINING.get()
 
 
 def _run(q, k, v, *, scale: float, causal: bool, align: str, window: tuple[int, int], softcap: float, alibi_slopes,
@@ -304,11 +302,11 @@ def _run(q, k, v, *, scale: float, causal: bool, align: str, window: tuple[int, 
     width = padded_head_dim(d)
     cu_q, cu_k, max_q, max_k = packed if packed is not None else (None, None, 0, 0)
     reason = cpu_fallback(q)
-    if not torch.compiler.is_compiling() and _EXPLAINING.get():  # stand-ins of the padded tensors: their metadata, no copy
+    if explaining_now():  # stand-ins of the padded tensors: their metadata, no copy
         q, k, v = (stand_in((*t.shape[:-1], width), t.dtype, device) for t in (q, k, v))
         kw = variant_ops._variant(causal, align, window[0], window[1], softcap, alibi_slopes, key_bias, cu_q, cu_k,
                                   max_q, max_k)
-        raise Captured(CheckedCall(entry, q, k, v, scale, kw, deterministic, reason, d))
+        raise Captured(CheckedCall(q, k, v, scale, kw, reason, d))
     q, k, v = (_pad(t, width) for t in (q, k, v))
     if reason is not None:
         fall_back(entry, reason, strict, REFERENCE, explain=f"autoflash.explain(autoflash.{entry}, ...)")

@@ -20,8 +20,8 @@ from typing import Optional
 
 import torch
 
-from autoflash.dispatch.flash_api import _EXPLAINING, Captured, _pad, cpu_fallback, padded_head_dim
-from autoflash.dispatch.policy import REFERENCE, fall_back, is_strict
+from autoflash.dispatch.flash_api import Captured, _pad, explaining_now, padded_head_dim
+from autoflash.dispatch.policy import REFERENCE, cpu_fallback, emulating, fall_back, is_strict
 from autoflash.dispatch.variant_ops import _like
 from autoflash.kernels.checks import check_scale, chunked, checks_values, window_pair
 from autoflash.kernels.decode import CacheShape, check_kvcache
@@ -169,7 +169,7 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
     scale = check_scale(softmax_scale, d)  # of the caller's head dim, padded or not
     seqlens_tensor = cache_seqlens if isinstance(cache_seqlens, torch.Tensor) else None
     reason = cpu_fallback(q)
-    if _explaining():
+    if explaining_now():
         raise Captured(KvCacheCall(q, k_cache, shape, alibi_slopes, causal, window_size, float(softcap), num_splits,
                                    reason, width))
     if reason is not None:
@@ -295,7 +295,7 @@ def flash_kvcache(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
 
     kw = dict(cache_batch_idx=cache_batch_idx, cache_leftpad=cache_leftpad, block_table=block_table, causal=causal,
               scale=scale, window=window, softcap=softcap, alibi_slopes=alibi_slopes, key_bias=key_bias)
-    if q.device.type == "cpu" and not _emulating():
+    if q.device.type == "cpu" and not emulating():
         out, lse = _reference(q, k_cache, v_cache, seqused, shape, kw)
     else:
         from autoflash.dispatch.selection import select_decode
@@ -329,17 +329,6 @@ def attention_over_cache(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.
     out, _ = flash_kvcache(q, k_cache, v_cache, None, None, None, None, None, seqlen, None, cache_leftpad, None, None,
                            key_bias, scale, causal, window[0], window[1], float(softcap), False, 0)
     return out
-
-
-def _explaining() -> bool:
-    """Inside autoflash.explain (never while torch.compile traces: explain runs eagerly)."""
-    return not torch.compiler.is_compiling() and _EXPLAINING.get()
-
-
-def _emulating() -> bool:
-    from autoflash.emulation import active
-
-    return active() is not None
 
 
 def _reference(q, k_cache, v_cache, seqused, shape: CacheShape, kw: dict):

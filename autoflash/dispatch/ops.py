@@ -13,6 +13,7 @@ types to build each op's schema.
 """
 import torch
 
+from autoflash.dispatch.policy import emulating
 from autoflash.dispatch.selection import select_config
 from autoflash.kernels.checks import DTYPE_NAMES, chunked
 from autoflash.kernels.launch import flash_backward, flash_forward, profile_for
@@ -44,15 +45,9 @@ def attention_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, is_causal: 
     return _forward_kernels(q, k, v, is_causal, scale)
 
 
-def _emulating() -> bool:
-    from autoflash.emulation import active
-
-    return active() is not None
-
-
 @attention_fwd.register_kernel("cpu")
 def _attention_fwd_cpu(q, k, v, is_causal, scale):
-    if _emulating():
+    if emulating():
         return _forward_kernels(q, k, v, is_causal, scale)
     out, lse = attention_ref(q, k, v, causal=is_causal, scale=scale)
     return out.to(q.dtype), lse.to(torch.float32)
@@ -72,7 +67,7 @@ def attention_bwd(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch
 
 @attention_bwd.register_kernel("cpu")
 def _attention_bwd_cpu(dout, q, k, v, out, lse, is_causal, scale):
-    if _emulating():
+    if emulating():
         return _backward_kernels(dout, q, k, v, out, lse, is_causal, scale)
     # Closed form (an op runs below autograd, so no autograd inside): P = exp(scale q kᵀ - lse),
     # dV = Pᵀ dO, dS = P (dO Vᵀ - rowsum(dO * O)), dQ = scale dS K, dK = scale dSᵀ Q.

@@ -76,6 +76,11 @@ def fall_back(entry: str, reason: str, strict: bool | None, instead: str = SDPA,
     warn_once(reason, instead, explain)
 
 
+def cpu_fallback(t: torch.Tensor) -> str | None:
+    """Why a call on `t` would not run the kernels (CPU tensors outside autoflash.emulate()), or None."""
+    return CPU_REASON if t.device.type == "cpu" and not emulating() else None
+
+
 @torch.compiler.assume_constant_result
 def emulating() -> bool:
     """Whether CPU tensors run the kernels on the host emulator now (autoflash.emulate / AUTOFLASH_EMULATE);

@@ -18,15 +18,10 @@ from typing import Optional
 
 import torch
 
+from autoflash.dispatch.policy import emulating
 from autoflash.dispatch.selection import HEURISTIC, Selection, select_config
 from autoflash.kernels.checks import DTYPE_NAMES, chunked
 from autoflash.kernels.launch import flash_backward, flash_forward, profile_for
-
-
-def _emulating() -> bool:
-    from autoflash.emulation import active
-
-    return active() is not None
 
 
 def _variant(causal, align, window_left, window_right, softcap, alibi_slopes, key_bias, cu_seqlens_q,
@@ -184,7 +179,7 @@ def _flash_fwd_cpu(q, k, v, alibi_slopes, key_bias, cu_seqlens_q, cu_seqlens_k, 
                    window_right, softcap, max_seqlen_q, max_seqlen_k, deterministic):
     kw = _variant(causal, align, window_left, window_right, softcap, alibi_slopes, key_bias, cu_seqlens_q,
                   cu_seqlens_k, max_seqlen_q, max_seqlen_k)
-    if _emulating():
+    if emulating():
         return _forward_kernels(q, k, v, scale, kw)
     return _forward_reference(q, k, v, scale, kw)
 
@@ -214,7 +209,7 @@ def _flash_bwd_cpu(dout, q, k, v, out, lse, alibi_slopes, key_bias, cu_seqlens_q
                    window_left, window_right, softcap, max_seqlen_q, max_seqlen_k, deterministic):
     kw = _variant(causal, align, window_left, window_right, softcap, alibi_slopes, key_bias, cu_seqlens_q,
                   cu_seqlens_k, max_seqlen_q, max_seqlen_k)
-    if _emulating():
+    if emulating():
         return _backward_kernels(dout, q, k, v, out, lse, scale, deterministic, kw)
     return _backward_reference(dout, q, k, v, scale, kw)
 

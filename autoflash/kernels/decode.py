@@ -80,9 +80,10 @@ def check_kvcache(q, k_cache, v_cache, *, k=None, v=None, rotary_cos=None, rotar
     rows, length, heads_kv, dk = k_cache.shape
     if dk != d:
         raise ValueError(f"head_dim: got {d} in q and {dk} in k_cache; expected one head_dim")
+    native = HEAD_DIM_MIN <= d <= HEAD_DIM_MAX and d % HEAD_DIM_STEP == 0
     if any_head_dim and not 1 <= d <= HEAD_DIM_MAX:
         raise ValueError(f"head_dim: got {d}, expected 1..{HEAD_DIM_MAX}")
-    if not any_head_dim and not (HEAD_DIM_MIN <= d <= HEAD_DIM_MAX and d % HEAD_DIM_STEP == 0):
+    if not any_head_dim and not native:
         raise ValueError(f"head_dim: got {d}, expected a multiple of {HEAD_DIM_STEP} in [{HEAD_DIM_MIN}, "
                          f"{HEAD_DIM_MAX}] (flash_attn_with_kvcache pads other head dims)")
     if min(batch, seqlen_q, heads, heads_kv, rows) == 0:
@@ -97,7 +98,6 @@ def check_kvcache(q, k_cache, v_cache, *, k=None, v=None, rotary_cos=None, rotar
                          f"or (num_blocks, page_size, heads_kv, head_dim) with a block_table{hint}")
     if batch > GRID_YZ_MAX or heads > GRID_YZ_MAX:
         raise ValueError(f"q {tuple(q.shape)}: expected batch and heads <= {GRID_YZ_MAX}")
-    native = HEAD_DIM_MIN <= d <= HEAD_DIM_MAX and d % HEAD_DIM_STEP == 0
     if native and not torch.compiler.is_compiling():  # data pointers exist at run time only: the op checks again
         # q is copied where needed (flash_attn_with_kvcache); the caches are written in place (a padded
         # head dim's are copied).
