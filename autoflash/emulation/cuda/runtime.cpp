@@ -164,10 +164,7 @@ void run_warp_op(Worker& w, Warp& wp) {
     case Op::MmaBF16: {
       // A (16x16, row): lane l = 4g + q holds a0 (g, 2q..2q+1), a1 (g+8, ..), a2 (g, 2q+8..), a3 (g+8, 2q+8..);
       // B (16x8, col): b0 (k 2q.., n g), b1 (k 2q+8.., n g); D: d0,d1 (g, 2q..), d2,d3 (g+8, 2q..).
-      auto cvt = [&](uint16_t h) {
-        if (wp.op == Op::MmaBF16) { uint32_t x = uint32_t(h) << 16; float f; std::memcpy(&f, &x, 4); return f; }
-        _Float16 x; std::memcpy(&x, &h, 2); return float(x);
-      };
+      auto cvt = [&](uint16_t h) { return half_to_float(h, wp.op == Op::MmaBF16); };
       float A[16][16], Bm[16][8];
       for (int l = 0; l < 32; ++l) {
         const int g = l / 4, q = l % 4;

@@ -228,6 +228,14 @@ std::string fmt(const char* f, ...) {
   return buf;
 }
 
+// A 16-bit tensor-core operand (bf16 or fp16) as a float: what mma.sync and wgmma read.
+float half_to_float(uint16_t h, bool bf16) {
+  if (bf16) { uint32_t x = uint32_t(h) << 16; float f; std::memcpy(&f, &x, 4); return f; }
+  _Float16 x;
+  std::memcpy(&x, &h, 2);
+  return float(x);
+}
+
 // Back to the scheduler; a fiber of a block that was given up (w.abandon) is never resumed.
 void yield(Worker& w, Fiber& f) { ctx_switch(f.ctx, w.sched); }
 

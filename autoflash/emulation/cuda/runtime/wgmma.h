@@ -33,13 +33,6 @@ const char* wg_name(WgOp op) {
   }
 }
 
-float half_to_float(uint16_t h, bool bf16) {
-  if (bf16) { uint32_t x = uint32_t(h) << 16; float f; std::memcpy(&f, &x, 4); return f; }
-  _Float16 x;
-  std::memcpy(&x, &h, 2);
-  return float(x);
-}
-
 // Shared-memory byte offset of element (r, kk) of a matrix read through descriptor `desc`: r along M
 // (A) or N (B), kk along K (0..15), 2-byte elements. The canonical layouts of PTX 9.7.15.5.1.2 (T = 8
 // elements = 16 bytes; W the swizzle span; the swizzle XORs address bits [4, 4 + log2(W / 16)) with
@@ -152,11 +145,10 @@ void complete(Worker& w, Group& g, WgMma& m) {
       report("async", m.pc, fmt("thread %d: an A register of a wgmma.mma_async (RS) was changed while the wgmma was "
                                 "in flight", g.first + t));
   }
-  if ((!m.rs && std::memcmp(A.data(), m.a_issue.data(), A.size() * 4)) ||
-      std::memcmp(B.data(), m.b_issue.data(), B.size() * 4))
+  const bool a_written = !m.rs && std::memcmp(A.data(), m.a_issue.data(), A.size() * 4);
+  if (a_written || std::memcmp(B.data(), m.b_issue.data(), B.size() * 4))
     report("async", m.pc, fmt("shared memory that an in-flight wgmma.mma_async reads (its %s operand) was written "
-                              "before the wgmma.wait_group that covers it", !m.rs && std::memcmp(A.data(), m.a_issue.data(),
-                              A.size() * 4) ? "A" : "B"));
+                              "before the wgmma.wait_group that covers it", a_written ? "A" : "B"));
 #endif
   for (int t = 0; t < 128; ++t) {
     if (!m.d[t]) continue;
