@@ -68,6 +68,17 @@ def mutate(monkeypatch):
 
 
 @pytest.fixture
+def fresh_fallback_policy(monkeypatch):
+    """No AUTOFLASH_STRICT, and every fallback reason unwarned: as in a new process (and again after)."""
+    from autoflash.dispatch import policy
+
+    monkeypatch.delenv(policy.STRICT_ENV, raising=False)
+    policy._warned.clear()
+    yield
+    policy._warned.clear()
+
+
+@pytest.fixture
 def broken_runtime(tmp_path, monkeypatch):
     """broken_runtime(file, old, new): the emulator's runtime is built, for the rest of the test, from a
     copy of autoflash/emulation/cuda whose `file` has `old` replaced by `new`: an emulator broken on

@@ -23,12 +23,7 @@ from autoflash.dispatch.selection import HEURISTIC
 from autoflash.tuning.table import Entry, Result, Table, merge_into, table_path
 
 
-@pytest.fixture(autouse=True)
-def _fresh_warnings(monkeypatch):
-    monkeypatch.delenv(dispatch.STRICT_ENV, raising=False)
-    dispatch._warned.clear()
-    yield
-    dispatch._warned.clear()
+pytestmark = pytest.mark.usefixtures("fresh_fallback_policy")
 
 
 @pytest.fixture

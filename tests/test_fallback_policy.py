@@ -18,12 +18,7 @@ from conftest import Launched
 B, L, H, HK, D = 2, 24, 4, 2, 64
 
 
-@pytest.fixture(autouse=True)
-def fresh_warnings(monkeypatch):
-    monkeypatch.delenv(policy.STRICT_ENV, raising=False)
-    policy._warned.clear()
-    yield
-    policy._warned.clear()
+pytestmark = pytest.mark.usefixtures("fresh_fallback_policy")
 
 
 def _bshd(d=D, dtype=torch.bfloat16):

@@ -25,13 +25,10 @@ H100 = get_profile("h100")
 
 
 @pytest.fixture(autouse=True)
-def _fresh(monkeypatch):
-    monkeypatch.delenv(dispatch.STRICT_ENV, raising=False)
+def _fresh(fresh_fallback_policy):
     dispatch.clear_plan_cache()
-    dispatch._warned.clear()
     yield
     dispatch.clear_plan_cache()
-    dispatch._warned.clear()
 
 
 def _count_calls(monkeypatch, module, name: str) -> list:

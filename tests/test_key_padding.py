@@ -23,12 +23,8 @@ B, H, L, D = 2, 2, 40, 64
 
 
 @pytest.fixture(autouse=True)
-def _fresh(monkeypatch):
-    monkeypatch.delenv(dispatch.STRICT_ENV, raising=False)
-    dispatch._warned.clear()
+def _fresh(fresh_fallback_policy):
     dispatch.clear_plan_cache()
-    yield
-    dispatch._warned.clear()
 
 
 def _qkv(dtype=torch.bfloat16, shape=(B, H, L, D), kv_shape=None, grad=False, seed=0):
