@@ -19,6 +19,7 @@ from autoflash.emulation.build import EmulationError, build_library
 from autoflash.emulation.limits import LaunchRefused, check_launch
 from autoflash.kernels.codegen import render
 from autoflash.kernels.config import KernelConfig
+from autoflash.kernels.tensor_map import TiledMap
 
 
 @dataclasses.dataclass(frozen=True)
@@ -117,9 +118,12 @@ class EmulatedFunction:
                     self._register(a, names[i], grid, named)
                     if guards.guard_of(a) is not None:
                         guarded.append((names[i], a))
-            else:
-                data = np.asarray(a).tobytes()
+            else:  # a scalar's bytes, or a tensor map's (the emulator's encoding), by value
+                mapped = isinstance(a, TiledMap)
+                data = (a.emulated() if mapped else np.asarray(a)).tobytes()
                 buf = ctypes.create_string_buffer(data, len(data))
+                if sanitize and mapped and a.tensor is not None:  # the tensor its TMA copies reach
+                    self._register(a.tensor, names[i], grid, named)
             keep.append(buf)
             ptrs[i] = ctypes.cast(ctypes.pointer(buf), ctypes.c_void_p)
             sizes[i] = ctypes.sizeof(buf)

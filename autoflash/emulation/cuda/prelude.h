@@ -12,6 +12,7 @@
 #define __global__
 #define __device__
 #define __host__
+#define __grid_constant__
 #define __forceinline__ inline __attribute__((always_inline))
 #define __launch_bounds__(...)
 #define __align__(n) __attribute__((aligned(n)))

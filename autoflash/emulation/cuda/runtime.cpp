@@ -64,6 +64,7 @@ alignas(128) thread_local unsigned char smem_raw[kWindow];
 #include "runtime/sanitizer.h"
 #include "runtime/wgmma.h"
 #include "runtime/mbarrier.h"
+#include "runtime/tma.h"
 
 namespace emu {
 namespace {
@@ -267,6 +268,7 @@ void fiber_main() {
   Warp& wp = w.warps[f.warp];
   --wp.live;
   group_exit(w, f);
+  stores_at_exit(w, f);
   if (!f.groups.empty() || !f.open.empty()) {  // copies still in flight at exit land anyway
     for (auto& g : f.groups) land(w, f, g);
     land(w, f, f.open);
@@ -302,6 +304,7 @@ void run_block(Worker& w, dim3 block) {
     w.warps[i].lanes = w.warps[i].live = std::min(32, L.threads - 32 * i);
   }
   w.mbars.clear();
+  w.tma_loads.clear();
   for (NamedBar& b : w.named) b = NamedBar{};
   w.phases = w.phases_seen = 0;
   w.wgroups.assign((L.threads + 127) / 128, Group{});
@@ -322,6 +325,8 @@ void run_block(Worker& w, dim3 block) {
     f.st = St::Run;
     f.open.clear();
     f.groups.clear();
+    f.stores_open.clear();
+    f.store_groups.clear();
     f.named = -1;
     f.proxy_fences = 0;
     ctx_init(f.ctx, w.stacks + size_t(t) * kStack, kStack, fiber_entry);
@@ -342,6 +347,7 @@ void run_block(Worker& w, dim3 block) {
         if (f.st == St::Spin) f.st = St::Run;
       continue;
     }
+    if (!ran && !w.abandon && land_tma_loads(w)) continue;  // none can go on without its TMA loads: they land
     if (!ran && !w.abandon) {  // every live thread waits for one that will never come
       std::string where;
       int at_bar = 0;
@@ -370,7 +376,10 @@ void run_block(Worker& w, dim3 block) {
       return;
     }
   }
-  if (!w.abandon) check_mbarriers_balanced(w);
+  if (!w.abandon) {
+    loads_at_block_end(w);
+    check_mbarriers_balanced(w);
+  }
 }
 
 void worker_main(Launch* L) {
@@ -524,14 +533,19 @@ EMU_EXPORT int emu_launch(emu_entry_t entry, const char* kernel, unsigned gx, un
   }
   Launch L;
   L.entry = entry;
+  // Each argument 16-aligned, and 64-aligned from 64 bytes up (a tensor map, alignas(64), by value).
   std::vector<size_t> offsets;
+  size_t end = 0;
   for (int i = 0; i < nargs; ++i) {
-    offsets.push_back((L.params.size() + 15) & ~size_t(15));
-    L.params.resize(offsets.back() + sizes[i]);
+    const size_t align = sizes[i] >= 64 ? 64 : 16;
+    offsets.push_back((end + align - 1) & ~(align - 1));
+    end = offsets.back() + sizes[i];
   }
+  L.params.resize(end + 64);
+  unsigned char* base = L.params.data() + (64 - reinterpret_cast<uintptr_t>(L.params.data()) % 64) % 64;
   for (int i = 0; i < nargs; ++i) {
-    std::memcpy(L.params.data() + offsets[i], args[i], sizes[i]);
-    L.param_ptrs.push_back(L.params.data() + offsets[i]);
+    std::memcpy(base + offsets[i], args[i], sizes[i]);
+    L.param_ptrs.push_back(base + offsets[i]);
   }
   L.args = L.param_ptrs.data();
   L.kernel = kernel;

@@ -36,11 +36,16 @@ void wgmma_wait(int pending);
 void mbarrier_init(uint32_t bar, uint32_t count);
 void mbarrier_arrive(uint32_t bar, uint32_t expect_tx_bytes);
 bool mbarrier_try_wait(uint32_t bar, uint32_t parity);
-void mbarrier_complete_tx(uint32_t bar, uint32_t bytes);
 void named_barrier(int id, int threads, bool wait);
 bool elect_one();
 void setmaxnreg(int regs, bool inc);
 uint32_t cvta_shared(const void* p);
+// TMA (runtime/tma.h) on a tensor map's 128 bytes: a tile load into shared memory that completes
+// transaction bytes on an mbarrier; a tile store from shared memory, in the thread's bulk groups.
+void tma_load(uint32_t dst, const void* tmap, int rank, const int32_t* coords, uint32_t bar);
+void tma_store(const void* tmap, int rank, const int32_t* coords, uint32_t src);
+void bulk_commit();
+void bulk_wait(int pending);
 }  // namespace emu
 
 // The launch ABI (one entry per kernel, generated at build time by EMU_KERNEL in register.h):

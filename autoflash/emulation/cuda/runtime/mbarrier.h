@@ -54,6 +54,17 @@ void complete_phase_if_done(Worker& w, Mbar& m) {
   }
 }
 
+// complete_tx: `bytes` of the current phase's transactions have landed (a TMA load, runtime/tma.h).
+void complete_tx(Worker& w, Mbar& m, uint32_t bar, uint32_t bytes, const void* pc, const Stack* at) {
+  m.tx -= bytes;
+  if (m.tx < 0) {
+    report("mbarrier", pc, fmt("mbarrier at shared offset %u: %u bytes completed beyond the transaction bytes phase %u "
+                               "expects", bar, bytes, m.phase), at);
+    m.tx = 0;
+  }
+  complete_phase_if_done(w, m);
+}
+
 // A block that ran to its end leaves every mbarrier between phases: arrivals and bytes balanced.
 void check_mbarriers_balanced(Worker& w) {
   for (const auto& [bar, m] : w.mbars)
@@ -98,20 +109,6 @@ void mbarrier_arrive(uint32_t bar, uint32_t expect_tx_bytes) {
                                bar, w.cur->tid, m->expected, m->phase));
     m->pending = 0;
     return;
-  }
-  complete_phase_if_done(w, *m);
-}
-
-void mbarrier_complete_tx(uint32_t bar, uint32_t bytes) {
-  Worker& w = *tw;
-  const void* pc = __builtin_return_address(0);
-  Mbar* m = find_mbar(w, bar, pc, "complete_tx");
-  if (!m) return;
-  m->tx -= bytes;
-  if (m->tx < 0) {
-    report("mbarrier", pc, fmt("mbarrier at shared offset %u: %u bytes completed beyond the transaction bytes phase %u "
-                               "expects", bar, bytes, m->phase));
-    m->tx = 0;
   }
   complete_phase_if_done(w, *m);
 }

@@ -180,7 +180,9 @@ void shared_access(size_t off, size_t size, bool write, const void* pc, const ch
     if (!write) {
       if (s.st != 2) {
         report("uninitialized", pc, fmt("%s reads shared offset %zu %s", what, i,
-                                        s.st == 0 ? "before any write in this block" : "before its cp.async landed (no cp.async.wait_group yet)"));
+                                        s.st == 0   ? "before any write in this block"
+                                        : s.st == 1 ? "before its cp.async landed (no cp.async.wait_group yet)"
+                                                    : "before its TMA load landed (no wait on the load's mbarrier)"));
         return;
       }
       if (raced_write) {
@@ -194,6 +196,11 @@ void shared_access(size_t off, size_t size, bool write, const void* pc, const ch
         s.rW = std::max(s.rW, W);
       }
     } else {
+      if (s.st == 1 || s.st == 3) {
+        report(s.st == 3 ? "async" : "race", pc, fmt("%s writes shared offset %zu while a %s into it is in flight", what,
+                                                     i, s.st == 3 ? "TMA load" : "cp.async"));
+        return;
+      }
       if (raced_write) {
         report("race", pc, fmt("%s writes shared offset %zu that thread %d wrote with no __syncthreads between", what, i, s.wT));
         return;

@@ -68,6 +68,45 @@ struct Mbar {
   int pending = 0, expected = 0;
   long long tx = 0;    // transaction bytes still to land in the current phase
 };
+// A call stack, kept for a finding made later than its cause (report()).
+struct Stack {
+  void* frames[24];
+  int n = 0;
+  void capture() { n = backtrace(frames, 24); }
+};
+
+// TMA (runtime/tma.h): a decoded tensor map, a load in flight (the block's), a store in flight (its
+// thread's, in bulk groups).
+struct TensorMap {
+  uint64_t addr = 0;
+  int dtype = 0, rank = 0, esize = 0, interleave = 0, swizzle = 0, l2 = 0, fill = 0;
+  uint64_t dim[5] = {1, 1, 1, 1, 1}, stride[5] = {};  // stride[0]: the element size
+  uint32_t box[5] = {1, 1, 1, 1, 1}, estride[5] = {1, 1, 1, 1, 1};
+  uint32_t span() const { return swizzle == 1 ? 32 : swizzle == 2 ? 64 : swizzle == 3 ? 128 : 0; }
+  uint32_t count(int d) const { return d == 0 ? box[0] : (box[d] + estride[d] - 1) / estride[d]; }  // elements along d
+  uint64_t elements() const {
+    uint64_t n = 1;
+    for (int d = 0; d < rank; ++d) n *= count(d);
+    return n;
+  }
+};
+
+struct TmaLoad {
+  TensorMap map;
+  int32_t c[5] = {};
+  uint32_t dst = 0, bar = 0;
+  int tid = 0;
+  const void* pc = nullptr;
+  Stack issued;  // where the kernel issued it: the place of findings made when it lands
+};
+struct TmaStore {
+  TensorMap map;
+  int32_t c[5] = {};
+  uint32_t src = 0;
+  const void* pc = nullptr;
+  Stack issued;
+  std::vector<unsigned char> bytes;  // the box as read at issue
+};
 struct NamedBar { int arrived = 0, count = 0; const void* pc = nullptr; };
 // A warpgroup: 4 consecutive warps, 128 threads from a multiple of 128.
 struct Group {
@@ -97,6 +136,8 @@ struct Fiber {
   int32_t proxy_fences = 0;  // fence.proxy.async executed
   uint32_t spin_bar = 0;  // the mbarrier it spins on, and the parity
   uint32_t spin_parity = 0;
+  std::vector<TmaStore> stores_open;               // TMA stores since its last cp.async.bulk.commit_group
+  std::vector<std::vector<TmaStore>> store_groups;  // committed, oldest first
 };
 
 struct Warp {
@@ -150,8 +191,9 @@ struct Launch {
 struct Shadow {
   int32_t wB, wW, rB, rW;
   int16_t wT, rT, rWarp;
-  uint8_t st;  // 0 never written, 1 cp.async in flight, 2 written
-  int32_t wP;  // the writer's fence.proxy.async count when it wrote (runtime/wgmma.h's proxy check)
+  uint8_t st;  // 0 never written, 1 cp.async in flight, 2 written, 3 a TMA load in flight
+  int32_t wP;  // the writer's fence.proxy.async count when it wrote (runtime/wgmma.h's proxy check); -1: the
+               // async proxy wrote it (a TMA load)
 };
 constexpr int16_t kMany = -2;
 #endif
@@ -163,6 +205,7 @@ struct Worker {
   std::vector<Warp> warps;
   std::vector<Group> wgroups;
   std::map<uint32_t, Mbar> mbars;
+  std::vector<TmaLoad> tma_loads;  // issued, not yet landed
   NamedBar named[16];
   uint64_t phases = 0, phases_seen = 0;  // mbarrier phases completed; as many when spinners last woke
   unsigned char* stacks = nullptr;
@@ -197,12 +240,17 @@ uintptr_t lib_base() {
   return g_lib_base;
 }
 
-// Records a finding once per (kind, place); `pc` is the kernel's code address that made it. Without
-// EMU_SANITIZE every finding is an error that fails the launch.
-void report(const char* kind, const void* pc, std::string detail) {
+// Records a finding once per (kind, place); `pc` is the kernel's code address that made it, `frames`
+// the stack it was made from (by default the caller's; a deferred check, such as a TMA load landing,
+// passes the stack captured when the kernel issued it). Without EMU_SANITIZE every finding is an error
+// that fails the launch.
+void report(const char* kind, const void* pc, std::string detail, const Stack* at = nullptr) {
   Worker* w = tw;
-  void* frames[24];
-  const int n = backtrace(frames, 24);
+  Stack here;
+  if (!at) {
+    here.capture();
+    at = &here;
+  }
   std::lock_guard<std::mutex> lock(g_mu);
   if (w) w->launch->failed.store(true);
   if (!g_seen.insert({kind, reinterpret_cast<uintptr_t>(pc)}).second || int(g_findings.size()) >= kMaxFindings) return;
@@ -214,7 +262,7 @@ void report(const char* kind, const void* pc, std::string detail) {
   f.thread = w && w->cur ? w->cur->tid : -1;
   const uintptr_t base = lib_base();
   f.pcs.push_back(reinterpret_cast<uintptr_t>(pc) - base - 1);  // the call, not the return address
-  for (int i = 0; i < n; ++i) f.pcs.push_back(reinterpret_cast<uintptr_t>(frames[i]) - base - 1);
+  for (int i = 0; i < at->n; ++i) f.pcs.push_back(reinterpret_cast<uintptr_t>(at->frames[i]) - base - 1);
   g_findings.push_back(std::move(f));
 }
 

@@ -54,15 +54,16 @@ uint32_t operand_offset(uint64_t desc, int r, int kk, int mn_major) {
 }
 
 #if EMU_SANITIZE
-// An element an mma_async reads through the async proxy, at issue: the shared-memory checks of a read
-// by the issuing thread (uninitialized, race) and the proxy rule: bytes a thread wrote through the
-// generic proxy (st.shared, stmatrix, cp.async) reach the async proxy only after that thread's
-// fence.proxy.async (PTX 9.7.13.4; then a barrier orders it before the reader, which the race rule sees).
-void async_proxy_read(Worker& w, uint32_t off, const void* pc, const char* which) {
-  shared_access(off, 2, false, pc, which);
-  for (uint32_t i = off; i < off + 2; ++i) {
+// Bytes [off, off + size) an async-proxy operation (a wgmma operand, a TMA store's source) reads: the
+// shared-memory checks of a read by the issuing thread (uninitialized, race) and the proxy rule: bytes
+// a thread wrote through the generic proxy (st.shared, stmatrix, cp.async) reach the async proxy only
+// after that thread's fence.proxy.async (PTX 9.7.13.4; then a barrier orders it before the reader,
+// which the race rule sees). Bytes a TMA load wrote are the async proxy's already.
+void async_proxy_read(Worker& w, uint32_t off, int size, const void* pc, const char* which) {
+  shared_access(off, size, false, pc, which);
+  for (uint32_t i = off; i < off + uint32_t(size); ++i) {
     const Shadow& s = w.shadow[i];
-    if (s.st == 2 && s.wT >= 0 && w.fibers[s.wT].proxy_fences == s.wP) {
+    if (s.st == 2 && s.wT >= 0 && s.wP >= 0 && w.fibers[s.wT].proxy_fences == s.wP) {
       report("async", pc, fmt("%s reads shared offset %u through the async proxy, which thread %d wrote through the "
                               "generic proxy with no fence.proxy.async since", which, i, s.wT));
       return;
@@ -98,7 +99,7 @@ bool read_operand(Worker& w, uint64_t desc, int rows, int mn_major, bool bf16, s
         return false;
       }
 #if EMU_SANITIZE
-      if (issue) async_proxy_read(w, off, pc, which[0] == 'A' ? "wgmma.mma_async (A operand)" : "wgmma.mma_async (B operand)");
+      if (issue) async_proxy_read(w, off, 2, pc, which[0] == 'A' ? "wgmma.mma_async (A operand)" : "wgmma.mma_async (B operand)");
 #else
       (void)issue;
 #endif

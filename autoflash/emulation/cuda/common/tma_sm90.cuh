@@ -1,0 +1,23 @@
+// Host-emulator stand-in for templates/common/tma_sm90.cuh: TMA loads and stores are the runtime's
+// (runtime/tma.h), asynchronous as on the GPU, on the tensor maps autoflash/kernels/tensor_map.py
+// encodes for the emulator.
+#pragma once
+#include "common/types.cuh"
+
+struct alignas(64) TmaDesc { unsigned long long w[16]; };
+
+template <typename... C>
+__forceinline__ void tma_load(uint32_t dst, const TmaDesc& map, uint32_t bar, C... coords) {
+  static_assert(sizeof...(C) >= 2 && sizeof...(C) <= 5, "tma_load: 2 to 5 coordinates");
+  const int32_t c[] = {int32_t(coords)...};
+  emu::tma_load(dst, &map, int(sizeof...(C)), c, bar);
+}
+template <typename... C>
+__forceinline__ void tma_store(const TmaDesc& map, uint32_t src, C... coords) {
+  static_assert(sizeof...(C) >= 2 && sizeof...(C) <= 5, "tma_store: 2 to 5 coordinates");
+  const int32_t c[] = {int32_t(coords)...};
+  emu::tma_store(&map, int(sizeof...(C)), c, src);
+}
+__forceinline__ void tma_store_commit() { emu::bulk_commit(); }
+template <int N>
+__forceinline__ void tma_store_wait() { emu::bulk_wait(N); }

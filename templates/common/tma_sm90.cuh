@@ -1,0 +1,59 @@
+// TMA (PTX ISA 9.7.9.27.1.2 cp.async.bulk.tensor, 9.7.9.27.1.4 commit_group / wait_group): tile copies
+// between global and shared memory described by a tensor map, issued by one thread. A load completes
+// its bytes on an mbarrier (async_sm90.cuh: arrive.expect_tx the box's bytes, then try_wait); a store
+// joins the thread's bulk group, which tma_store_wait<N> waits for. Coordinates are elements, dim 0
+// innermost; a load fills elements outside the tensor with zero, a store skips them. The host emulator
+// defines the same functions (autoflash/emulation/cuda/common/tma_sm90.cuh).
+#pragma once
+#include "types.cuh"
+
+// A tensor map as a kernel parameter, `const __grid_constant__ TmaDesc map`: the driver's CUtensorMap
+// (128 opaque bytes, 64-aligned; cuTensorMapEncodeTiled fills it, autoflash/kernels/tensor_map.py).
+struct alignas(64) TmaDesc { unsigned long long w[16]; };
+
+// The box at `coords` into shared memory at `dst` (128-byte aligned; swizzled as the map says).
+template <typename... C>
+__device__ __forceinline__ void tma_load(uint32_t dst, const TmaDesc& map, uint32_t bar, C... coords) {
+  static_assert(sizeof...(C) >= 2 && sizeof...(C) <= 5, "tma_load: 2 to 5 coordinates");
+  const int c[] = {int(coords)...};
+  const unsigned long long m = reinterpret_cast<unsigned long long>(&map);
+  if constexpr (sizeof...(C) == 2)
+    asm volatile("cp.async.bulk.tensor.2d.shared::cluster.global.tile.mbarrier::complete_tx::bytes [%0], [%1, {%2, %3}], [%4];\n"
+                 ::"r"(dst), "l"(m), "r"(c[0]), "r"(c[1]), "r"(bar) : "memory");
+  else if constexpr (sizeof...(C) == 3)
+    asm volatile("cp.async.bulk.tensor.3d.shared::cluster.global.tile.mbarrier::complete_tx::bytes [%0], [%1, {%2, %3, %4}], [%5];\n"
+                 ::"r"(dst), "l"(m), "r"(c[0]), "r"(c[1]), "r"(c[2]), "r"(bar) : "memory");
+  else if constexpr (sizeof...(C) == 4)
+    asm volatile("cp.async.bulk.tensor.4d.shared::cluster.global.tile.mbarrier::complete_tx::bytes [%0], [%1, {%2, %3, %4, %5}], [%6];\n"
+                 ::"r"(dst), "l"(m), "r"(c[0]), "r"(c[1]), "r"(c[2]), "r"(c[3]), "r"(bar) : "memory");
+  else
+    asm volatile("cp.async.bulk.tensor.5d.shared::cluster.global.tile.mbarrier::complete_tx::bytes [%0], [%1, {%2, %3, %4, %5, %6}], [%7];\n"
+                 ::"r"(dst), "l"(m), "r"(c[0]), "r"(c[1]), "r"(c[2]), "r"(c[3]), "r"(c[4]), "r"(bar) : "memory");
+}
+
+// The box at `coords` from shared memory at `src` (written through the generic proxy: fence_proxy_async
+// and a barrier first). Start coordinates must not be negative.
+template <typename... C>
+__device__ __forceinline__ void tma_store(const TmaDesc& map, uint32_t src, C... coords) {
+  static_assert(sizeof...(C) >= 2 && sizeof...(C) <= 5, "tma_store: 2 to 5 coordinates");
+  const int c[] = {int(coords)...};
+  const unsigned long long m = reinterpret_cast<unsigned long long>(&map);
+  if constexpr (sizeof...(C) == 2)
+    asm volatile("cp.async.bulk.tensor.2d.global.shared::cta.tile.bulk_group [%0, {%2, %3}], [%1];\n"
+                 ::"l"(m), "r"(src), "r"(c[0]), "r"(c[1]) : "memory");
+  else if constexpr (sizeof...(C) == 3)
+    asm volatile("cp.async.bulk.tensor.3d.global.shared::cta.tile.bulk_group [%0, {%2, %3, %4}], [%1];\n"
+                 ::"l"(m), "r"(src), "r"(c[0]), "r"(c[1]), "r"(c[2]) : "memory");
+  else if constexpr (sizeof...(C) == 4)
+    asm volatile("cp.async.bulk.tensor.4d.global.shared::cta.tile.bulk_group [%0, {%2, %3, %4, %5}], [%1];\n"
+                 ::"l"(m), "r"(src), "r"(c[0]), "r"(c[1]), "r"(c[2]), "r"(c[3]) : "memory");
+  else
+    asm volatile("cp.async.bulk.tensor.5d.global.shared::cta.tile.bulk_group [%0, {%2, %3, %4, %5, %6}], [%1];\n"
+                 ::"l"(m), "r"(src), "r"(c[0]), "r"(c[1]), "r"(c[2]), "r"(c[3]), "r"(c[4]) : "memory");
+}
+
+// Closes the thread's stores since the last commit into one bulk group.
+__device__ __forceinline__ void tma_store_commit() { asm volatile("cp.async.bulk.commit_group;\n" ::: "memory"); }
+// Waits until at most N of the thread's bulk groups are in flight (their writes done and visible).
+template <int N>
+__device__ __forceinline__ void tma_store_wait() { asm volatile("cp.async.bulk.wait_group %0;\n" ::"n"(N) : "memory"); }
