@@ -78,6 +78,11 @@ SWITCHES: tuple[tuple[str, str, object, str], ...] = (
      "backward, fp16/bf16: dQ by a separate kernel (<name>_dq) instead of fp32 atomics: deterministic (_dqpass)"),
     ("--v-in-regs", "v_in_regs", True,
      "backward, fp16/bf16: each warp keeps its keys' V fragments in registers for dP (_vregs)"),
+    ("--sm90", "family", "sm90",
+     "forward, fp16/bf16, sm_90 GPUs: the sm90 family (wgmma, TMA, a producer warpgroup beside --warps / 4 consumer "
+     "warpgroups of 64 query rows; templates/flash_fwd_sm90.cu.j2) (_sm90a)"),
+    ("--pingpong", "pingpong", True, "with --sm90: consumer warpgroups take turns issuing their GEMMs (_pp)"),
+    ("--overlap", "overlap", True, "with --sm90: a warpgroup's softmax of tile j under its P V of tile j - 1 (_ov)"),
 )
 # The tile flags (argparse dests) --default picks itself and a kernel name fixes.
 TILE_FLAGS = ("block_m", "block_n", "warps", "stages", "head_split")
@@ -185,6 +190,9 @@ def default_for(head_dim: int, dtype: str, direction: str, switches: dict[str, o
         heavy = switches.get("align", "top_left") != "top_left" or any(switches.get(f) for f in VARIANTS)
         pick = default_backward_config if direction == "bwd" else default_config
         base = pick(head_dim, dtype, bool(switches.get("causal") or switches.get("window")), profile, heavy)
+        if direction == "fwd" and not any(switches.get(f) for f in VARIANTS):  # sm90 takes either alignment
+            plain = default_config(head_dim, dtype, bool(switches.get("causal")), profile)
+            base = plain if plain.family == "sm90" else base
     # A window's base is a causal kernel's; the switches set causal (off unless --causal) as the launcher does.
     return _switched(lambda: base.replace(direction=direction, **{"causal": False, **switches}), switches)
 
@@ -346,7 +354,7 @@ def nvcc_command(arch: str, source_name: str, include_dir: Path | None = None) -
     return f"nvcc -arch={arch} -cubin -std=c++17 {include}-o {shlex.quote(cubin)} {shlex.quote(source_name)}"
 
 
-def _arch_notes(arch: str, gpu_given: bool) -> list[str]:
+def _arch_notes(arch: str, gpu_given: bool, family: str = "sm80") -> list[str]:
     """What to know about the nvcc target: the default's reach, an architecture-specific (sm_90a)
     target's, and the first CUDA release that knows a newer arch."""
     from autoflash.kernels.compiler import FIRST_NVRTC
@@ -355,7 +363,10 @@ def _arch_notes(arch: str, gpu_given: bool) -> list[str]:
     cc = f"{digits[:-1]}.{digits[-1]}"
     notes = [] if gpu_given else [f"{arch} as no --gpu was given: its cubin loads on compute capability "
                                   f"{digits[:-1]}.x; --gpu NAME targets that GPU's arch."]
-    if arch.endswith("a"):
+    if arch.endswith("a") and family == "sm90":
+        notes.append(f"{arch} is architecture-specific: its cubin loads only on compute capability {cc}; the sm90 "
+                     f"family's wgmma and setmaxnreg exist only there (-arch={arch[:-1]} refuses them).")
+    elif arch.endswith("a"):
         notes.append(f"{arch} is architecture-specific: its cubin loads only on compute capability {cc}; the "
                      f"kernels use no {arch}-only instructions, so -arch={arch[:-1]} compiles them too.")
     first = FIRST_NVRTC.get(int(digits))
@@ -371,7 +382,7 @@ def _wrap(*paragraphs: str, width: int = 100) -> list[str]:
     return ["// " + line for text in paragraphs for line in textwrap.wrap(text, width - 3, break_on_hyphens=False)]
 
 
-def _build_note(arch: str, gpu_given: bool, source_name: str, root: Path, standalone: bool) -> list[str]:
+def _build_note(arch: str, gpu_given: bool, source_name: str, root: Path, standalone: bool, family: str = "sm80") -> list[str]:
     """The header comment lines that say how to compile the source."""
     from autoflash.kernels.compiler import BASE_OPTIONS
 
@@ -382,14 +393,14 @@ def _build_note(arch: str, gpu_given: bool, source_name: str, root: Path, standa
                              f"begin and end marker lines, so this one file compiles with no -I. Saved as "
                              f"{source_name}, in its folder:"),
                 "//   " + nvcc_command(arch, source_name),
-                *_wrap(*_arch_notes(arch, gpu_given),
+                *_wrap(*_arch_notes(arch, gpu_given, family),
                        f"NVRTC compiles it too, as autoflash does: {nvrtc} and {cuda}.",
                        "No #line directives: they would name the templates/*.j2 files it was rendered from, which "
                        "need not be where it is compiled; compiler messages point at this file's own lines.")]
     return ["//", *_wrap(f"Includes common/*.cuh: compile it with -I to this install's templates folder, {root}. "
                          f"Saved as {source_name}, in its folder:"),
             "//   " + nvcc_command(arch, source_name, root),
-            *_wrap(*_arch_notes(arch, gpu_given), f"NVRTC: {nvrtc} -I {root} and {cuda}.",
+            *_wrap(*_arch_notes(arch, gpu_given, family), f"NVRTC: {nvrtc} -I {root} and {cuda}.",
                    "--standalone writes one file with the headers inlined instead (no -I).")]
 
 
@@ -406,13 +417,13 @@ def source_for(config: KernelConfig, *, arch: str = DEFAULT_ARCH, gpu_given: boo
     text = render(config, line_directives=line_directives and not standalone)
     title, rest = text.split("\n", 1)
     root = templates_dir()
-    note = _build_note(arch, gpu_given, source_name or f"{config.name}.cu", root, standalone)
+    note = _build_note(arch, gpu_given, source_name or f"{config.name}.cu", root, standalone, config.family)
     if standalone:
         rest = inline_includes(rest, root)
     elif line_directives:
         # The note shifts the lines below it: resume the mapping at the template's line 2, named as
         # codegen's own directives name it.
-        note.append(f'#line 2 "templates/{TEMPLATES[config.direction]}"')
+        note.append(f'#line 2 "templates/{TEMPLATES[config.direction, config.family]}"')
     return "\n".join([title, *note, rest])
 
 
@@ -502,6 +513,8 @@ def main(argv: list[str] | None = None) -> int:
         from autoflash.kernels.gpus import arch_for
 
         arch = arch_for(args.gpu) if args.gpu else DEFAULT_ARCH
+        if config.family == "sm90":  # wgmma and setmaxnreg: sm_90a only
+            arch = "sm_90a"
         source = source_for(config, arch=arch, gpu_given=bool(args.gpu),
                             source_name=args.output.name if args.output else None, standalone=args.standalone,
                             line_directives=not args.no_line_directives)

@@ -5,21 +5,16 @@ target "gpu" (marked `gpu`) and once with "emulated" (CPU tensors inside autofla
 marked `sweep` are grids: on the emulator each run keeps every (head dim, dtype, causal) key once
 plus a random share of the rest, drawn from a seed printed in the header
 (AUTOFLASH_SWEEP_SEED=N replays a run, AUTOFLASH_SWEEP=full runs the whole grid)."""
-import os
-import random
-import time
-
 import pytest
 import torch
 
-SWEEP_SHARE = 0.08  # of the emulated grid cases beyond one per key
-_SEED = int(os.environ.get("AUTOFLASH_SWEEP_SEED") or time.time_ns() % 2**31)
-_FULL = os.environ.get("AUTOFLASH_SWEEP", "").lower() == "full"
+import sampling
 
 
 def pytest_report_header(config):
-    mode = "full grid" if _FULL else f"one case per key + {SWEEP_SHARE:.0%} of the rest"
-    return f"autoflash emulated sweep: seed {_SEED} ({mode}; AUTOFLASH_SWEEP_SEED={_SEED} replays it)"
+    mode = "full grid" if sampling.FULL else f"one case per key + {sampling.SHARE:.0%} of the rest"
+    return (f"autoflash emulated sweep and compile grid: seed {sampling.SEED} ({mode}; "
+            f"AUTOFLASH_SWEEP_SEED={sampling.SEED} replays it)")
 
 
 def pytest_generate_tests(metafunc):
@@ -142,22 +137,13 @@ def pytest_collection_modifyitems(config, items):
         for item in items:
             if "gpu" in item.keywords:
                 item.add_marker(skip)
-    if _FULL:
-        return
-    rng = random.Random(_SEED)
-    groups: dict[tuple, list] = {}
-    for item in items:
-        callspec = getattr(item, "callspec", None)
-        if "sweep" in item.keywords and callspec and callspec.params.get("target") == "emulated":
-            groups.setdefault(_sweep_key(item), []).append(item)
-    skip = pytest.mark.skip(reason=f"not in this run's sample of the emulated sweep (seed {_SEED}; "
+    swept = [item for item in items if "sweep" in item.keywords and getattr(item, "callspec", None)
+             and item.callspec.params.get("target") == "emulated"]
+    skip = pytest.mark.skip(reason=f"not in this run's sample of the emulated sweep (seed {sampling.SEED}; "
                                    "AUTOFLASH_SWEEP=full)")
-    for key in sorted(groups, key=str):
-        members = groups[key]
-        keep = rng.randrange(len(members))
-        for i, item in enumerate(members):
-            if i != keep and rng.random() >= SWEEP_SHARE:
-                item.add_marker(skip)
+    for item, kept in zip(swept, sampling.keep(swept, _sweep_key)):
+        if not kept:
+            item.add_marker(skip)
 
 
 def pytest_terminal_summary(terminalreporter):

@@ -68,7 +68,24 @@ def test_param_values_come_from_feasible_candidates_only():
     mk = lambda m, n, w: KernelConfig(head_dim=128, dtype="bf16", block_m=m, block_n=n, num_warps=w)  # noqa: E731
     cands = [Candidate(mk(128, 64, 8), "ok"), Candidate(mk(64, 48, 4), "ok"), Candidate(mk(128, 256, 8), "smem")]
     assert param_values(cands, key) == {"block_m": (64, 128), "block_n": (48, 64), "num_warps": (4, 8),
-                                        "num_stages": (2,)}
+                                        "num_stages": (2,), "family": ("sm80",), "pingpong": (False,),
+                                        "overlap": (False,)}
+
+
+def test_an_sm_90_forward_space_holds_both_families():
+    """On an H100 a plain forward key's space is the sm80 family's and the sm90 family's (key tiles in
+    steps of 16, one to three consumer warpgroups, pingpong and overlap); an A100's and a variant key's
+    only sm80's."""
+    h100 = ProblemKey("h100", "fwd", "bf16", 128, True, "le1k")
+    space = enumerate_space(h100, default_for(h100, get_profile("h100")))
+    sm90 = [c for c in space if c.family == "sm90"]
+    assert space[0].family == "sm90" and len(sm90) > 50 and len(space) > len(sm90) + 50
+    assert {c.block_n for c in sm90} >= {64, 80, 176} and {c.num_warps for c in sm90} == {4, 8, 12}
+    assert {(c.pingpong, c.overlap) for c in sm90} == {(a, b) for a in (False, True) for b in (False, True)}
+    assert all(c.head_dim // 2 + 3 * c.block_n // 4 + 40 <= c.consumer_registers for c in sm90)
+    for key in (ProblemKey("a100", "fwd", "bf16", 128, True, "le1k"),
+                ProblemKey("h100", "fwd", "bf16", 128, True, "le1k", variant="window")):
+        assert {c.family for c in enumerate_space(key)} == {"sm80"}
 
 
 # ------------------------------------------------------------------ variant keys

@@ -16,11 +16,15 @@ or memory bandwidth, and branches inside a loop count as if taken on every itera
 goes to stdout and, with a JSON twin, to --out as <date>-sass-<template hash>.{txt,json}.
 
     python -m autoflash.bench sass --decode [--out DIR]
+    python -m autoflash.bench sass --fa3 [--workdir DIR] [--out DIR]
 
 --decode reports instead the global loads of the decode (KV-cache) kernels, dense, paged and split:
 per block and main-loop iteration against one K and one V tile, outside the loops against the Q tile
 and the first K/V tiles, and the grid flash_decode launches for a GQA call on the host emulator. It
-downloads nothing; it writes <date>-decode-loads-<template hash>.{txt,json}."""
+downloads nothing; it writes <date>-decode-loads-<template hash>.{txt,json}.
+
+--fa3 compares the sm90 forward family with FlashAttention-3's own compiled kernels instead
+(autoflash/bench/sass_fa3.py)."""
 from __future__ import annotations
 
 import argparse
@@ -400,8 +404,14 @@ def our_kernels(arch: str, d: int, causal: bool, profile) -> dict[str, Kernel]:
     from autoflash.kernels.defaults import default_backward_config, default_config
 
     out = {}
-    for key, cfg in (("fwd", default_config(d, DTYPE, causal, profile)),
-                     ("bwd", default_backward_config(d, DTYPE, causal, profile))):
+    # FA2's sm80 kernels against ours of the same design: on an H100 the forward default is the sm90
+    # family's (compared with FlashAttention-3 by --fa3); the sm80 family's tiles are the A100's.
+    fwd = default_config(d, DTYPE, causal, profile)
+    if fwd.family == "sm90":
+        from autoflash.kernels.gpus import get_profile
+
+        fwd = default_config(d, DTYPE, causal, get_profile("a100"))
+    for key, cfg in (("fwd", fwd), ("bwd", default_backward_config(d, DTYPE, causal, profile))):
         compiled = compile_config(cfg, arch)
         functions = sass.functions(sass.disassemble(compiled.cubin_path))
         out[key] = Kernel("autoflash", cfg.name, cfg.direction, cfg.head_dim_padded, cfg.block_m, cfg.block_n,
@@ -542,20 +552,22 @@ KernelConfig.delta_rows rows per 4-warp block; autoflash zeroes dq_accum and con
 """
 
 
+def provenance(command: str, date: str, peer: str, report: dict, caveat: str, legend: str) -> list[str]:
+    """The lines a static report gives below its title: the command, the date, the peer's line and
+    autoflash's versions, then the caveat and the legend."""
+    return [f"command:    {command}", f"date:       {date}", peer,
+            f"autoflash:  {report['autoflash']}    template hash: {report['template_hash']}",
+            f"NVRTC:      {report['nvrtc']}    nvdisasm: {report['nvdisasm']}", "", textwrap.fill(caveat, 115), "",
+            legend]
+
+
 def render(report: dict, command: str, date: str) -> str:
     head = [
         "Static SASS side-by-side: FlashAttention-2 in torch's CUDA wheel (torch SDPA's flash backend) vs autoflash's",
         f"default configs, {DTYPE}, per warp and step of the main loop, counted like for like on both sides",
         "(autoflash.kernels.sass.hmma_loops: the innermost loop holding all HMMAs; main_loop: its steady-state copy).",
-        f"command:    {command}",
-        f"date:       {date}",
-        f"torch:      {report['torch']} (CUDA {report['torch_cuda']}), libtorch_cuda.so from the PyPI wheel",
-        f"autoflash:  {report['autoflash']}    template hash: {report['template_hash']}",
-        f"NVRTC:      {report['nvrtc']}    nvdisasm: {report['nvdisasm']}",
-        "",
-        textwrap.fill(CAVEAT, 115),
-        "",
-        LEGEND,
+        *provenance(command, date, f"torch:      {report['torch']} (CUDA {report['torch_cuda']}), libtorch_cuda.so "
+                                   f"from the PyPI wheel", report, CAVEAT, LEGEND),
     ]
     parts = ["\n".join(head), "FORWARD\n" + table(report["forward"], FWD_COLUMNS),
              "BACKWARD (dK, dV, dQ kernel)\n" + table(report["backward"], BWD_COLUMNS),
@@ -730,6 +742,10 @@ def make_parser() -> argparse.ArgumentParser:
     p.add_argument("--decode", action="store_true",
                    help="instead: the decode kernels' global loads against their K/V tiles, and their grid "
                    "(no download; <date>-decode-loads-<template hash>.{txt,json})")
+    p.add_argument("--fa3", action="store_true",
+                   help="instead: the sm90 forward family against FlashAttention-3's own sm_90a kernels (downloads "
+                   "the fa3-fwd wheel once, 28 MB; <date>-sass-fa3-<template hash>.{txt,json}); exit status 1 "
+                   "where a row misses the target")
     return p
 
 
@@ -738,6 +754,10 @@ def main(argv: list[str] | None = None) -> int:
     command = " ".join(["python -m autoflash.bench sass", *(sys.argv[2:] if argv is None else argv)])
     if args.decode:
         return decode_main(args.out, command)
+    if args.fa3:
+        from autoflash.bench import sass_fa3
+
+        return sass_fa3.main(args.workdir, args.out, command, log=lambda s: print(s, file=sys.stderr))
     report = collect(args.workdir.expanduser(), args.torch, log=lambda s: print(s, file=sys.stderr))
     date = time.strftime("%Y-%m-%d")
     text = render(report, command, time.strftime("%Y-%m-%dT%H:%M:%S%z"))

@@ -31,6 +31,9 @@ def family(config) -> str:
     """The kernel family a config belongs to, as explain prints it."""
     if config.dtype == "fp32":
         return "SIMT (fp32: CUDA cores, no tensor cores; the FlashAttention-2 tiling) for sm_80 and newer"
+    if config.family == "sm90":
+        return (f"sm90 (FlashAttention-3 design: wgmma.mma_async + TMA + mbarriers, a producer warpgroup beside "
+                f"{config.num_warps // 4} consumer warpgroups) for sm_90a (H100, H200)")
     return "mma.sync (FlashAttention-2 design: ldmatrix + mma.sync.m16n8k16, cp.async) for sm_80 and newer"
 
 
@@ -51,7 +54,12 @@ class Explanation:
 
     @property
     def family(self) -> str | None:
-        return family(self.forward.config) if self.forward is not None else None
+        """The forward's family, and the backward's where it differs."""
+        if self.forward is None:
+            return None
+        fwd = family(self.forward.config)
+        bwd = family(self.backward.config) if self.backward is not None else fwd
+        return fwd if bwd == fwd else f"forward {fwd}; backward {bwd}"
 
     def __str__(self) -> str:
         if not self.uses_kernels:

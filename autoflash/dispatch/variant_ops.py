@@ -82,7 +82,7 @@ def kernel_plan(profile, q, k, kw: dict, directions=("fwd", "bwd")) -> tuple:
     """What the ops would launch for a checked call, per direction: Selection(tuner key or None,
     the KernelConfig with the call's switches, where its tiles came from). Metadata only: nothing is
     compiled or launched (autoflash.explain)."""
-    from autoflash.kernels.launch import variant_config
+    from autoflash.kernels.launch import family_reason, variant_config
     from autoflash.kernels.variants import resolve, views
 
     _, q4, k4, _ = views(q, k, k, kw.get("cu_seqlens_q"), kw.get("cu_seqlens_k"))
@@ -94,7 +94,9 @@ def kernel_plan(profile, q, k, kw: dict, directions=("fwd", "bwd")) -> tuple:
         tuned = tuned_selection(profile, q, direction, kw, max(1, _seqlen_k(k, kw)))
         config = variant_config(tuned.config if tuned else None, direction, d, dtype, causal, variant, profile)
         origin = tuned.origin if tuned else HEURISTIC + (", the tiles for the call's variant switches"
-                                                          if variant.needs_registers else "")
+                                                          if variant.needs_registers and config.family == "sm80" else "")
+        why = family_reason(config, variant, profile)
+        origin += f"; family sm80 on this sm_90 GPU: {why}" if why else ""
         chosen.append(Selection(tuned.key if tuned else None, config, origin))
     return tuple(chosen)
 

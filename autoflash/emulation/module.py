@@ -124,6 +124,8 @@ class EmulatedFunction:
                 buf = ctypes.create_string_buffer(data, len(data))
                 if sanitize and mapped and a.tensor is not None:  # the tensor its TMA copies reach
                     self._register(a.tensor, names[i], grid, named)
+                    if guards.guard_of(a.tensor) is not None:
+                        guarded.append((names[i], a.tensor))
             keep.append(buf)
             ptrs[i] = ctypes.cast(ctypes.pointer(buf), ctypes.c_void_p)
             sizes[i] = ctypes.sizeof(buf)

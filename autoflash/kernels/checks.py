@@ -159,6 +159,9 @@ def check_config(config: KernelConfig, head_dim: int, dtype: str, causal: bool, 
         raise ValueError(
             f"config {config.name} is for (head_dim, dtype, causal, direction) = {got}; the call needs {want}"
         )
+    if config.family == "sm90" and profile.arch != "sm_90":
+        raise ValueError(f"config {config.name} is of the sm90 family (wgmma, TMA), which runs on sm_90 GPUs (H100, "
+                         f"H200); {profile.name} is {profile.arch}: use a config of family 'sm80'")
     config.check_fits(profile.smem_per_block_optin, profile.name)
 
 

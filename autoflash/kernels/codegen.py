@@ -12,12 +12,13 @@ from autoflash import __version__
 from autoflash.kernels.config import KernelConfig
 from autoflash.kernels.resources import templates_dir
 
-TEMPLATES = {"fwd": "flash_fwd.cu.j2", "bwd": "flash_bwd.cu.j2"}
+TEMPLATES = {("fwd", "sm80"): "flash_fwd.cu.j2", ("bwd", "sm80"): "flash_bwd.cu.j2",
+             ("fwd", "sm90"): "flash_fwd_sm90.cu.j2"}
 # Per-dtype spellings the templates need; fp32 runs on the SIMT path and needs no mma.
 _DTYPE_CODE = {
-    "fp16": {"elem_type": "__half", "mma": "mma_16816_f16", "pack": "pack_f16x2"},
-    "bf16": {"elem_type": "__nv_bfloat16", "mma": "mma_16816_bf16", "pack": "pack_bf16x2"},
-    "fp32": {"elem_type": "float", "mma": None, "pack": None},
+    "fp16": {"elem_type": "__half", "mma": "mma_16816_f16", "pack": "pack_f16x2", "ptype": "f16"},
+    "bf16": {"elem_type": "__nv_bfloat16", "mma": "mma_16816_bf16", "pack": "pack_bf16x2", "ptype": "bf16"},
+    "fp32": {"elem_type": "float", "mma": None, "pack": None, "ptype": None},
 }
 _MARK = "\x1e{}|{}\x1f"  # invisible (template, line) marker, appended to template lines before rendering
 _MARK_RE = re.compile("\x1e([^|\x1f]+)\\|(\\d+)\x1f")
@@ -74,7 +75,7 @@ def render(config: KernelConfig, *, line_directives: bool = True) -> str:
     """CUDA source of the kernel `config.name` (extern "C", so the symbol is the name)."""
     if not isinstance(config, KernelConfig):
         raise TypeError(f"render: got {type(config).__name__}, expected a KernelConfig")
-    template_name = TEMPLATES[config.direction]
+    template_name = TEMPLATES[config.direction, config.family]
     template = _environment().get_template(template_name)
     text = template.render(cfg=config, version=__version__, **_DTYPE_CODE[config.dtype])
     return _resolve_lines(text, line_directives)

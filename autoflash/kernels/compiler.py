@@ -332,8 +332,35 @@ def compile_source(source: str, name: str, arch: str, *, defines: tuple[str, ...
     return Compiled(name, arch, cubin_path, resources, log)
 
 
+# ptxas notices that an sm_90a kernel would not run as written (hopper.md section 5, seen with
+# nvcc and NVRTC 13): C7508 setmaxnreg ignored (no register count known at entry), C7511 wgmma
+# serialized, C7517 / C7519 waits or arrives inserted around wgmma because registers were touched
+# while it was in flight. Any other line naming wgmma and serialization counts too.
+SM90_NOTICES = ("C7508", "C7511", "C7517", "C7519")
+
+
+def sm90_gate(compiled: Compiled, config: KernelConfig) -> None:
+    """Raises CompileError where ptxas serialized the sm90 kernel, injected waits, ignored
+    setmaxnreg or spilled: what compiles then runs, but not as the kernel's schedule says."""
+    bad = [line.strip() for line in compiled.log.splitlines()
+           if any(code in line for code in SM90_NOTICES) or ("wgmma" in line and "serializ" in line)]
+    if compiled.resources.spills:
+        bad.append(f"{compiled.resources.spill_stores} bytes of spill stores, {compiled.resources.spill_loads} of "
+                   f"spill loads")
+    if bad:
+        raise CompileError(compiled.name, compiled.arch, "the sm90 family's ptxas gate refused it:\n" + "\n".join(bad)
+                           + "\n--- full log ---\n" + compiled.log, config)
+
+
 def compile_config(config: KernelConfig, arch: str, *, use_cache: bool = True) -> Compiled:
-    """Renders and compiles the kernel of `config` for `arch`."""
+    """Renders and compiles the kernel of `config` for `arch`. The sm90 family compiles for sm_90a
+    (wgmma and setmaxnreg exist only there) and passes sm90_gate."""
+    if config.family == "sm90":
+        if arch not in ("sm_90", "sm_90a"):
+            raise ValueError(f"{config.name}: the sm90 family runs on sm_90 GPUs (H100, H200); got arch {arch!r}")
+        compiled = compile_source(render(config), config.name, "sm_90a", config=config, use_cache=use_cache)
+        sm90_gate(compiled, config)
+        return compiled
     return compile_source(render(config), config.name, arch, config=config, use_cache=use_cache)
 
 

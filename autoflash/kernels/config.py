@@ -10,6 +10,13 @@ from typing import Any
 DTYPES = ("fp16", "bf16", "fp32")
 DIRECTIONS = ("fwd", "bwd")
 DQ_MODES = ("atomic", "pass")
+# Kernel families: "sm80" runs Ampere's mma.sync (ldmatrix, cp.async) on every GPU from sm_80;
+# "sm90" is the FlashAttention-3-style forward of sm_90a (wgmma, TMA, mbarriers, a producer
+# warpgroup beside block_m / 64 consumer warpgroups; templates/flash_fwd_sm90.cu.j2).
+FAMILIES = ("sm80", "sm90")
+# setmaxnreg per thread (producer, consumer) by consumer warpgroups: FlashAttention-3's choice
+# (hopper/flash_fwd_kernel_sm90.h; 64K registers a block: 128 * (24 + 2 * 240) fits).
+SM90_REGISTERS = {1: (56, 256), 2: (24, 240), 3: (32, 160)}
 ALIGNS = ("top_left", "bottom_right")
 # The variant switches (flash-attn's features), in the order the kernel name shows them. Each is a
 # compile-time switch; its run-time values (window sizes, the cap, slopes, bias, cu_seqlens) are
@@ -30,7 +37,7 @@ _NAME_RE = re.compile(
     r"^(?P<direction>fwd|bwd)_hd(?P<head_dim>\d+)_(?P<dtype>fp16|bf16|fp32)(?P<causal>_causal)?(?P<br>_br)?"
     r"(?P<window>_win)?(?P<softcap>_cap)?(?P<alibi>_alibi)?(?P<key_bias>_kbias)?(?P<varlen>_varlen)?"
     r"(?P<kvcache>_kvc)?(?P<paged>_paged)?(?P<split>_split)?_m(?P<block_m>\d+)n(?P<block_n>\d+)w(?P<num_warps>\d+)s(?P<num_stages>\d+)(?:h(?P<head_split>\d+))?"
-    r"(?P<dq_pass>_dqpass)?(?P<v_in_regs>_vregs)?$"
+    r"(?P<dq_pass>_dqpass)?(?P<v_in_regs>_vregs)?(?P<sm90>_sm90a(?P<pingpong>_pp)?(?P<overlap>_ov)?)?$"
 )
 
 
@@ -186,6 +193,13 @@ class KernelConfig:
     kvcache: bool = False
     paged: bool = False     # the cache in pages of a multiple of block_n rows, through an int32 block table
     split: bool = False     # the key range split across blocks: fp32 partial O and LSE, merged by <name>_combine
+    # ---- kernel family (see FAMILIES) and the sm90 forward's schedule ----
+    # sm90: num_warps counts the consumer warps (4 per warpgroup, block_m = 16 * num_warps); a
+    # producer warpgroup comes on top. pingpong: the consumer warpgroups take turns issuing their
+    # GEMMs (named barriers); overlap: a warpgroup's softmax of tile j runs under its P V of tile j - 1.
+    family: str = "sm80"
+    pingpong: bool = False
+    overlap: bool = False
 
     def __post_init__(self) -> None:
         for f in ("head_dim", "block_m", "block_n", "num_warps", "num_stages", "head_split"):
@@ -206,8 +220,9 @@ class KernelConfig:
             v = getattr(self, f)
             if not (16 <= v <= 256 and v % 16 == 0):
                 raise ValueError(f"KernelConfig.{f}: got {v}, expected a multiple of 16 in [16, 256]")
-        if self.num_warps not in (1, 2, 4, 8, 16):
-            raise ValueError(f"KernelConfig.num_warps: got {self.num_warps}, expected 1, 2, 4, 8 or 16")
+        if self.num_warps not in (1, 2, 4, 8, 16) and not (self.family == "sm90" and self.num_warps == 12):
+            raise ValueError(f"KernelConfig.num_warps: got {self.num_warps}, expected 1, 2, 4, 8 or 16 (family sm90: "
+                             f"4, 8 or 12 consumer warps)")
         if not 1 <= self.num_stages <= 4:
             raise ValueError(f"KernelConfig.num_stages: got {self.num_stages}, expected 1..4")
         if self.head_split not in (1, 2, 4, 8):
@@ -223,6 +238,9 @@ class KernelConfig:
             raise ValueError(f"KernelConfig.dq: got 'pass' for {self.direction} {self.dtype}; only the tensor-core "
                              f"backward has a separate dQ pass (expected 'atomic')")
         self._validate_variants()
+        self._validate_family()
+        if self.family == "sm90":
+            return
         if self.direction == "bwd":
             self._validate_backward()
         elif self.head_split != 1:
@@ -280,6 +298,39 @@ class KernelConfig:
             raise ValueError("KernelConfig: got kvcache with varlen; a KV cache carries its per-batch lengths itself "
                              "(expected varlen=False)")
 
+    def _validate_family(self) -> None:
+        if self.family not in FAMILIES:
+            raise ValueError(f"KernelConfig.family: got {self.family!r}, expected one of {FAMILIES}")
+        for f in ("pingpong", "overlap"):
+            if not isinstance(getattr(self, f), bool):
+                raise TypeError(f"KernelConfig.{f}: got {getattr(self, f)!r}, expected a bool")
+        if self.family == "sm80":
+            if self.pingpong or self.overlap:
+                raise ValueError("KernelConfig: pingpong and overlap are the sm90 family's schedule; got them with "
+                                 "family 'sm80' (expected False)")
+            return
+        what = f"KernelConfig (family sm90, {self.direction} {self.dtype} hd{self.head_dim})"
+        if self.direction != "fwd" or not self.tensor_cores:
+            raise ValueError(f"{what}: the sm90 family is the fp16/bf16 forward (expected direction 'fwd', dtype "
+                             f"fp16 or bf16; the rest runs on family 'sm80')")
+        if self.head_dim % 16:
+            raise ValueError(f"{what}: expected a head dim that is a multiple of 16 (wgmma's k step); others run "
+                             f"on family 'sm80', padded")
+        off = [f for f in VARIANTS + DECODE_SWITCHES if getattr(self, f)]
+        if off or self.head_split != 1 or self.dq != "atomic" or self.v_in_regs:
+            raise ValueError(f"{what}: got {', '.join(off) or 'backward switches'}; the sm90 family runs plain and "
+                             f"causal attention (either alignment), the variants run on family 'sm80'")
+        if self.num_warps not in (4, 8, 12) or self.block_m != 16 * self.num_warps:
+            raise ValueError(f"{what}: got block_m={self.block_m} with {self.num_warps} consumer warps; expected 1 to 3 "
+                             f"consumer warpgroups of 64 query rows (num_warps 4, 8, 12 and block_m = 16 * num_warps)")
+        if self.num_warps == 12 and self.head_dim > 128:
+            raise ValueError(f"{what}: three consumer warpgroups leave 128 registers a thread at entry, too few for the "
+                             f"wgmma of O (head_dim / 2 accumulators; ptxas C7602); expected head_dim <= 128 (FA3 "
+                             f"takes three only up to 96)")
+        if self.pingpong and self.num_warps == 4:
+            raise ValueError(f"{what}: pingpong takes turns between consumer warpgroups; got one (expected num_warps "
+                             f"8 or 12, or pingpong False)")
+
     def _validate_backward(self) -> None:
         if not self.tensor_cores:
             tpr = self.threads // self.block_n if self.threads >= self.block_n else 0
@@ -330,6 +381,8 @@ class KernelConfig:
         causal += "_br" if self.align == "bottom_right" else ""
         causal += "".join(f"_{_VARIANT_TAGS[f]}" for f in VARIANTS if getattr(self, f))
         causal += "".join(f"_{_DECODE_TAGS[f]}" for f in DECODE_SWITCHES if getattr(self, f))
+        if self.family == "sm90":
+            split += "_sm90a" + ("_pp" if self.pingpong else "") + ("_ov" if self.overlap else "")
         return (
             f"{self.direction}_hd{self.head_dim}_{self.dtype}{causal}"
             f"_m{self.block_m}n{self.block_n}w{self.num_warps}s{self.num_stages}{split}"
@@ -365,7 +418,24 @@ class KernelConfig:
 
     @property
     def threads(self) -> int:
-        return 32 * self.num_warps
+        """Threads a block: its warps (sm90: the consumer warps and a producer warpgroup)."""
+        return 32 * self.num_warps + (128 if self.family == "sm90" else 0)
+
+    @property
+    def swizzle_span(self) -> int:
+        """sm90: bytes a shared-memory tile row is swizzled over: the largest of 128, 64, 32 that
+        divides a row of head_dim 16-bit elements (a TMA box and a wgmma column block)."""
+        return next(s for s in (128, 64, 32) if self.head_dim * 2 % s == 0)
+
+    @property
+    def producer_registers(self) -> int:
+        """sm90: registers a producer thread keeps after setmaxnreg (SM90_REGISTERS)."""
+        return SM90_REGISTERS[self.num_warps // 4][0]
+
+    @property
+    def consumer_registers(self) -> int:
+        """sm90: registers a consumer thread gets after setmaxnreg (SM90_REGISTERS)."""
+        return SM90_REGISTERS[self.num_warps // 4][1]
 
     @property
     def elem_bytes(self) -> int:
@@ -415,6 +485,9 @@ class KernelConfig:
             "k": self.num_stages * self.block_n * row,
             "v": self.num_stages * self.block_n * row,
         }
+        if self.family == "sm90":  # tiles 1024-aligned (whole periods of the swizzle), then the mbarriers
+            layout = {k: _round_up(v, 1024) for k, v in layout.items()}
+            layout["barriers"] = _round_up(8 * (1 + 4 * self.num_stages), 1024)
         if not self.tensor_cores:
             layout["p"] = self.block_m * self.block_n * 4
         return layout
@@ -437,7 +510,8 @@ class KernelConfig:
         g = m.groupdict()
         ints = {k: int(g[k]) for k in ("head_dim", "block_m", "block_n", "num_warps", "num_stages")}
         ints["head_split"] = int(g["head_split"] or 1)
-        return cls(direction=g["direction"], dtype=g["dtype"], causal=bool(g["causal"]),
+        family = {"family": "sm90", "pingpong": bool(g["pingpong"]), "overlap": bool(g["overlap"])} if g["sm90"] else {}
+        return cls(direction=g["direction"], dtype=g["dtype"], causal=bool(g["causal"]), **family,
                    dq="pass" if g["dq_pass"] else "atomic", v_in_regs=bool(g["v_in_regs"]),
                    align="bottom_right" if g["br"] else "top_left", **{f: bool(g[f]) for f in VARIANTS + DECODE_SWITCHES},
                    **ints)

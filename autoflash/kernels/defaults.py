@@ -53,12 +53,43 @@ def _candidates(head_dim: int, dtype: str, causal: bool, big_smem: bool, arch: s
     yield 64, 32, 4
 
 
+def _sm90_tiles(head_dim: int, causal: bool) -> tuple[int, int, bool]:
+    """(block_m, block_n, pingpong) of the sm90 forward, from FlashAttention-3's tile_size_fwd_sm90
+    for 16-bit inputs (hopper/tile_size.h; ../shared/docs/hopper.md 4.1): d <= 128 as FA3 runs them
+    (128 x 176 non-causal, 128 x 128 causal at d = 128, pingpong between the two consumer
+    warpgroups), d = 192 128 x 112 and d = 256 128 x 80 without pingpong. Where FA3 takes 192-row
+    tiles with P through shared memory (d <= 96), ours keep P in registers (RS) and so take 128 rows:
+    three consumer warpgroups get 160 registers a thread, too few for S, P and O of 192 keys.
+    Intra-warpgroup overlap is on throughout, as in FA3."""
+    if head_dim <= 64:
+        return 128, 128 if causal else 192, True
+    if head_dim <= 96:
+        return 128, 128, True
+    if head_dim <= 128:
+        return 128, 128 if causal else 176, True
+    if head_dim <= 192:
+        return 128, 112, False
+    return 128, 80, False
+
+
+def sm90_applies(head_dim: int, dtype: str, profile: GpuProfile) -> bool:
+    """Whether the built-in forward on this GPU is the sm90 family: an sm_90 GPU (H100, H200), 16-bit
+    inputs, a head dim wgmma's k steps cover (a multiple of 16)."""
+    return profile.arch == "sm_90" and dtype in ("fp16", "bf16") and head_dim % 16 == 0
+
+
 @functools.lru_cache(maxsize=None)
 def default_config(head_dim: int, dtype: str, causal: bool, profile: GpuProfile, variant: bool = False) -> KernelConfig:
     """The built-in config for one problem on one GPU: the first preferred tile shape that fits the
     profile's shared memory, with two K/V pipeline stages when they fit, else one. `variant`: the
     tiles for a kernel that will carry variant switches (see _candidates); the switches themselves
-    are the caller's to set."""
+    are the caller's to set. On sm_90 GPUs a plain or causal forward (no `variant`) is the sm90
+    family's where sm90_applies (_sm90_tiles), else the sm80 family's."""
+    if not variant and sm90_applies(head_dim, dtype, profile):
+        m, n, pingpong = _sm90_tiles(head_dim, causal)
+        return _first_fitting([dict(head_dim=head_dim, dtype=dtype, block_m=m, block_n=n, num_warps=m // 16,
+                                    causal=causal, family="sm90", pingpong=pingpong, overlap=True, stages=(2,))],
+                              profile, f"head_dim={head_dim} {dtype} (sm90 family)")
     big = profile.smem_per_block_optin >= _BIG_SMEM
     return _first_fitting(
         (dict(head_dim=head_dim, dtype=dtype, block_m=m, block_n=n, num_warps=w, causal=causal)

@@ -14,10 +14,11 @@ import torch
 from autoflash.emulation import guards  # the sanitizer's guard bands; torch.empty & co. elsewhere
 from autoflash.kernels.checks import DTYPE_NAMES, check_config, check_like, check_qkv, check_scale, device_index
 from autoflash.kernels.compiler import compile_config
-from autoflash.kernels.config import KernelConfig
+from autoflash.kernels.config import VARIANTS, KernelConfig
 from autoflash.kernels.defaults import default_backward_config, default_config
 from autoflash.kernels.driver import check_driver
 from autoflash.kernels.gpus import GpuProfile, detect
+from autoflash.kernels.tensor_map import for_tensor
 from autoflash.kernels.variants import empty_forward, heads_view, resolve, views, with_variant
 from autoflash.reference.forward import LOG2E  # the kernels run the softmax in base 2
 
@@ -86,36 +87,39 @@ def _prepare(q, k, v, causal, scale, what: str):
 
 
 class KernelParams:
-    """A kernel's parameter list: `pointers` tensors first (their device addresses; None is a null
-    pointer, what a kernel gets for an argument the call does not have), then scalars in
-    struct codes ("q" long long, "i" int, "f" float), packed by one struct call into a buffer with
-    native alignment, the C ABI's: every parameter's bytes sit at the offset the kernel reads them
-    from. Per launch that is ~1 us, where numpy scalars cost ~0.2 us each (27 per backward launch).
+    """A kernel's parameter list: `maps` TMA tensor maps first (128 bytes each by value; the sm90
+    family's, at offsets that keep their 64-byte alignment), then `pointers` tensors (their device
+    addresses; None is a null pointer, what a kernel gets for an argument the call does not have),
+    then scalars in struct codes ("q" long long, "i" int, "f" float), packed by one struct call into a
+    buffer with native alignment, the C ABI's: every parameter's bytes sit at the offset the kernel
+    reads them from. Per launch that is ~1 us, where numpy scalars cost ~0.2 us each (27 per backward
+    launch).
 
     Each thread packs into a buffer of its own, kept: a launch copies the parameters when it is
     issued (cuLaunchKernel; the emulator before it runs), so the next launch may overwrite them,
     and the pointers cupy is handed into the buffer are made once."""
 
-    def __init__(self, pointers: int, scalars: str):
+    def __init__(self, pointers: int, scalars: str, maps: int = 0):
         if set(scalars) - set("qif"):
             raise ValueError(f"kernel scalars: got {scalars!r}, expected struct codes from 'qif', one a parameter")
-        codes = "P" * pointers + scalars
-        self.pointers = pointers
-        self.struct = struct.Struct("@" + codes)
+        codes = ["128s"] * maps + ["P"] * pointers + list(scalars)
+        self.maps, self.pointers = maps, pointers
+        self.struct = struct.Struct("@" + "".join(codes))
         # (offset, size) of each parameter: where the prefix ending with it ends, less its size
-        self.spans = tuple((struct.calcsize("@" + codes[:i + 1]) - struct.calcsize(c), struct.calcsize(c))
+        self.spans = tuple((struct.calcsize("@" + "".join(codes[:i + 1])) - struct.calcsize(c), struct.calcsize(c))
                            for i, c in enumerate(codes))
         self._local = threading.local()
 
-    def pack(self, tensors: tuple, scalars: tuple) -> ctypes.Array:
-        """This thread's buffer, holding the tensors' pointers and the scalars."""
-        if len(tensors) != self.pointers:
-            raise ValueError(f"kernel tensors: got {len(tensors)}, expected {self.pointers}")
+    def pack(self, tensors: tuple, scalars: tuple, maps: tuple = ()) -> ctypes.Array:
+        """This thread's buffer, holding the maps' bytes, the tensors' pointers and the scalars."""
+        if len(tensors) != self.pointers or len(maps) != self.maps:
+            raise ValueError(f"kernel tensors and maps: got {len(tensors)} and {len(maps)}, expected {self.pointers} "
+                             f"and {self.maps}")
         buf = getattr(self._local, "buf", None)
         if buf is None:
             buf = self._local.buf = ctypes.create_string_buffer(self.struct.size)
         try:
-            self.struct.pack_into(buf, 0, *[0 if t is None else t.data_ptr() for t in tensors], *scalars)
+            self.struct.pack_into(buf, 0, *maps, *[0 if t is None else t.data_ptr() for t in tensors], *scalars)
         except (struct.error, OverflowError) as e:  # a value the parameter's C type cannot hold
             raise ValueError(f"kernel scalars: got {scalars}, expected values their int64/int32/float32 "
                              f"parameters hold ({e})") from None
@@ -129,11 +133,11 @@ class KernelParams:
             args = self._local.args = tuple(c_pointer(base + offset) for offset, _ in self.spans)
         return args
 
-    def emulator_args(self, tensors: tuple, buf: ctypes.Array) -> tuple:
-        """The tensors themselves (the sanitizer maps their storage) and each scalar's packed bytes:
-        the very bytes a GPU launch passes."""
+    def emulator_args(self, tensors: tuple, buf: ctypes.Array, maps: tuple = ()) -> tuple:
+        """The maps and tensors themselves (the sanitizer registers the tensors) and each scalar's
+        packed bytes: the very bytes a GPU launch passes."""
         raw = memoryview(buf).cast("B")
-        return (*tensors, *(raw[offset:offset + size] for offset, size in self.spans[self.pointers:]))
+        return (*maps, *tensors, *(raw[offset:offset + size] for offset, size in self.spans[self.maps + self.pointers:]))
 
 
 # The templates' signatures (templates/flash_fwd.cu.j2, flash_bwd.cu.j2), in order. Every kernel but
@@ -153,19 +157,25 @@ COMBINE_PARAMS = KernelParams(4, "q" * 5 + "iiii")  # o_accum lse_accum o lse; o
 DELTA_PARAMS = KernelParams(3, "q" * 6 + "i")  # o dout delta; 2 x 3 strides; seqlen_q
 BWD_PARAMS = KernelParams(13, "q" * 22 + "iiiii" + "ffff" + "i")  # q k v dout lse delta dq_accum dk dv +4;
 #                                       6 x 3 strides +4; seqlen_q seqlen_k group +2; scale scale_log2 +2; n_block0
+# The sm90 family's forward (templates/flash_fwd_sm90.cu.j2): q k v o maps; lse; its two strides,
+# seqlen_q seqlen_k group; scale_log2.
+SM90_FWD_NAMES = ("q", "k", "v", "out", "lse")
+SM90_FWD_PARAMS = KernelParams(1, "qq" + "iii" + "f", maps=4)
 DQ_PARAMS = KernelParams(11, "q" * 19 + "iiiii" + "ffff")  # q k v dout lse delta dq +4; 5 x 3 strides +4;
 #                                       seqlen_q seqlen_k group +2; scale scale_log2 +2 (the dQ pass)
 
 
 def _call(fn, grid, threads: int, smem: int, device: torch.device, params: KernelParams, tensors: tuple,
-          scalars: tuple, names: tuple[str, ...] = ()) -> None:
+          scalars: tuple, names: tuple[str, ...] = (), maps: tuple = ()) -> None:
     """One launch: on a GPU on torch's current stream of `device`, no synchronisation; on the CPU on
-    the emulator, synchronously. `tensors` are passed as their device pointers (`names` label them in
-    sanitizer findings), `scalars` as `params` types them."""
-    buf = params.pack(tensors, scalars)
+    the emulator, synchronously. `maps` (TiledMap) are passed by value, encoded by the driver on a GPU
+    and in the emulator's format on the CPU; `tensors` as their device pointers (`names` label maps
+    and tensors in sanitizer findings); `scalars` as `params` types them."""
     if device.type == "cpu":
-        fn(grid, (threads, 1, 1), params.emulator_args(tensors, buf), shared_mem=smem, names=names)
+        buf = params.pack(tensors, scalars, tuple(m.emulated().tobytes() for m in maps))
+        fn(grid, (threads, 1, 1), params.emulator_args(tensors, buf, maps), shared_mem=smem, names=names)
         return
+    buf = params.pack(tensors, scalars, tuple(m.encoded() for m in maps))
     cupy = _cupy()[0]
     handle = torch.cuda.current_stream(device).cuda_stream
     with cupy.cuda.Device(device.index):
@@ -216,11 +226,42 @@ def _strides(t: torch.Tensor, varlen: bool = False) -> tuple[int, ...]:
 def variant_config(config: KernelConfig | None, direction: str, d: int, dtype: str, causal: bool, variant,
                    profile: GpuProfile) -> KernelConfig:
     """The kernel a call launches: `config` (tuned or explicit) or the built-in default for the
-    direction, with the call's variant switches (kernels.variants.resolve) turned on."""
+    direction, with the call's variant switches (kernels.variants.resolve) turned on. The sm90 family
+    runs plain and causal forwards in either alignment; a call with a variant switch (window, softcap,
+    ALiBi, key bias, packed sequences) runs the sm80 family's default instead (sm90_fallback says why)."""
+    if config is not None and config.family == "sm90" and sm90_fallback(variant):
+        config = None
     if config is None:
+        if direction == "fwd" and not sm90_fallback(variant):
+            plain = default_config(d, dtype, causal, profile)
+            if plain.family == "sm90":
+                return with_variant(plain, causal, variant)
         default = default_config if direction == "fwd" else default_backward_config
         config = default(d, dtype, causal or variant.switches["window"], profile, variant.needs_registers)
     return with_variant(config, causal, variant)
+
+
+def family_reason(config: KernelConfig, variant, profile: GpuProfile) -> str | None:
+    """Why a forward on an sm_90 GPU runs on the sm80 family (None where it runs on sm90, or the GPU
+    has no sm90 family): what explain() says."""
+    if profile.arch != "sm_90" or config.family == "sm90" or config.direction != "fwd":
+        return None
+    if sm90_fallback(variant):
+        return sm90_fallback(variant)
+    if config.dtype == "fp32":
+        return "fp32 runs on the SIMT kernels"
+    if config.head_dim % 16:
+        return f"head dim {config.head_dim} is not a multiple of 16 (wgmma's k step)"
+    return "the tuned table picked it for this GPU"
+
+
+def sm90_fallback(variant) -> str | None:
+    """Why a call with these switches does not run on the sm90 family (None: it may): the family has
+    plain and causal attention only."""
+    on = [f for f in VARIANTS if variant.switches.get(f)]
+    if on:
+        return f"{', '.join(on)} run on the sm80 family (the sm90 family has plain and causal attention only)"
+    return None
 
 
 def flash_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool = False,
@@ -268,6 +309,11 @@ def flash_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: 
     if lq == 0:
         return out, lse
     fn = kernel_functions(config, profile, q)[config.name]
+    if config.family == "sm90":
+        _call(fn, (math.ceil(lq / config.block_m), hq, b), config.threads, config.smem_bytes, q.device,
+              SM90_FWD_PARAMS, (lse,), (lse.stride(0), lse.stride(1), lq, lk, hq // hkv, scale * LOG2E),
+              SM90_FWD_NAMES, sm90_maps(config, q4, k4, v4, out4))
+        return out, lse
     scalars = (*_strides(q4, varlen), *_strides(k4, varlen), *_strides(v4, varlen), *_strides(out4, varlen),
                *variant.scalars(lse), 0, lq, lk, hq // hkv, *variant.window, 1, 1, 1,
                scale * LOG2E, *variant.softcap_factors(scale))
@@ -275,6 +321,14 @@ def flash_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: 
         _call(fn, (math.ceil(lq / config.block_m), hq, sequences), config.threads, config.smem_bytes, q.device,
               FWD_PARAMS, (q, k, v, out, lse, *pointers, *(None,) * len(DECODE_POINTERS)), scalars, FWD_NAMES)
     return out, lse
+
+
+def sm90_maps(config: KernelConfig, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor) -> tuple:
+    """The sm90 forward's TMA maps of (batch, heads, seqlen, d) views: boxes of swizzle-span rows
+    (the tiles' column blocks), 64 query rows (one consumer warpgroup's) or block_n keys."""
+    span = config.swizzle_span
+    rows = {"q": 64, "k": config.block_n, "v": config.block_n, "out": 64}
+    return tuple(for_tensor(t, (1, 1, rows[n], span // 2), span) for n, t in zip(rows, (q, k, v, out)))
 
 
 def flash_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,

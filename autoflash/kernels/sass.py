@@ -241,6 +241,54 @@ def _step_loops(insns: list[Insn], blocks, bodies: dict[int, set[int]]) -> list[
     return found
 
 
+_HGMMA_SHAPE = re.compile(r"^HGMMA\.64x(\d+)x16")
+
+
+@dataclasses.dataclass(frozen=True)
+class WgmmaLoop:
+    """A loop of an sm_90a kernel holding wgmma (HGMMA) and no inner loop that does: what one warp
+    of a consumer warpgroup issues per trip (FlashAttention-3's forward and autoflash's sm90 family:
+    one key tile). `counts` by opcode, `shapes` the HGMMA shapes ("64x176x16": 8)."""
+
+    header_addr: int
+    counts: dict[str, int]
+    shapes: dict[str, int]
+
+    @property
+    def total(self) -> int:
+        return sum(self.counts.values())
+
+    @property
+    def mma_equivalents(self) -> int:
+        """Tensor-core work per warp in m16n8k16 units: an HGMMA.64xNx16 spreads 64 x N x 16 over a
+        warpgroup's 4 warps, N / 8 of mma.sync.m16n8k16's 16 x 8 x 16 each."""
+        return sum(int(s.split("x")[1]) // 8 * n for s, n in self.shapes.items())
+
+    @property
+    def per_equivalent(self) -> float:
+        return self.total / self.mma_equivalents
+
+
+def hgmma_loops(text: str) -> list[WgmmaLoop]:
+    """The innermost loops holding HGMMA (loops inside them, e.g. an mbarrier's try_wait spin, are
+    counted once), in address order. A kernel's steady-state loop is the one with the fewest
+    instructions; a masked loop beside it carries the masking."""
+    insns = parse(text)
+    blocks, succ = _blocks(insns)
+    bodies, _ = _loop_bodies(len(blocks), succ)
+    holds = lambda body: any(insns[i].op.startswith("HGMMA")  # noqa: E731
+                             for b in body for i in range(*blocks[b]))
+    found = []
+    for h, body in bodies.items():
+        if not holds(body) or any(other < body and holds(other) for other in bodies.values()):
+            continue
+        body_insns = [i for b in body for i in insns[blocks[b][0]:blocks[b][1]] if classify(i.op, i.pred) is not None]
+        shapes = collections.Counter(m.group(0).split(".")[1] for i in body_insns if (m := _HGMMA_SHAPE.match(i.op)))
+        counts = collections.Counter(i.op.split(".")[0] for i in body_insns)
+        found.append(WgmmaLoop(insns[blocks[h][0]].addr, dict(counts), dict(shapes)))
+    return sorted(found, key=lambda loop: loop.header_addr)
+
+
 def hmma_loops(text: str) -> list[Loop]:
     """The step loops holding HMMAs (see Loop), in address order."""
     insns = parse(text)

@@ -54,10 +54,47 @@ ROWS_PER_WARP = (16, 32, 48)
 ACCUMULATOR_REGISTER_LIMIT = 192
 
 
-def knobs(key: ProblemKey) -> dict[str, tuple[int, ...]]:
+# The sm90 family's forward on sm_90 GPUs (kernels/config.FAMILIES): 1-3 consumer warpgroups of 64
+# query rows, key tiles in steps of 16 up to 256, two or three TMA stages (FA3 runs two; one would
+# serialize the loads with the GEMMs), pingpong and overlap.
+SM90_FORWARD_KNOBS = {
+    "family": ("sm90",),
+    "block_m": (64, 128, 192),
+    "block_n": tuple(range(64, 257, 16)),
+    "num_warps": (4, 8, 12),
+    "num_stages": (2, 3),
+    "pingpong": (False, True),
+    "overlap": (False, True),
+}
+# Registers a consumer thread keeps beside its accumulators (descriptors, softmax state, addresses).
+SM90_OVERHEAD_REGISTERS = 40
+
+
+def knob_sets(key: ProblemKey) -> list[dict[str, tuple]]:
+    """The product spaces whose union is the key's space: one per kernel family it may run on (the
+    sm90 family besides sm80 for a plain forward on an sm_90 GPU, where sm90_applies)."""
     if key.is_decode:
-        return DECODE_KNOBS
-    return BACKWARD_KNOBS if key.direction == "bwd" else FORWARD_KNOBS
+        return [DECODE_KNOBS]
+    if key.direction == "bwd":
+        return [BACKWARD_KNOBS]
+    from autoflash.kernels.defaults import sm90_applies
+    from autoflash.kernels.gpus import get_profile
+
+    if key.variant == "plain" and sm90_applies(key.head_dim, key.dtype, get_profile(key.gpu)):
+        return [FORWARD_KNOBS, SM90_FORWARD_KNOBS]
+    return [FORWARD_KNOBS]
+
+
+def knobs(key: ProblemKey) -> dict[str, tuple]:
+    """Each knob's values over the key's spaces. A config of one family carries the other's knobs at
+    their KernelConfig defaults (sm80: pingpong and overlap off), so param_values, which reads the
+    candidates, offers the sampler those values too."""
+    merged: dict[str, list] = {}
+    for space in knob_sets(key):
+        for k, values in space.items():
+            merged.setdefault(k, [])
+            merged[k] += [v for v in values if v not in merged[k]]
+    return {k: tuple(v) for k, v in merged.items()}
 
 
 SPLITS_TAG = ":splits"  # a DecodePoint's name: <kernel name>:splits<n>
@@ -134,9 +171,13 @@ def accumulator_registers(config: KernelConfig) -> int | None:
 
 
 def _plausible(config: KernelConfig) -> bool:
-    """The filter of the comprehension: a sensible warp layout and accumulators that can fit."""
+    """The filter of the comprehension: a sensible warp layout and accumulators that can fit (sm90:
+    S, P and O of a consumer thread within the registers setmaxnreg gives it)."""
     if not config.tensor_cores:
         return True
+    if config.family == "sm90":
+        held = config.head_dim // 2 + config.block_n // 2 + config.block_n // 4
+        return held + SM90_OVERHEAD_REGISTERS <= config.consumer_registers
     if config.direction == "bwd":  # the layout already keeps accumulators within 192 registers
         return True
     rows = config.block_m // config.num_warps
@@ -155,17 +196,18 @@ def enumerate_space(key: ProblemKey, default: KernelConfig | None = None) -> lis
     Each carries the key's fixed fields, the variant's switches included (ProblemKey.config_fields),
     so the compile check and spill pruning see the kernels that will run. A decode key's are
     DecodePoints, a paged key's with key tiles dividing decode.PAGE_SIZE."""
-    names = list(knobs(key))
     out: dict[str, KernelConfig] = {}
     if default is not None:
         out[default.name] = default
-    for values in itertools.product(*knobs(key).values()):
-        try:
-            cfg = point_of(key, dict(zip(names, values)))
-        except ValueError:  # a combination the template does not accept
-            continue
-        if _plausible(cfg.config if key.is_decode else cfg) and _page_fits(key, cfg):
-            out.setdefault(cfg.name, cfg)
+    for space in knob_sets(key):
+        names = list(space)
+        for values in itertools.product(*space.values()):
+            try:
+                cfg = point_of(key, dict(zip(names, values)))
+            except ValueError:  # a combination the template does not accept
+                continue
+            if _plausible(cfg.config if key.is_decode else cfg) and _page_fits(key, cfg):
+                out.setdefault(cfg.name, cfg)
     return list(out.values())
 
 

@@ -17,9 +17,10 @@
 // box narrower than its swizzle span).
 //
 // A load is asynchronous: issuing it marks its destination in flight and poisons it (0xff); the
-// bytes land, and complete_tx reaches the mbarrier, only when no thread of the block can go on
-// without them (the latest moment the hardware could deliver), so a thread that reads the tile
-// without waiting on the barrier reads poison, and (sanitizing) is an "uninitialized" finding. The
+// bytes land, and complete_tx reaches the mbarrier, only when no thread of the block can go on and
+// some thread waits on that mbarrier (the latest moment the hardware could deliver), so a thread that
+// reads the tile without waiting on the barrier reads poison, and (sanitizing) is an "uninitialized"
+// finding. The
 // box is written densely, dim 0 innermost, each byte address swizzled as the hardware does (its bits
 // [4, 4 + B) XORed with bits [7, 7 + B), B = 1, 2, 3 for the 32, 64 and 128-byte spans); elements
 // outside the tensor are zero and count toward the transaction bytes (the full box).
@@ -210,13 +211,20 @@ void land_load(Worker& w, const TmaLoad& l) {
   complete_tx(w, it->second, l.bar, uint32_t(m.elements() * uint64_t(m.esize)), l.pc, &l.issued);
 }
 
-// Lands every load in flight (the scheduler, when no thread can run without them); false if none was.
+// The scheduler, when no thread can run: lands the loads in flight whose mbarrier a thread waits on
+// (the latest moment the hardware could have delivered them), or, if none is waited on, all of them;
+// false if there was none.
 bool land_tma_loads(Worker& w) {
   if (w.tma_loads.empty()) return false;
-  std::vector<TmaLoad> loads;
-  loads.swap(w.tma_loads);
+  std::set<uint32_t> waited;
+  for (const Fiber& f : w.fibers)
+    if (f.st == St::Spin) waited.insert(f.spin_bar);
+  std::vector<TmaLoad> now, later;
+  for (TmaLoad& l : w.tma_loads) (waited.count(l.bar) ? now : later).push_back(std::move(l));
+  if (now.empty()) now.swap(later);
+  w.tma_loads.swap(later);
   Fiber* saved = w.cur;
-  for (const TmaLoad& l : loads) {
+  for (const TmaLoad& l : now) {
     w.cur = &w.fibers[l.tid];  // findings name the issuing thread
     land_load(w, l);
   }
