@@ -264,3 +264,18 @@ def test_errors_exit_2_with_a_message(argv, message, capsys):
     captured = capsys.readouterr()
     assert info.value.code == 2 and message in captured.err
     assert captured.out == ""  # nothing half-written before the error
+
+
+@pytest.mark.skipif(shutil.which("nvcc") is None, reason="needs nvcc")
+@pytest.mark.parametrize("standalone", [False, True])
+def test_an_sm90_kernel_compiles_with_its_printed_sm_90a_command(standalone, tmp_path, capsys):
+    """The sm90 family's header prints nvcc -arch=sm_90a (wgmma exists only there), with or without
+    --gpu, and that command builds the kernel."""
+    path = tmp_path / "k.cu"
+    argv = ["--head-dim", "64", "--dtype", "bf16", "--block-m", "128", "--block-n", "64", "--warps", "8",
+            "--sm90", "--pingpong", "--overlap", "-o", str(path)] + (["--standalone"] if standalone else [])
+    assert main(argv) == 0
+    name = "fwd_hd64_bf16_m128n64w8s2_sm90a_pp_ov"
+    assert name in capsys.readouterr().out
+    assert _note_command(path.read_text())[:2] == ["nvcc", "-arch=sm_90a"]
+    _run_printed_nvcc(path, name)

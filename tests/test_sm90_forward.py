@@ -184,3 +184,30 @@ def test_a_planted_missing_wait_is_a_finding(mutate):
         flash_forward(q, q, q, config=cfg)
     found = [(f.kind, f.detail, f.location) for f in emulation.findings()]
     assert any(k in ("uninitialized", "async") and "flash_fwd_sm90.cu.j2" in loc for k, d, loc in found), found
+
+
+def test_the_tuner_checks_sm90_candidates_on_the_emulator(target):
+    """The tuner's CUDA backend runs each candidate on its check problem under FlashAttention-3's rule
+    before timing it: on an emulated H100 it runs the sm90 family's kernels from the key's space."""
+    from autoflash.tuning.cuda_backend import CudaBackend
+    from autoflash.tuning.problem import ProblemKey
+    from autoflash.tuning.space import default_for, enumerate_space
+
+    if target == "gpu":
+        from autoflash.kernels.gpus import detect
+
+        if torch.cuda.get_device_capability() != (9, 0):
+            pytest.skip("the sm90 family runs on sm_90 GPUs (H100, H200)")
+        backend, profile = CudaBackend(detect().name), detect()
+    else:
+        from autoflash.emulation import active
+
+        backend, profile = object.__new__(CudaBackend), active().profile
+        backend.torch, backend._inputs, backend._cu_seqlens, backend._flush, backend.device = torch, {}, {}, None, "cpu"
+    key = ProblemKey(profile.name, "fwd", "bf16", 64, True, "le1k")
+    space = [c for c in enumerate_space(key, default_for(key, profile)) if c.family == "sm90"]
+    picks = [space[0]] + [c for c in space if c.num_warps == 12 and c.pingpong][:1] + \
+        [c for c in space if c.num_warps == 4 and not c.overlap][:1]
+    assert len(picks) == 3 and all(c.family == "sm90" for c in picks)
+    for cfg in picks:
+        assert backend._check(key, cfg) is None, cfg.name
