@@ -26,7 +26,8 @@ if [[ $step == tests || $step == all ]]; then
 fi
 
 if [[ $step == sanitize || $step == all ]]; then
-  # Both kernels at an odd shape (lengths not multiples of any tile, GQA, causal), forward and backward.
+  # Both kernels at an odd shape (lengths not multiples of any tile, GQA, causal), forward and backward
+  # (on an H100 or H200 the plain and causal forward is the sm90 family's: wgmma, TMA, mbarriers).
   # One log for both tools: the device tool brings back at most 8 files.
   # Then the variant kernels (window + softcap + ALiBi over packed sequences, and key padding).
   for tool in memcheck racecheck; do
