@@ -92,13 +92,20 @@ def _head_dims(text: str) -> list[int]:
     return dims
 
 
-def _restriction(text: str) -> tuple[str, tuple[int, ...]]:
-    from autoflash.tuning.space import BACKWARD_KNOBS, DECODE_KNOBS
+def _restriction(text: str) -> tuple[str, tuple]:
+    from autoflash.tuning.space import BACKWARD_KNOBS, DECODE_KNOBS, SM90_FORWARD_KNOBS
 
-    names = [*BACKWARD_KNOBS, *(k for k in DECODE_KNOBS if k not in BACKWARD_KNOBS)]
+    names = [*BACKWARD_KNOBS, *(k for k in [*DECODE_KNOBS, *SM90_FORWARD_KNOBS] if k not in BACKWARD_KNOBS)]
     name, sep, values = text.partition("=")
     if not sep or name not in names:
         raise argparse.ArgumentTypeError(f"got {text!r}, expected KNOB=V1,V2 with KNOB one of {', '.join(names)}")
+    if name == "family":  # a kernel family by name: sm80, sm90
+        got = tuple(v.strip() for v in values.split(","))
+        if not set(got) <= {"sm80", "sm90"}:
+            raise argparse.ArgumentTypeError(f"got {text!r}, expected family=sm80, family=sm90 or both")
+        return name, got
+    if name in ("pingpong", "overlap", "v_in_regs"):  # switches: 0/1
+        return name, tuple(bool(v) for v in _list(int)(values))
     return name, tuple(_list(int)(values))
 
 

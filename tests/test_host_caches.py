@@ -327,13 +327,16 @@ def test_cupy_gets_the_bytes_numpy_scalars_gave(name):
 
 
 def _c_code(param: str) -> str:
-    """The struct code of one C parameter declaration ("const elem_t* __restrict__ q" -> "P")."""
+    """The struct code of one C parameter declaration ("const elem_t* __restrict__ q" -> "P"; a TMA
+    tensor map by value, "const __grid_constant__ TmaDesc q_map", -> its 128 bytes)."""
     if "*" in param:
         return "P"
+    if "TmaDesc" in param:
+        return "128s"
     return {"long long": "q", "int": "i", "float": "f"}[param.rsplit(" ", 1)[0]]
 
 
-@pytest.mark.parametrize("direction", ["fwd", "bwd", "bwd-dqpass", "fwd-split"])
+@pytest.mark.parametrize("direction", ["fwd", "bwd", "bwd-dqpass", "fwd-split", "fwd-sm90"])
 def test_the_packing_follows_the_templates_signatures(direction):
     """launch.py's parameter lists against the kernels' own, from the rendered source: a parameter
     added to a template and not to launch.py would shift every one after it."""
@@ -341,9 +344,11 @@ def test_the_packing_follows_the_templates_signatures(direction):
 
     from autoflash.kernels.codegen import render
     from autoflash.kernels.defaults import default_backward_config, default_config
+    from autoflash.kernels.gpus import get_profile
 
     make = default_config if direction.startswith("fwd") else default_backward_config
-    config = make(64, "bf16", True, H100)
+    # The H100's forward default is the sm90 family's (its own template); the A100's the sm80 one's.
+    config = make(64, "bf16", True, H100 if direction in ("bwd", "bwd-dqpass", "fwd-sm90") else get_profile("a100"))
     if direction == "bwd-dqpass":
         config = config.replace(dq="pass")
     if direction == "fwd-split":  # the KV-cache kernel and its combine kernel
@@ -351,6 +356,9 @@ def test_the_packing_follows_the_templates_signatures(direction):
     source = render(config)
     expected = {config.name: launch.FWD_PARAMS} if direction.startswith("fwd") else \
         {config.name: launch.BWD_PARAMS, f"{config.name}_delta": launch.DELTA_PARAMS}
+    if direction == "fwd-sm90":
+        assert config.family == "sm90"
+        expected = {config.name: launch.SM90_FWD_PARAMS}
     if direction == "fwd-split":
         expected[f"{config.name}_combine"] = launch.COMBINE_PARAMS
     if direction == "bwd-dqpass":

@@ -23,9 +23,9 @@ def launches(monkeypatch):
     seen = []
     real = launch._call
 
-    def spy(fn, grid, threads, smem, dev, params, tensors, scalars, names=()):
-        seen.append((grid, dict(zip(names, tensors))))
-        return real(fn, grid, threads, smem, dev, params, tensors, scalars, names)
+    def spy(fn, grid, threads, smem, dev, params, tensors, scalars, names=(), maps=()):
+        seen.append((grid, dict(zip(names[len(maps):], tensors))))  # names label the maps first
+        return real(fn, grid, threads, smem, dev, params, tensors, scalars, names, maps)
 
     monkeypatch.setattr(launch, "_call", spy)
     return seen

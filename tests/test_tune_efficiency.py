@@ -15,8 +15,8 @@ from autoflash.tuning.efficiency import InProcessPool, exhaustive, feasible_for,
 from autoflash.tuning.runner import prepare_spaces, spaces_for
 from autoflash.tuning.simulated import TIMINGS_FORMAT, TIMINGS_VERSION, SimulatedBackend, model_ms
 
-KEY = ProblemKey("h100", "fwd", "fp16", 64, False, "le4k")
-CLI = ["--gpu", "h100", "--directions", "fwd", "--dtypes", "fp16", "--head-dims", "64", "--causal", "off",
+KEY = ProblemKey("a100", "fwd", "fp16", 64, False, "le4k")
+CLI = ["--gpu", "a100", "--directions", "fwd", "--dtypes", "fp16", "--head-dims", "64", "--causal", "off",
        "--seqlen-buckets", "le4k", "--space", "num_stages=2", "--space", "num_warps=4", "--jobs", "1",
        "--no-progress"]
 RESTRICT = {"num_stages": (2,), "num_warps": (4,)}  # ~20 NVRTC compiles on a cold cache (~1.3 s each)
@@ -29,7 +29,7 @@ def _quiet_optuna():
 
 @pytest.fixture(scope="module")
 def space():
-    profile = get_profile("h100")
+    profile = get_profile("a100")
     spaces = prepare_spaces([KEY], profile, restrict=RESTRICT, jobs=1, progress=False)
     default, candidates = spaces_for(spaces, KEY)
     feasible = feasible_for(KEY, candidates, None)
@@ -67,7 +67,7 @@ def test_exhaustive_best_is_the_minimum_of_the_cost_model(space):
     assert {c.config.name for c in feasible} == {c.config.name for c in candidates if c.ok}
     independent = {c.config.name: sum(model_ms(c.config, s, profile, c.registers) for s in KEY.shapes())
                    for c in candidates if c.ok}
-    ranked = exhaustive(KEY, feasible, SimulatedBackend("h100"))
+    ranked = exhaustive(KEY, feasible, SimulatedBackend("a100"))
     assert [name for name, _ in ranked] == sorted(independent, key=lambda n: (independent[n], n))
     assert ranked[0][1] == pytest.approx(min(independent.values()), rel=1e-12)
     assert all(ms == pytest.approx(independent[name], rel=1e-12) for name, ms in ranked)
@@ -75,7 +75,7 @@ def test_exhaustive_best_is_the_minimum_of_the_cost_model(space):
 
 def test_in_process_pool_measures_every_feasible_config_once(space):
     _, default, _, feasible = space
-    backend = SimulatedBackend("h100")
+    backend = SimulatedBackend("a100")
     pool = InProcessPool(backend)
     values = search(KEY, default, feasible, backend, "random", 0, pool=pool)  # seeded: it covers the space
     assert pool.measures == len(values) == len(feasible)  # the budget is the whole feasible space
@@ -84,7 +84,7 @@ def test_in_process_pool_measures_every_feasible_config_once(space):
 
 def test_search_stops_at_the_target_and_counts_what_it_measured(space):
     _, default, _, feasible = space
-    backend = SimulatedBackend("h100")
+    backend = SimulatedBackend("a100")
     ranked = exhaustive(KEY, feasible, backend)
     target = 1.03 * ranked[0][1]
     for sampler in ("tpe", "random"):
@@ -124,7 +124,7 @@ def test_cli_replays_recorded_timings_over_the_recorded_feasible_configs(tmp_pat
                for c in [*recorded, next(c for c in feasible if c.config.name == default.name)]}
     timings["fwd_hd64_fp16_m999n1w1s1"] = [0.001, 0.001]  # not a feasible config: never counted
     path = tmp_path / "timings.json"
-    path.write_text(json.dumps({"format": TIMINGS_FORMAT, "version": TIMINGS_VERSION, "gpu": "h100",
+    path.write_text(json.dumps({"format": TIMINGS_FORMAT, "version": TIMINGS_VERSION, "gpu": "a100",
                                 "timings": {KEY.slug: timings}, "sdpa_flash": {}}))
     out = tmp_path / "eff.json"
     efficiency.main([*CLI, "--seeds", "2", "--timings", str(path), "--out", str(out)])
@@ -144,19 +144,19 @@ def test_cli_errors(tmp_path, capsys):
         efficiency.main([*CLI, "--seeds", "0"])
     assert e.value.code == 2 and "got 0" in capsys.readouterr().err
     path = tmp_path / "timings.json"
-    path.write_text(json.dumps({"format": TIMINGS_FORMAT, "version": TIMINGS_VERSION, "gpu": "a100", "timings": {}}))
+    path.write_text(json.dumps({"format": TIMINGS_FORMAT, "version": TIMINGS_VERSION, "gpu": "h100", "timings": {}}))
     with pytest.raises(SystemExit) as e:
         efficiency.main([*CLI, "--timings", str(path)])
     err = capsys.readouterr().err
-    assert e.value.code == 2 and "got gpu 'a100'" in err and "expected 'h100'" in err
+    assert e.value.code == 2 and "got gpu 'h100'" in err and "expected 'a100'" in err
 
 
 # ------------------------------------------------------------------ variant keys
 from autoflash.kernels.config import KernelConfig  # noqa: E402
 from autoflash.tuning.space import Candidate  # noqa: E402
 
-WINDOW = ProblemKey("h100", "fwd", "bf16", 128, True, "le1k", "window")
-CAUSAL = ProblemKey("h100", "fwd", "bf16", 128, True, "le1k")
+WINDOW = ProblemKey("a100", "fwd", "bf16", 128, True, "le1k", "window")
+CAUSAL = ProblemKey("a100", "fwd", "bf16", 128, True, "le1k")
 TILES = ((64, 32, 4), (64, 64, 4), (128, 64, 8), (128, 128, 8), (128, 192, 8))  # (block_m, block_n, warps)
 
 
@@ -166,7 +166,7 @@ def _candidates(key):
 
 
 def test_the_simulated_backend_ranks_a_window_key_on_its_band():
-    backend = SimulatedBackend("h100")
+    backend = SimulatedBackend("a100")
     window, causal = dict(exhaustive(WINDOW, _candidates(WINDOW), backend)), \
         dict(exhaustive(CAUSAL, _candidates(CAUSAL), backend))
     plain_name = lambda name: name.replace("_br_win", "_causal")  # noqa: E731  (the same tiles)
@@ -180,12 +180,12 @@ def test_the_simulated_backend_ranks_a_window_key_on_its_band():
 
 
 def test_the_cost_model_runs_the_keys_workload():
-    profile = get_profile("h100")
+    profile = get_profile("a100")
     cfg = _candidates(WINDOW)[1].config
     shape = WINDOW.shapes()[0]
     banded = model_ms(cfg, shape, profile, 200, WINDOW.workload(shape))
     assert banded < model_ms(cfg, shape, profile, 200)  # without its workload: the whole (non-causal) square
-    varlen = ProblemKey("h100", "fwd", "bf16", 128, True, "le1k", "varlen")
+    varlen = ProblemKey("a100", "fwd", "bf16", 128, True, "le1k", "varlen")
     packed = varlen.workload(varlen.shapes()[0])
     vcfg = KernelConfig(**varlen.config_fields(), block_m=64, block_n=64, num_warps=4)
     assert 0 < model_ms(vcfg, varlen.shapes()[0], profile, 200, packed) < model_ms(
@@ -193,7 +193,7 @@ def test_the_cost_model_runs_the_keys_workload():
             packed.lengths)))  # random lengths up to the bucket's: less work than every sequence at the longest
 
 
-@pytest.mark.parametrize("key", [WINDOW, ProblemKey("h100", "bwd", "fp16", 64, False, "le4k", "varlen")], ids=str)
+@pytest.mark.parametrize("key", [WINDOW, ProblemKey("a100", "bwd", "fp16", 64, False, "le4k", "varlen")], ids=str)
 def test_sdpa_flash_has_no_baseline_for_a_variant_key(key):
-    answer = SimulatedBackend("h100").baseline(key, list(key.shapes()))
+    answer = SimulatedBackend("a100").baseline(key, list(key.shapes()))
     assert answer["status"] == "unsupported" and "SDPA-flash" in answer["reason"]

@@ -8,8 +8,9 @@ import sys
 from autoflash.tuning.problem import ProblemKey, slug_label
 from autoflash.tuning.progress import Bar, Lines, progress
 
-# One tiny space: d64 fp16 forward, tiles of 64 or 128, 4 warps, 2 stages (compiled once, cached on disk).
-TINY = ["--gpu", "h100", "--head-dims", "64", "--dtypes", "fp16", "--directions", "fwd", "--space", "num_stages=2",
+# One tiny space: d64 fp16 forward on an A100, tiles of 64 or 128, 4 warps, 2 stages (compiled once, cached
+# on disk).
+TINY = ["--gpu", "a100", "--head-dims", "64", "--dtypes", "fp16", "--directions", "fwd", "--space", "num_stages=2",
         "--space", "num_warps=4", "--space", "block_m=64,128", "--space", "block_n=64,128", "--seqlen-buckets",
         "le1k", "--causal", "both"]
 
@@ -32,8 +33,8 @@ def test_a_piped_tune_prints_lines_not_bars(tmp_path):
     proc = _tune("--backend", "simulated", "--out", str(tmp_path), "--budget", "2")
     assert "\r" not in proc.stdout + proc.stderr
     err = proc.stderr.splitlines()
-    assert err[0] == "constraints for h100 (sm_90): 0/8 cfg"
-    assert any(line.startswith("constraints for h100 (sm_90): 8/8 cfg; ") and "survive" in line for line in err)
+    assert err[0] == "constraints for a100 (sm_80): 0/8 cfg"
+    assert any(line.startswith("constraints for a100 (sm_80): 8/8 cfg; ") and "survive" in line for line in err)
     finished = [line for line in err if line.startswith("[")]
     assert [line.split(":")[0] for line in finished] == ["[1/2] fwd fp16 d64 non-causal le1k",
                                                         "[2/2] fwd fp16 d64 causal le1k"]
@@ -46,8 +47,8 @@ def test_a_piped_tune_prints_lines_not_bars(tmp_path):
 def test_a_piped_dry_run_titles_say_non_causal():
     proc = _tune("--dry-run")
     assert "\r" not in proc.stdout + proc.stderr
-    assert "h100 fwd fp16 d64 non-causal (default fwd_hd64_fp16_m" in proc.stdout
-    assert "h100 fwd fp16 d64 causal (default fwd_hd64_fp16_causal_m" in proc.stdout
+    assert "a100 fwd fp16 d64 non-causal (default fwd_hd64_fp16_m" in proc.stdout
+    assert "a100 fwd fp16 d64 causal (default fwd_hd64_fp16_causal_m" in proc.stdout
     assert "full" not in proc.stdout + proc.stderr
 
 

@@ -112,9 +112,10 @@ class KernelParams:
 
     def pack(self, tensors: tuple, scalars: tuple, maps: tuple = ()) -> ctypes.Array:
         """This thread's buffer, holding the maps' bytes, the tensors' pointers and the scalars."""
-        if len(tensors) != self.pointers or len(maps) != self.maps:
-            raise ValueError(f"kernel tensors and maps: got {len(tensors)} and {len(maps)}, expected {self.pointers} "
-                             f"and {self.maps}")
+        if len(tensors) != self.pointers:
+            raise ValueError(f"kernel tensors: got {len(tensors)}, expected {self.pointers}")
+        if len(maps) != self.maps:
+            raise ValueError(f"kernel tensor maps: got {len(maps)}, expected {self.maps}")
         buf = getattr(self._local, "buf", None)
         if buf is None:
             buf = self._local.buf = ctypes.create_string_buffer(self.struct.size)

@@ -59,3 +59,8 @@ template <int N>
 __device__ __forceinline__ void setmaxnreg_inc() { asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;\n" ::"n"(N)); }
 template <int N>
 __device__ __forceinline__ void setmaxnreg_dec() { asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;\n" ::"n"(N)); }
+
+// x, which every lane of the warp holds alike, as the compiler can see it is (lane 0's, by shuffle;
+// CUTLASS's canonical_warp_group_idx): what is computed from it stays in uniform registers (the wgmma
+// descriptors of a warpgroup) instead of being moved there for every instruction that takes it.
+__device__ __forceinline__ int warp_uniform(int x) { return __shfl_sync(0xffffffffu, x, 0); }

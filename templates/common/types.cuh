@@ -13,14 +13,3 @@ __device__ __forceinline__ int opaque(int x) {
   asm volatile("" : "+r"(x));
   return x;
 }
-
-// x, which every lane of the warp holds alike, as the compiler can see it is (lane 0's, by shuffle;
-// CUTLASS's canonical_warp_group_idx): what is computed from it stays in uniform registers (the sm90
-// family's wgmma descriptors) instead of being moved there for every instruction that takes it.
-__device__ __forceinline__ int warp_uniform(int x) {
-#ifdef AUTOFLASH_HOST_EMULATION  // a value the emulator holds per thread anyway
-  return x;
-#else
-  return __shfl_sync(0xffffffffu, x, 0);
-#endif
-}

@@ -20,3 +20,5 @@ template <int N>
 __forceinline__ void setmaxnreg_inc() { emu::setmaxnreg(N, true); }
 template <int N>
 __forceinline__ void setmaxnreg_dec() { emu::setmaxnreg(N, false); }
+// The emulator holds a value per thread anyway: nothing to make uniform.
+__forceinline__ int warp_uniform(int x) { return x; }
