@@ -3,31 +3,20 @@ warp-specialized producer/consumer pipeline in the shape of FlashAttention-3's f
 (tests/host/pipeline_probe.cu.j2: full/empty mbarrier pairs, a named barrier among the consumers,
 setmaxnreg, elect.sync) computes what it should, clean under the sanitizer, and compiles for sm_90a;
 each planted misuse is a finding of its kind."""
-import hashlib
-from pathlib import Path
-
-import jinja2
 import numpy as np
 import pytest
 import torch
 
+import host_probes
 from autoflash.emulation import build
-from autoflash.emulation.module import EmulatedModule
-from autoflash.kernels.resources import templates_dir
-
-HOST = Path(__file__).parent / "host"
 
 
 def source(stages: int, case: str = "") -> str:
-    env = jinja2.Environment(loader=jinja2.FileSystemLoader([str(templates_dir()), str(HOST)]),
-                             undefined=jinja2.StrictUndefined)
-    return env.get_template("pipeline_probe.cu.j2").render(stages=stages, case=case)
+    return host_probes.render("pipeline_probe.cu.j2", stages=stages, case=case)
 
 
 def run(stages: int, steps: int, case: str = "", sanitize: bool = False):
-    text = source(stages, case)
-    key = hashlib.sha256(text.encode()).hexdigest()[:12]
-    module = EmulatedModule(build.build_library(text, f"pipeline_probe_{key}", ("pipeline_probe",), sanitize), sanitize)
+    module = host_probes.load(source(stages, case), "pipeline_probe", ("pipeline_probe",), sanitize)
     src = torch.randn(steps * 256, generator=torch.Generator().manual_seed(steps))
     out = torch.full((256,), float("nan"))
     module.get_function("pipeline_probe")((1, 1, 1), (384, 1, 1), (src, out, np.int32(steps)),

@@ -5,34 +5,25 @@ inside; boxes loaded in each swizzle feed wgmma through the descriptors of that 
 the wgmma tests check against CuTe's); every constraint the driver documents is a ValueError when
 encoding and a finding when a hand-made map reaches the emulator; each planted misuse is a finding of
 its kind (tests/host/tma_probe.cu.j2)."""
-import hashlib
-from pathlib import Path
-
-import jinja2
 import numpy as np
 import pytest
 import torch
 
+import host_probes
 from autoflash.emulation import build
 from autoflash.emulation.module import EmulatedModule
 from autoflash.kernels import tensor_map
-from autoflash.kernels.resources import templates_dir
 from autoflash.kernels.tensor_map import TiledMap
 
-HOST = Path(__file__).parent / "host"
 ENTRIES = ("tma_roundtrip", "tma_wgmma")
 
 
 def source(rank: int = 2, span: int = 128, case: str = "") -> str:
-    env = jinja2.Environment(loader=jinja2.FileSystemLoader([str(templates_dir()), str(HOST)]),
-                             undefined=jinja2.StrictUndefined)
-    return env.get_template("tma_probe.cu.j2").render(rank=rank, span=span, case=case)
+    return host_probes.render("tma_probe.cu.j2", rank=rank, span=span, case=case)
 
 
 def probe(rank: int = 2, span: int = 128, case: str = "", sanitize: bool = False) -> EmulatedModule:
-    text = source(rank, span, case)
-    key = hashlib.sha256(text.encode()).hexdigest()[:12]
-    module = EmulatedModule(build.build_library(text, f"tma_probe_{key}", ENTRIES, sanitize), sanitize)
+    module = host_probes.load(source(rank, span, case), "tma_probe", ENTRIES, sanitize)
     module.clear_findings()  # the library stays loaded: a test before this one may have left some
     return module
 

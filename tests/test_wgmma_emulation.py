@@ -12,37 +12,30 @@ read from the nvidia-cutlass wheel) rather than against the formulas the emulato
 - the probe's source compiles for sm_90a with NVRTC, ptxas reporting no serialized or repaired wgmma.
 """
 import functools
-import hashlib
-from pathlib import Path
 
-import jinja2
 import numpy as np
 import pytest
 import torch
 
 import cute_layouts as cute
+import host_probes
 from autoflash.emulation import build
 from autoflash.emulation.module import EmulatedModule
-from autoflash.kernels.resources import templates_dir
 
-HOST = Path(__file__).parent / "host"
 CTYPES = {"bf16": ("__nv_bfloat16", "bf16", torch.bfloat16), "fp16": ("__half", "f16", torch.float16)}
 LAYOUTS = ("INTERLEAVE", "B32", "B64", "B128")
 DESC_SWIZZLE = {"INTERLEAVE": 0, "B128": 1, "B64": 2, "B32": 3}  # the descriptor's bits 62-63
 
 
 def probe_source(n: int, dtype: str, rs: bool, trans_a: int, trans_b: int, case: str = "", observe: bool = True) -> str:
-    env = jinja2.Environment(loader=jinja2.FileSystemLoader([str(templates_dir()), str(HOST)]),
-                             undefined=jinja2.StrictUndefined, keep_trailing_newline=True)
     ctype, ptype, _ = CTYPES[dtype]
-    return env.get_template("wgmma_probe.cu.j2").render(n=n, ctype=ctype, ptype=ptype, rs=rs, trans_a=trans_a,
-                                                         trans_b=trans_b, case=case, observe=observe)
+    return host_probes.render("wgmma_probe.cu.j2", n=n, ctype=ctype, ptype=ptype, rs=rs, trans_a=trans_a,
+                              trans_b=trans_b, case=case, observe=observe)
 
 
 def probe(n, dtype, rs, trans_a, trans_b, case="", sanitize=False):
-    source = probe_source(n, dtype, rs, trans_a, trans_b, case)
-    key = hashlib.sha256(source.encode()).hexdigest()[:12]
-    module = EmulatedModule(build.build_library(source, f"wgmma_probe_{key}", ("wgmma_probe",), sanitize), sanitize)
+    module = host_probes.load(probe_source(n, dtype, rs, trans_a, trans_b, case), "wgmma_probe", ("wgmma_probe",),
+                              sanitize)
     return module, module.get_function("wgmma_probe")
 
 

@@ -247,8 +247,8 @@ def family_reason(config: KernelConfig, variant, profile: GpuProfile) -> str | N
     has no sm90 family): what explain() says."""
     if profile.arch != "sm_90" or config.family == "sm90" or config.direction != "fwd":
         return None
-    if sm90_fallback(variant):
-        return sm90_fallback(variant)
+    if why := sm90_fallback(variant):
+        return why
     if config.dtype == "fp32":
         return "fp32 runs on the SIMT kernels"
     if config.head_dim % 16:

@@ -145,6 +145,21 @@ bool box_in_smem(Worker& w, const TensorMap& m, uint32_t base, const void* pc, c
   return true;
 }
 
+// A copy's tensor map decoded and its shared side checked (the checks both directions share): the
+// map as the driver would have made it, the box inside the block's shared memory at `smem`
+// (128-aligned), of the instruction's rank. `op`: "(load)" or "(store)"; `side`: the shared side's name.
+bool copy_map(Worker& w, const void* tmap, int rank, TensorMap& m, uint32_t smem, const void* pc, const char* op,
+              const char* side) {
+  if (!decode_tensor_map(tmap, m, pc, fmt("cp.async.bulk.tensor %s", op).c_str()) ||
+      !box_in_smem(w, m, smem, pc, fmt("cp.async.bulk.tensor %s", side).c_str()))
+    return false;
+  if (rank != m.rank) {
+    report("tma", pc, fmt("cp.async.bulk.tensor.%dd on a tensor map of rank %d", rank, m.rank));
+    return false;
+  }
+  return true;
+}
+
 }  // namespace
 
 void tma_load(uint32_t dst, const void* tmap, int rank, const int32_t* coords, uint32_t bar) {
@@ -152,15 +167,8 @@ void tma_load(uint32_t dst, const void* tmap, int rank, const int32_t* coords, u
   Fiber& f = *w.cur;
   const void* pc = __builtin_return_address(0);
   TmaLoad l;
-  if (!decode_tensor_map(tmap, l.map, pc, "cp.async.bulk.tensor (load)") ||
-      !box_in_smem(w, l.map, dst, pc, "cp.async.bulk.tensor destination") ||
+  if (!copy_map(w, tmap, rank, l.map, dst, pc, "(load)", "destination") ||
       !find_mbar(w, bar, pc, "cp.async.bulk.tensor's complete_tx")) {
-    w.abandon = true;
-    yield(w, f);
-    return;
-  }
-  if (rank != l.map.rank) {
-    report("tma", pc, fmt("cp.async.bulk.tensor.%dd on a tensor map of rank %d", rank, l.map.rank));
     w.abandon = true;
     yield(w, f);
     return;
@@ -239,14 +247,7 @@ void tma_store(const void* tmap, int rank, const int32_t* coords, uint32_t src) 
   Fiber& f = *w.cur;
   const void* pc = __builtin_return_address(0);
   TmaStore s;
-  if (!decode_tensor_map(tmap, s.map, pc, "cp.async.bulk.tensor (store)") ||
-      !box_in_smem(w, s.map, src, pc, "cp.async.bulk.tensor source")) {
-    w.abandon = true;
-    yield(w, f);
-    return;
-  }
-  if (rank != s.map.rank) {
-    report("tma", pc, fmt("cp.async.bulk.tensor.%dd on a tensor map of rank %d", rank, s.map.rank));
+  if (!copy_map(w, tmap, rank, s.map, src, pc, "(store)", "source")) {
     w.abandon = true;
     yield(w, f);
     return;
