@@ -6,7 +6,8 @@ from autoflash.kernels.gpus import get_profile
 from autoflash.tuning.problem import ProblemKey
 from autoflash.tuning import space
 from autoflash.tuning.space import (ACCUMULATOR_REGISTER_LIMIT, ROWS_PER_WARP, Candidate, accumulator_registers,
-                                    constrain, default_for, enumerate_space, param_values)
+                                    constrain, default_for, enumerate_space, param_values,
+                                    point_of)
 
 KEYS = [ProblemKey("h100", dr, dt, d, c, "le4k") for dr in ("fwd", "bwd") for dt in ("fp16", "bf16")
         for d in (64, 128, 256) for c in (False, True)]
@@ -67,9 +68,16 @@ def test_param_values_come_from_feasible_candidates_only():
     key = ProblemKey("h100", "fwd", "bf16", 128, False, "le4k")
     mk = lambda m, n, w: KernelConfig(head_dim=128, dtype="bf16", block_m=m, block_n=n, num_warps=w)  # noqa: E731
     cands = [Candidate(mk(128, 64, 8), "ok"), Candidate(mk(64, 48, 4), "ok"), Candidate(mk(128, 256, 8), "smem")]
-    assert param_values(cands, key) == {"block_m": (64, 128), "block_n": (48, 64), "num_warps": (4, 8),
-                                        "num_stages": (2,), "family": ("sm80",), "pingpong": (False,),
-                                        "overlap": (False,)}
+    assert param_values(cands, key) == {"sm80": {"block_m": (64, 128), "block_n": (48, 64), "num_warps": (4, 8),
+                                                 "num_stages": (2,)}}
+    # an sm90 candidate brings its family's own knobs (block_m follows num_warps there: no knob)
+    sm90 = KernelConfig(head_dim=128, dtype="bf16", block_m=128, block_n=176, num_warps=8, family="sm90",
+                        pingpong=True)
+    values = param_values([*cands, Candidate(sm90, "ok"), Candidate(sm90.replace(block_n=256), "spills")], key)
+    assert values["sm90"] == {"block_n": (176,), "num_warps": (8,), "num_stages": (2,), "pingpong": (True,),
+                              "overlap": (False,)}
+    assert list(values) == ["sm80", "sm90"] and point_of(key, {**{k: v[0] for k, v in values["sm90"].items()},
+                                                               "family": "sm90"}) == sm90
 
 
 def test_an_sm_90_forward_space_holds_both_families():

@@ -8,8 +8,8 @@ from optuna.trial import TrialState
 
 from autoflash.kernels.config import KernelConfig
 from autoflash.tuning.problem import ProblemKey
-from autoflash.tuning.space import Candidate
-from autoflash.tuning.study import KeyStudy, Settings, is_measured
+from autoflash.tuning.space import Candidate, point_of
+from autoflash.tuning.study import STALL_TRIALS, KeyStudy, Settings, is_measured
 from autoflash.tuning.worker import WorkerPool
 
 KEY = ProblemKey("h100", "fwd", "bf16", 128, True, "le4k")
@@ -121,7 +121,8 @@ def test_interrupted_trial_is_failed_and_requeued(tmp_path):
     probe, probe_pool, _ = _study(tmp_path / "probe", budget=1)
     probe_pool.close()
     study.enqueue_trial(probe.params_of(FEASIBLE[3]))
-    dead = study.ask(probe.distributions())
+    dead = study.ask()
+    assert point_of(KEY, probe.suggest(dead)) == FEASIBLE[3]  # as a worker asks it, from the enqueued ranks
     dead.set_user_attr("host", __import__("socket").gethostname())
     dead.set_user_attr("pid", 2**22 + 12345)  # no such process
     dead.set_user_attr("config", FEASIBLE[3].name)
@@ -133,6 +134,35 @@ def test_interrupted_trial_is_failed_and_requeued(tmp_path):
     measured = [e["config"] for e in _events(log) if e["event"] == "end"]
     assert FEASIBLE[3].name in measured  # re-enqueued: not lost
     assert measured.count(FEASIBLE[3].name) == 1
+
+
+class _StuckSampler(optuna.samplers.RandomSampler):
+    """A sampler whose model never leaves one point (TPE with only the default measured can be)."""
+
+    def __init__(self, params):
+        super().__init__(seed=0)
+        self.params = params
+
+    def sample_independent(self, study, trial, name, distribution):
+        return self.params[name]
+
+
+def test_a_stuck_sampler_still_spends_the_budget(tmp_path):
+    ks, pool, log = _study(tmp_path, sampler="tpe", budget=5)
+    ks.study.sampler = _StuckSampler(ks.params_of(DEFAULT))
+    with pool:
+        outcome = ks.run()
+    measured = [e["config"] for e in _events(log) if e["event"] == "end"]
+    assert len(measured) == len(set(measured)) == 5 and outcome.evaluated == 5
+    assert set(measured) <= {c.name for c in FEASIBLE}
+    trials = ks.trials()
+    unstuck = [t for t in trials if t.user_attrs.get("unstuck")]
+    assert len(unstuck) == 4 and all(is_measured(t) for t in unstuck)
+    # each came after STALL_TRIALS proposals of the default, all duplicates that measured nothing
+    for t in unstuck:
+        before = trials[t.number - STALL_TRIALS:t.number]
+        assert all(b.user_attrs.get("duplicate_of") == 0 for b in before)
+    assert len(trials) == 1 + 4 * (STALL_TRIALS + 1) < ks.max_trials(trials)
 
 
 def test_settings_reject_bad_values():

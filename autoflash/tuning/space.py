@@ -55,11 +55,11 @@ ACCUMULATOR_REGISTER_LIMIT = 192
 
 
 # The sm90 family's forward on sm_90 GPUs (kernels/config.FAMILIES): 1-3 consumer warpgroups of 64
-# query rows, key tiles in steps of 16 up to 256, two or three TMA stages (FA3 runs two; one would
-# serialize the loads with the GEMMs), pingpong and overlap.
+# query rows (block_m = 16 * num_warps, so block_m is no knob of its own: point_of derives it), key
+# tiles in steps of 16 up to 256, two or three TMA stages (FA3 runs two; one would serialize the
+# loads with the GEMMs), pingpong and overlap.
 SM90_FORWARD_KNOBS = {
     "family": ("sm90",),
-    "block_m": (64, 128, 192),
     "block_n": tuple(range(64, 257, 16)),
     "num_warps": (4, 8, 12),
     "num_stages": (2, 3),
@@ -85,10 +85,13 @@ def knob_sets(key: ProblemKey) -> list[dict[str, tuple]]:
     return [FORWARD_KNOBS]
 
 
+def family_of(space: dict[str, tuple]) -> str:
+    """The kernel family a knob set builds (KernelConfig's default, sm80, where it names none)."""
+    return space.get("family", ("sm80",))[0]
+
+
 def knobs(key: ProblemKey) -> dict[str, tuple]:
-    """Each knob's values over the key's spaces. A config of one family carries the other's knobs at
-    their KernelConfig defaults (sm80: pingpong and overlap off), so param_values, which reads the
-    candidates, offers the sampler those values too."""
+    """Each knob's values over the key's spaces (what --space may restrict)."""
     merged: dict[str, list] = {}
     for space in knob_sets(key):
         for k, values in space.items():
@@ -146,6 +149,8 @@ def point_of(key: ProblemKey, values: dict):
     the template does not take them."""
     values = dict(values)
     splits = values.pop("num_splits", None)
+    if values.get("family") == "sm90" and "num_warps" in values:
+        values.setdefault("block_m", 16 * values["num_warps"])  # one 64-row warpgroup per 4 consumer warps
     cfg = KernelConfig(**key.config_fields(), **values)
     return DecodePoint(cfg, splits) if key.is_decode else cfg
 
@@ -324,7 +329,16 @@ def default_for(key: ProblemKey, profile: GpuProfile) -> KernelConfig:
     return base.replace(**key.config_fields())
 
 
-def param_values(candidates: Iterable[Candidate], key: ProblemKey) -> dict[str, tuple[int, ...]]:
-    """The values each knob takes among the feasible candidates: the sampler's categorical choices."""
+def param_values(candidates: Iterable[Candidate], key: ProblemKey) -> dict[str, dict[str, tuple]]:
+    """The sampler's choices, per kernel family among the feasible candidates (sorted by name): each
+    knob of that family's own set with the values its feasible candidates take. A knob of one family
+    only (sm90's pingpong) is never offered with the other, so the sampler proposes no combination
+    the template refuses for want of a family switch."""
     feasible = [c.config for c in candidates if c.ok]
-    return {k: tuple(sorted({getattr(c, k) for c in feasible})) for k in knobs(key)}
+    out = {}
+    for space in knob_sets(key):
+        family = family_of(space)
+        mine = [c for c in feasible if c.family == family]
+        if mine:
+            out[family] = {k: tuple(sorted({getattr(c, k) for c in mine})) for k in space if k != "family"}
+    return dict(sorted(out.items()))

@@ -15,6 +15,7 @@ from __future__ import annotations
 import dataclasses
 import datetime
 import os
+import random
 import socket
 import threading
 import time
@@ -26,13 +27,18 @@ from optuna.trial import TrialState
 
 from autoflash.kernels.config import KernelConfig
 from autoflash.tuning.problem import ProblemKey
-from autoflash.tuning.space import Candidate, DecodePoint, knobs, param_values, point_of
+from autoflash.tuning.space import Candidate, DecodePoint, param_values, point_of
 
 # Optuna's UserWarning from Study.ask() when the storage has a heartbeat (optuna/study/study.py).
 HEARTBEAT_WARNING = r"Heartbeat of storage is supposed to be used with Study\.optimize"
 SAMPLERS = ("tpe", "random", "grid", "bruteforce")
 HOST = socket.gethostname()
 ORPHAN_AGE_S = 300  # a RUNNING trial with no owner recorded after this long is taken as abandoned
+# Finished trials in a row that measured nothing (pruned, duplicates) before the study measures an
+# untried feasible config of its own choosing: a sampler whose model has only the default to go on
+# can keep proposing it (TPE in two processes did, 200 trials for one measurement), and the budget
+# is a promise of measurements.
+STALL_TRIALS = 12
 
 
 class TrialFailed(Exception):
@@ -86,27 +92,43 @@ def make_storage(url: str):
             time.sleep(0.5 * (attempt + 1))
 
 
-def rank_name(knob: str) -> str:
+def rank_name(knob: str, family: str | None = None) -> str:
     """The Optuna parameter of a knob: its rank among the knob's sorted feasible values. Tile sizes
     are ordinal (96 lies between 64 and 128), and TPE models an int range as ordered where it
     treats categories as unrelated; on the cost model this cut the evaluations needed to come
-    within 3% of the best (python -m autoflash.tuning.efficiency)."""
-    return f"{knob}_rank"
+    within 3% of the best (python -m autoflash.tuning.efficiency). Where a key's space holds two
+    kernel families, each family's knobs are parameters of their own ("sm90.block_n_rank"), asked
+    only once "family_rank" chose that family: a define-by-run conditional space."""
+    return f"{family}.{knob}_rank" if family else f"{knob}_rank"
 
 
-def make_sampler(name: str, values: dict[str, tuple[int, ...]], seed: int | None):
+def grid_space(space: dict[str, dict[str, tuple]]) -> dict[str, list[int]]:
+    """Every parameter the study may ask, with its ranks (the grid sampler's search space)."""
+    multi = len(space) > 1
+    out = {rank_name("family"): list(range(len(space)))} if multi else {}
+    for family, values in space.items():
+        out.update({rank_name(k, family if multi else None): list(range(len(v))) for k, v in values.items()})
+    return out
+
+
+def make_sampler(name: str, space: dict[str, dict[str, tuple]], seed: int | None):
     with warnings.catch_warnings():  # multivariate TPE and brute force are marked experimental
         warnings.simplefilter("ignore", optuna.exceptions.ExperimentalWarning)
         if name == "tpe":
             # multivariate: the knobs interact (a tile fits only with so many warps and stages).
             # n_startup_trials counts pruned trials (infeasible points) and the enqueued default too,
             # so the random start costs fewer than 8 measurements before TPE models the landscape.
-            return optuna.samplers.TPESampler(seed=seed, n_startup_trials=8, multivariate=True, constant_liar=True)
+            # group: a two-family space is conditional (each family's knobs are asked only with it),
+            # and grouped multivariate TPE models each family's knobs jointly instead of falling
+            # back to independent sampling.
+            return optuna.samplers.TPESampler(seed=seed, n_startup_trials=8, multivariate=True, group=True,
+                                              constant_liar=True)
         if name == "random":
             return optuna.samplers.RandomSampler(seed=seed)
         if name == "grid":
-            return optuna.samplers.GridSampler({rank_name(k): list(range(len(v))) for k, v in values.items()},
-                                               seed=seed)
+            # a two-family grid crosses both families' knobs: a point of one family repeats for each
+            # of the other's values, which costs no measurement (duplicate_of) but a trial
+            return optuna.samplers.GridSampler(grid_space(space), seed=seed)
         return optuna.samplers.BruteForceSampler(seed=seed)
 
 
@@ -150,13 +172,13 @@ class KeyStudy:
             why = self.by_name[default.name].reason if default.name in self.by_name else "not in the space"
             raise ValueError(f"{key.gpu} {key.label}: the built-in default {default.name} failed the constraints "
                              f"({why})")
-        self.values = param_values(candidates, key)
-        self.names = list(knobs(key))
+        self.space = param_values(candidates, key)  # family -> knob -> the values its feasible configs take
+        self.families = tuple(self.space)
         self.study = optuna.create_study(study_name=name, storage=storage, direction="minimize", load_if_exists=True,
-                                         sampler=make_sampler(settings.sampler, self.values, settings.seed))
+                                         sampler=make_sampler(settings.sampler, self.space, settings.seed))
         self.study.set_user_attr("key", key.to_dict())
         stored = self.study.user_attrs.get("knob_values")
-        current = {k: list(v) for k, v in self.values.items()}
+        current = {f: {k: list(v) for k, v in values.items()} for f, values in self.space.items()}
         if stored is None:
             self.study.set_user_attr("knob_values", current)
         elif stored != current:  # ranks would mean other values: the trials could not be read
@@ -195,15 +217,49 @@ class KeyStudy:
             recovered.append(t.number)
         return recovered
 
-    def params_of(self, config: KernelConfig) -> dict[str, int]:
-        """The Optuna params that propose `config` (one rank per knob)."""
-        return {rank_name(k): self.values[k].index(getattr(config, k)) for k in self.names}
+    def _param(self, knob: str, family: str) -> str:
+        return rank_name(knob, family if len(self.families) > 1 else None)
 
-    def distributions(self) -> dict:
-        return {rank_name(k): optuna.distributions.IntDistribution(0, len(v) - 1) for k, v in self.values.items()}
+    def params_of(self, config: KernelConfig) -> dict[str, int]:
+        """The Optuna params that propose `config`: its family's rank where the space holds two, and
+        one rank per knob of that family."""
+        family = config.family
+        out = {rank_name("family"): self.families.index(family)} if len(self.families) > 1 else {}
+        out.update({self._param(k, family): v.index(getattr(config, k)) for k, v in self.space[family].items()})
+        return out
+
+    def suggest(self, trial) -> dict:
+        """Knob values for a trial: the family first (where there are two), then that family's knobs."""
+        family = self.families[trial.suggest_int(rank_name("family"), 0, len(self.families) - 1)] \
+            if len(self.families) > 1 else self.families[0]
+        values = {k: v[trial.suggest_int(self._param(k, family), 0, len(v) - 1)] for k, v in self.space[family].items()}
+        return {**values, "family": family}
 
     def enqueue_default(self) -> None:
         self.study.enqueue_trial(self.params_of(self.default), user_attrs={"default": True}, skip_if_exists=True)
+
+    def unstick(self, trials) -> int | None:
+        """After STALL_TRIALS finished trials in a row that measured nothing, enqueues an untried
+        feasible config (drawn with the study's seed) and returns its trial-to-be's position; None
+        when the sampler is making progress, a trial is already queued, or nothing is left."""
+        if any(t.state == TrialState.WAITING for t in trials):
+            return None
+        idle = 0
+        for t in reversed(trials):
+            if t.state == TrialState.RUNNING:
+                continue
+            if is_measured(t) or t.user_attrs.get("unstuck"):
+                break
+            idle += 1
+        if idle < STALL_TRIALS:
+            return None
+        taken = {t.user_attrs.get("config") for t in trials if is_measured(t) or t.state == TrialState.RUNNING}
+        untried = sorted(self.feasible - taken)
+        if not untried:
+            return None
+        pick = random.Random(f"{self.settings.seed}/{len(trials)}").choice(untried)
+        self.study.enqueue_trial(self.params_of(self.by_name[pick].config), user_attrs={"unstuck": True})
+        return len(trials)
 
     # ------------------------------------------------------------ the objective
     def _prune(self, trial, status: str, reason: str):
@@ -222,7 +278,7 @@ class KeyStudy:
         return msg
 
     def objective(self, trial) -> float:
-        params = {k: self.values[k][trial.suggest_int(rank_name(k), 0, len(self.values[k]) - 1)] for k in self.names}
+        params = self.suggest(trial)
         trial.set_user_attr("host", HOST)
         trial.set_user_attr("pid", os.getpid())
         try:
@@ -269,8 +325,8 @@ class KeyStudy:
         if self.settings.sampler not in ("grid", "bruteforce"):
             return max(20 * self.settings.budget, 200)
         grid = 1
-        for v in self.values.values():
-            grid *= len(v)
+        for ranks in grid_space(self.space).values():
+            grid *= len(ranks)
         # enqueued trials (the default, retries) come on top: the grid still visits their points
         return grid + sum("fixed_params" in t.system_attrs for t in trials)
 
@@ -305,6 +361,7 @@ class KeyStudy:
                 if self._done():
                     self._stop.set()
                     return
+                self.unstick(self.trials())
                 trial = self.study.ask()
             told = {}
             try:
