@@ -137,7 +137,7 @@ MISUSES = {
     "bytes short": ("mbarrier", "bytes completed beyond the transaction bytes"),
     "generic write": ("async", "through the async proxy, which thread"),
     "source written": ("async", "an in-flight cp.async.bulk.tensor store reads was written"),
-    "no store wait": ("async", "exited with cp.async.bulk.tensor stores in flight"),
+    "no store wait": ("async", "exited with bulk stores or reductions in flight"),
     "no init": ("mbarrier", "before any mbarrier.init there"),
 }
 

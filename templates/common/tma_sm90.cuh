@@ -52,7 +52,22 @@ __device__ __forceinline__ void tma_store(const TmaDesc& map, uint32_t src, C...
                  ::"l"(m), "r"(src), "r"(c[0]), "r"(c[1]), "r"(c[2]), "r"(c[3]), "r"(c[4]) : "memory");
 }
 
-// Closes the thread's stores since the last commit into one bulk group.
+// Non-tensor bulk copies (PTX ISA 9.7.9.25.4): sizes are positive multiples of 16 bytes, addresses
+// 16-byte aligned on both sides.
+// `bytes` from global `src` into shared memory at `dst`, completing them on mbarrier `bar` (as tma_load).
+__device__ __forceinline__ void bulk_load(uint32_t dst, const void* src, uint32_t bytes, uint32_t bar) {
+  asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];\n"
+               ::"r"(dst), "l"(src), "r"(bytes), "r"(bar) : "memory");
+}
+// Adds the bytes / 4 floats at shared `src` into global `dst`, element by element (fp32, rounded to
+// nearest): FA3's dQ accumulation. Joins the thread's bulk group as a store does; the adds are done
+// and visible once a tma_store_wait covers it, and `src` may not be written before then.
+__device__ __forceinline__ void bulk_reduce_add(float* dst, uint32_t src, uint32_t bytes) {
+  asm volatile("cp.reduce.async.bulk.global.shared::cta.bulk_group.add.f32 [%0], [%1], %2;\n"
+               ::"l"(dst), "r"(src), "r"(bytes) : "memory");
+}
+
+// Closes the thread's stores (and reductions) since the last commit into one bulk group.
 __device__ __forceinline__ void tma_store_commit() { asm volatile("cp.async.bulk.commit_group;\n" ::: "memory"); }
 // Waits until at most N of the thread's bulk groups are in flight (their writes done and visible).
 template <int N>

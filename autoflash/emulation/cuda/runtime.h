@@ -44,6 +44,10 @@ uint32_t cvta_shared(const void* p);
 // transaction bytes on an mbarrier; a tile store from shared memory, in the thread's bulk groups.
 void tma_load(uint32_t dst, const void* tmap, int rank, const int32_t* coords, uint32_t bar);
 void tma_store(const void* tmap, int rank, const int32_t* coords, uint32_t src);
+// Non-tensor bulk copies (runtime/tma.h): `bytes` from global memory into shared memory, completing
+// on an mbarrier; fp32 adds from shared memory into global memory, in the thread's bulk groups.
+void bulk_load(uint32_t dst, const void* src, uint32_t bytes, uint32_t bar);
+void bulk_reduce_add_f32(float* dst, uint32_t src, uint32_t bytes);
 void bulk_commit();
 void bulk_wait(int pending);
 }  // namespace emu

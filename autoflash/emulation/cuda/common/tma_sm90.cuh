@@ -1,6 +1,6 @@
-// Host-emulator stand-in for templates/common/tma_sm90.cuh: TMA loads and stores are the runtime's
-// (runtime/tma.h), asynchronous as on the GPU, on the tensor maps autoflash/kernels/tensor_map.py
-// encodes for the emulator.
+// Host-emulator stand-in for templates/common/tma_sm90.cuh: TMA loads and stores, and the non-tensor
+// bulk loads and reductions, are the runtime's (runtime/tma.h), asynchronous as on the GPU, on the
+// tensor maps autoflash/kernels/tensor_map.py encodes for the emulator.
 #pragma once
 #include "common/types.cuh"
 
@@ -17,6 +17,12 @@ __forceinline__ void tma_store(const TmaDesc& map, uint32_t src, C... coords) {
   static_assert(sizeof...(C) >= 2 && sizeof...(C) <= 5, "tma_store: 2 to 5 coordinates");
   const int32_t c[] = {int32_t(coords)...};
   emu::tma_store(&map, int(sizeof...(C)), c, src);
+}
+__forceinline__ void bulk_load(uint32_t dst, const void* src, uint32_t bytes, uint32_t bar) {
+  emu::bulk_load(dst, src, bytes, bar);
+}
+__forceinline__ void bulk_reduce_add(float* dst, uint32_t src, uint32_t bytes) {
+  emu::bulk_reduce_add_f32(dst, src, bytes);
 }
 __forceinline__ void tma_store_commit() { emu::bulk_commit(); }
 template <int N>

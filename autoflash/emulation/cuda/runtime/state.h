@@ -103,6 +103,7 @@ struct TmaStore {
   TensorMap map;
   int32_t c[5] = {};
   uint32_t src = 0;
+  bool add_f32 = false;  // cp.reduce.async.bulk .add.f32: adds the floats instead of writing them
   const void* pc = nullptr;
   Stack issued;
   std::vector<unsigned char> bytes;  // the box as read at issue

@@ -28,6 +28,15 @@
 // wait_group covers its bulk group; elements outside are not written. Its start coordinates must not
 // be negative.
 //
+// Non-tensor bulk copies (PTX ISA 9.7.9.25.4.1 cp.async.bulk, 9.7.9.25.4.2 cp.reduce.async.bulk) are the
+// same machinery on a flat rank-1 "map" of the bytes: a load of `bytes` from global memory lands as a
+// tensor load does; a reduction (.add.f32, FA3's dQ accumulation) reads its floats from shared memory
+// at issue and adds each into global memory when a wait_group covers its bulk group, an exact fp32 add
+// rounded to nearest (SASS UBLKRED.G.S.ADD.F32.RN) and atomic per element: blocks that run at once on
+// the host's threads add in whatever order they reach the wait, as on the GPU. Both want a size that is
+// a positive multiple of 16 and 16-byte aligned addresses on both sides (findings "tma" and
+// "misaligned"); the reduction's global floats are checked as the issuing thread's writes.
+//
 // Sanitizing, also (kind "async"): a load's destination written or read by a thread while the load is
 // in flight; a store's source written before the wait_group that covers it; generic-proxy writes a
 // store reads with no fence.proxy.async since (the rule of runtime/wgmma.h); a block that ends with
@@ -160,6 +169,69 @@ bool copy_map(Worker& w, const void* tmap, int rank, TensorMap& m, uint32_t smem
   return true;
 }
 
+
+// A flat copy of `bytes` at global address `addr` as a rank-1 map of `esize`-byte elements (no
+// swizzle, nothing outside: the box is the tensor).
+TensorMap flat_map(uint64_t addr, uint32_t bytes, int esize) {
+  TensorMap m;
+  m.addr = addr;
+  m.rank = 1;
+  m.esize = esize;
+  m.dtype = esize == 4 ? 7 : 0;  // FLOAT32 for reductions; loads copy bytes
+  m.stride[0] = uint64_t(esize);
+  m.dim[0] = bytes / uint32_t(esize);
+  m.box[0] = bytes / uint32_t(esize);
+  return m;
+}
+
+// The checks of a non-tensor bulk copy: a size that is a positive multiple of 16, both addresses
+// 16-aligned, the shared side inside the block's shared memory.
+bool flat_copy_ok(Worker& w, const char* op, uint64_t global, uint32_t smem, uint32_t bytes, const void* pc) {
+  if (!bytes || bytes % 16) {
+    report("tma", pc, fmt("%s of %u bytes (expected a positive multiple of 16)", op, bytes));
+    return false;
+  }
+  if (global % 16 || smem % 16) {
+    report("misaligned", pc, fmt("%s at %s (expected 16-byte alignment)", op,
+                                 global % 16 ? fmt("global address 0x%" PRIx64, global).c_str()
+                                             : fmt("shared offset %u", smem).c_str()));
+    return false;
+  }
+  if (uint64_t(smem) + bytes > w.launch->smem) {
+    report("out-of-bounds", pc, fmt("%s of %u bytes at shared offset %u: past the block's %zu bytes", op, bytes, smem,
+                                    w.launch->smem));
+    return false;
+  }
+  return true;
+}
+
+// Issues a checked load: (sanitizing) its global reads and shared writes as the thread's accesses,
+// then its destination poisoned and marked in flight until it lands.
+void issue_load(Worker& w, Fiber& f, TmaLoad& l, const void* pc, const char* what) {
+  l.pc = pc;
+  l.tid = f.tid;
+  l.issued.capture();
+#if EMU_SANITIZE
+  for_box(l.map, l.c, [&](uint64_t i, uint64_t addr) {
+    if (addr) global_access(reinterpret_cast<const void*>(addr), size_t(l.map.esize), false, pc);
+    for (int b = 0; b < l.map.esize; ++b)
+      shared_access(box_byte(l.map, l.dst, uint32_t(i) * l.map.esize + b), 1, true, pc, what);
+  });
+#else
+  (void)what;
+#endif
+  for_box(l.map, l.c, [&](uint64_t i, uint64_t) {
+    for (int b = 0; b < l.map.esize; ++b) {
+      const uint32_t off = box_byte(l.map, l.dst, uint32_t(i) * l.map.esize + b);
+      w.window[off] = 0xff;
+#if EMU_SANITIZE
+      w.shadow[off].st = 3;  // a TMA load in flight
+#endif
+    }
+  });
+  w.tma_loads.push_back(l);
+}
+
 }  // namespace
 
 void tma_load(uint32_t dst, const void* tmap, int rank, const int32_t* coords, uint32_t bar) {
@@ -176,26 +248,24 @@ void tma_load(uint32_t dst, const void* tmap, int rank, const int32_t* coords, u
   std::copy(coords, coords + rank, l.c);
   l.dst = dst;
   l.bar = bar;
-  l.pc = pc;
-  l.tid = f.tid;
-  l.issued.capture();
-#if EMU_SANITIZE
-  for_box(l.map, l.c, [&](uint64_t i, uint64_t addr) {
-    if (addr) global_access(reinterpret_cast<const void*>(addr), size_t(l.map.esize), false, pc);
-    for (int b = 0; b < l.map.esize; ++b)
-      shared_access(box_byte(l.map, dst, uint32_t(i) * l.map.esize + b), 1, true, pc, "cp.async.bulk.tensor (load)");
-  });
-#endif
-  for_box(l.map, l.c, [&](uint64_t i, uint64_t) {
-    for (int b = 0; b < l.map.esize; ++b) {
-      const uint32_t off = box_byte(l.map, dst, uint32_t(i) * l.map.esize + b);
-      w.window[off] = 0xff;
-#if EMU_SANITIZE
-      w.shadow[off].st = 3;  // a TMA load in flight
-#endif
-    }
-  });
-  w.tma_loads.push_back(l);
+  issue_load(w, f, l, pc, "cp.async.bulk.tensor (load)");
+}
+
+void bulk_load(uint32_t dst, const void* src, uint32_t bytes, uint32_t bar) {
+  Worker& w = *tw;
+  Fiber& f = *w.cur;
+  const void* pc = __builtin_return_address(0);
+  if (!flat_copy_ok(w, "cp.async.bulk (load)", reinterpret_cast<uint64_t>(src), dst, bytes, pc) ||
+      !find_mbar(w, bar, pc, "cp.async.bulk's complete_tx")) {
+    w.abandon = true;
+    yield(w, f);
+    return;
+  }
+  TmaLoad l;
+  l.map = flat_map(reinterpret_cast<uint64_t>(src), bytes, 16);  // 16-byte chunks: checked against any dtype
+  l.dst = dst;
+  l.bar = bar;
+  issue_load(w, f, l, pc, "cp.async.bulk (load)");
 }
 
 namespace {
@@ -241,6 +311,28 @@ bool land_tma_loads(Worker& w) {
 }
 
 }  // namespace
+
+void bulk_reduce_add_f32(float* dst, uint32_t src, uint32_t bytes) {
+  Worker& w = *tw;
+  Fiber& f = *w.cur;
+  const void* pc = __builtin_return_address(0);
+  if (!flat_copy_ok(w, "cp.reduce.async.bulk .add.f32", reinterpret_cast<uint64_t>(dst), src, bytes, pc)) {
+    w.abandon = true;
+    yield(w, f);
+    return;
+  }
+  TmaStore s;
+  s.map = flat_map(reinterpret_cast<uint64_t>(dst), bytes, 4);
+  s.src = src;
+  s.add_f32 = true;
+  s.pc = pc;
+  s.issued.capture();
+#if EMU_SANITIZE
+  for (uint32_t o = 0; o < bytes; o += 16) async_proxy_read(w, src + o, 16, pc, "cp.reduce.async.bulk (source)");
+#endif
+  s.bytes.assign(w.window + src, w.window + src + bytes);
+  f.stores_open.push_back(std::move(s));
+}
 
 void tma_store(const void* tmap, int rank, const int32_t* coords, uint32_t src) {
   Worker& w = *tw;
@@ -291,8 +383,9 @@ void finish_store(Worker& w, Fiber& f, const TmaStore& s) {
       changed |= s.bytes[i * m.esize + b] != w.window[box_byte(m, s.src, uint32_t(i) * m.esize + b)];
   });
   if (changed)
-    report("async", s.pc, fmt("thread %d: shared memory that an in-flight cp.async.bulk.tensor store reads was written "
-                              "before the cp.async.bulk.wait_group that covers it", f.tid), &s.issued);
+    report("async", s.pc, fmt("thread %d: shared memory that an in-flight %s reads was written before the "
+                              "cp.async.bulk.wait_group that covers it", f.tid,
+                              s.add_f32 ? "cp.reduce.async.bulk" : "cp.async.bulk.tensor store"), &s.issued);
 #else
   (void)w; (void)f;
 #endif
@@ -301,7 +394,13 @@ void finish_store(Worker& w, Fiber& f, const TmaStore& s) {
 #if EMU_SANITIZE
     global_access(reinterpret_cast<void*>(addr), size_t(m.esize), true, s.pc);
 #endif
-    std::memcpy(reinterpret_cast<void*>(addr), &s.bytes[i * m.esize], size_t(m.esize));
+    if (s.add_f32) {
+      float v;
+      std::memcpy(&v, &s.bytes[i * 4], 4);
+      std::atomic_ref<float>(*reinterpret_cast<float*>(addr)).fetch_add(v);
+    } else {
+      std::memcpy(reinterpret_cast<void*>(addr), &s.bytes[i * m.esize], size_t(m.esize));
+    }
   });
 }
 }  // namespace
@@ -322,7 +421,7 @@ void stores_at_exit(Worker& w, Fiber& f) {
   if (f.store_groups.empty() && f.stores_open.empty()) return;
   const TmaStore& first = f.store_groups.empty() ? f.stores_open.front() : f.store_groups.front().front();
   if (EMU_SANITIZE)
-    report("async", first.pc, fmt("thread %d exited with cp.async.bulk.tensor stores in flight (no "
+    report("async", first.pc, fmt("thread %d exited with bulk stores or reductions in flight (no "
                                    "cp.async.bulk.commit_group and wait_group after them)", f.tid), &first.issued);
   if (!f.stores_open.empty()) f.store_groups.push_back(std::move(f.stores_open));
   f.stores_open.clear();
@@ -335,7 +434,7 @@ void stores_at_exit(Worker& w, Fiber& f) {
 void loads_at_block_end(Worker& w) {
   if (w.tma_loads.empty()) return;
   if (EMU_SANITIZE)
-    report("async", w.tma_loads.front().pc, fmt("the block ended with %zu cp.async.bulk.tensor loads in flight (no "
+    report("async", w.tma_loads.front().pc, fmt("the block ended with %zu bulk loads in flight (no "
                                                  "thread waited on their mbarrier)", w.tma_loads.size()),
            &w.tma_loads.front().issued);
   land_tma_loads(w);
