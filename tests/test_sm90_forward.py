@@ -140,8 +140,11 @@ def test_an_sm90_config_is_refused_on_other_gpus():
 
 
 @pytest.mark.parametrize("fields, text", [
-    (dict(direction="bwd"), "the fp16/bf16 forward"),
-    (dict(dtype="fp32", block_m=128), "the fp16/bf16 forward"),
+    (dict(direction="bwd", head_dim=96), "takes head dims 64 and 128"),
+    (dict(direction="bwd", block_n=64), "consumer warpgroups of 64 keys"),
+    (dict(direction="bwd", pingpong=True), "the sm90 forward's schedule"),
+    (dict(direction="bwd", head_dim=64, block_m=48), "block_m a multiple of 32"),
+    (dict(dtype="fp32", block_m=128), "is fp16/bf16"),
     (dict(head_dim=72), "multiple of 16"),
     (dict(window=True), "window"),
     (dict(block_m=96, num_warps=6), "num_warps"),

@@ -13,7 +13,7 @@ from autoflash.kernels.config import KernelConfig
 from autoflash.kernels.resources import templates_dir
 
 TEMPLATES = {("fwd", "sm80"): "flash_fwd.cu.j2", ("bwd", "sm80"): "flash_bwd.cu.j2",
-             ("fwd", "sm90"): "flash_fwd_sm90.cu.j2"}
+             ("fwd", "sm90"): "flash_fwd_sm90.cu.j2", ("bwd", "sm90"): "flash_bwd_sm90.cu.j2"}
 # Per-dtype spellings the templates need; fp32 runs on the SIMT path and needs no mma.
 _DTYPE_CODE = {
     "fp16": {"elem_type": "__half", "mma": "mma_16816_f16", "pack": "pack_f16x2", "ptype": "f16"},

@@ -11,8 +11,10 @@ DTYPES = ("fp16", "bf16", "fp32")
 DIRECTIONS = ("fwd", "bwd")
 DQ_MODES = ("atomic", "pass")
 # Kernel families: "sm80" runs Ampere's mma.sync (ldmatrix, cp.async) on every GPU from sm_80;
-# "sm90" is the FlashAttention-3-style forward of sm_90a (wgmma, TMA, mbarriers, a producer
-# warpgroup beside block_m / 64 consumer warpgroups; templates/flash_fwd_sm90.cu.j2).
+# "sm90" is FlashAttention-3's design on sm_90a (wgmma, TMA, mbarriers, a producer warpgroup beside
+# the consumer warpgroups): the forward (block_m / 64 consumer warpgroups of query rows;
+# templates/flash_fwd_sm90.cu.j2) and the backward (block_n / 64 consumer warpgroups of keys, dQ
+# added by bulk reductions; templates/flash_bwd_sm90.cu.j2).
 FAMILIES = ("sm80", "sm90")
 # setmaxnreg per thread (producer, consumer) by consumer warpgroups: FlashAttention-3's choice
 # (hopper/flash_fwd_kernel_sm90.h; 64K registers a block: 128 * (24 + 2 * 240) fits).
@@ -194,9 +196,11 @@ class KernelConfig:
     paged: bool = False     # the cache in pages of a multiple of block_n rows, through an int32 block table
     split: bool = False     # the key range split across blocks: fp32 partial O and LSE, merged by <name>_combine
     # ---- kernel family (see FAMILIES) and the sm90 forward's schedule ----
-    # sm90: num_warps counts the consumer warps (4 per warpgroup, block_m = 16 * num_warps); a
-    # producer warpgroup comes on top. pingpong: the consumer warpgroups take turns issuing their
-    # GEMMs (named barriers); overlap: a warpgroup's softmax of tile j runs under its P V of tile j - 1.
+    # sm90: num_warps counts the consumer warps (4 per warpgroup; 64 query rows each in the forward,
+    # block_m = 16 * num_warps, 64 keys each in the backward, block_n = 16 * num_warps); a producer
+    # warpgroup comes on top. Forward only: pingpong, the consumer warpgroups take turns issuing
+    # their GEMMs (named barriers); overlap, a warpgroup's softmax of tile j runs under its P V of
+    # tile j - 1.
     family: str = "sm80"
     pingpong: bool = False
     overlap: bool = False
@@ -310,9 +314,9 @@ class KernelConfig:
                                  "family 'sm80' (expected False)")
             return
         what = f"KernelConfig (family sm90, {self.direction} {self.dtype} hd{self.head_dim})"
-        if self.direction != "fwd" or not self.tensor_cores:
-            raise ValueError(f"{what}: the sm90 family is the fp16/bf16 forward (expected direction 'fwd', dtype "
-                             f"fp16 or bf16; the rest runs on family 'sm80')")
+        if not self.tensor_cores:
+            raise ValueError(f"{what}: the sm90 family is fp16/bf16 (expected dtype fp16 or bf16; fp32 runs on family "
+                             f"'sm80')")
         if self.head_dim % 16:
             raise ValueError(f"{what}: expected a head dim that is a multiple of 16 (wgmma's k step); others run "
                              f"on family 'sm80', padded")
@@ -320,6 +324,8 @@ class KernelConfig:
         if off or self.head_split != 1 or self.dq != "atomic" or self.v_in_regs:
             raise ValueError(f"{what}: got {', '.join(off) or 'backward switches'}; the sm90 family runs plain and "
                              f"causal attention (either alignment), the variants run on family 'sm80'")
+        if self.direction == "bwd":
+            return self._validate_sm90_backward(what)
         if self.num_warps not in (4, 8, 12) or self.block_m != 16 * self.num_warps:
             raise ValueError(f"{what}: got block_m={self.block_m} with {self.num_warps} consumer warps; expected 1 to 3 "
                              f"consumer warpgroups of 64 query rows (num_warps 4, 8, 12 and block_m = 16 * num_warps)")
@@ -330,6 +336,20 @@ class KernelConfig:
         if self.pingpong and self.num_warps == 4:
             raise ValueError(f"{what}: pingpong takes turns between consumer warpgroups; got one (expected num_warps "
                              f"8 or 12, or pingpong False)")
+
+    def _validate_sm90_backward(self, what: str) -> None:
+        if self.pingpong or self.overlap:
+            raise ValueError(f"{what}: pingpong and overlap are the sm90 forward's schedule (expected False)")
+        if self.num_warps not in (4, 8) or self.block_n != 16 * self.num_warps:
+            raise ValueError(f"{what}: got block_n={self.block_n} with {self.num_warps} consumer warps; expected 1 or 2 "
+                             f"consumer warpgroups of 64 keys (num_warps 4 or 8 and block_n = 16 * num_warps)")
+        if self.head_dim not in (64, 128):
+            raise ValueError(f"{what}: the sm90 backward takes head dims 64 and 128 (dK and dV of 64 keys stay in a "
+                             f"consumer's registers; dQ^T is computed by head-dim rows of 64); others run on family "
+                             f"'sm80'")
+        if self.dq_columns % 16:
+            raise ValueError(f"{what}: got block_m={self.block_m}; two warpgroups at head dim 64 split dQ^T's query "
+                             f"columns, expected block_m a multiple of 32")
 
     def _validate_backward(self) -> None:
         if not self.tensor_cores:
@@ -428,6 +448,25 @@ class KernelConfig:
         return next(s for s in (128, 64, 32) if self.head_dim * 2 % s == 0)
 
     @property
+    def consumer_groups(self) -> int:
+        """sm90: consumer warpgroups (of query rows in the forward, of keys in the backward)."""
+        return self.num_warps // 4
+
+    @property
+    def dq_columns(self) -> int:
+        """sm90 backward: query columns of a consumer warpgroup's dQ^T tile. dQ^T (head dim x block_m)
+        is shared by head-dim rows of 64, and by query columns too where there are fewer such rows
+        than warpgroups (head dim 64, two warpgroups)."""
+        rows = self.head_dim // 64
+        return self.block_m if rows >= self.consumer_groups else self.block_m * rows // self.consumer_groups
+
+    @property
+    def ds_span(self) -> int:
+        """sm90 backward: bytes dS^T's rows (queries) are swizzled over: the largest of 128, 64, 32
+        that divides a warpgroup's dQ^T columns, so each warpgroup's operand starts a column block."""
+        return next(s for s in (128, 64, 32) if self.dq_columns * 2 % s == 0)
+
+    @property
     def producer_registers(self) -> int:
         """sm90: registers a producer thread keeps after setmaxnreg (SM90_REGISTERS)."""
         return SM90_REGISTERS[self.num_warps // 4][0]
@@ -469,6 +508,14 @@ class KernelConfig:
     def smem_layout(self) -> dict[str, int]:
         """Bytes of each shared-memory buffer, in the order the template declares them."""
         row = self.head_dim_padded * self.elem_bytes
+        if self.direction == "bwd" and self.family == "sm90":  # tiles 1024-aligned, LSE and delta rows, barriers
+            tiles = {"k": self.block_n * row, "v": self.block_n * row, "q": self.num_stages * self.block_m * row,
+                     "dout": self.num_stages * self.block_m * row, "ds": self.block_m * self.block_n * 2,
+                     "dq": self.block_m * self.head_dim * 4}
+            layout = {k: _round_up(v, 1024) for k, v in tiles.items()}
+            rows = 2 * self.num_stages * self.block_m * 4
+            layout["lse_delta_barriers"] = _round_up(_round_up(rows, 16) + 8 * (1 + 2 * self.num_stages), 1024)
+            return layout
         if self.direction == "bwd":
             return {
                 "k": self.block_n * row,

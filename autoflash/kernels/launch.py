@@ -162,6 +162,13 @@ BWD_PARAMS = KernelParams(13, "q" * 22 + "iiiii" + "ffff" + "i")  # q k v dout l
 # seqlen_q seqlen_k group; scale_log2.
 SM90_FWD_NAMES = ("q", "k", "v", "out", "lse")
 SM90_FWD_PARAMS = KernelParams(1, "qq" + "iii" + "f", maps=4)
+# The sm90 family's backward (templates/flash_bwd_sm90.cu.j2): its delta kernel, o dout lse delta lse2;
+# o and dout strides, lse's two; seqlen_q padded_q. The main kernel: q k v dout maps; lse2 delta
+# dq_accum dk dv; dk and dv strides; seqlen_q seqlen_k padded_q group; scale scale_log2; n_block0.
+SM90_DELTA_NAMES = ("out", "dout", "lse", "delta", "lse2")
+SM90_DELTA_PARAMS = KernelParams(5, "q" * 8 + "ii")
+SM90_BWD_NAMES = ("q", "k", "v", "dout", "lse2", "delta", "dq_accum", "dk", "dv")
+SM90_BWD_PARAMS = KernelParams(5, "q" * 6 + "iiii" + "ff" + "i", maps=4)
 DQ_PARAMS = KernelParams(11, "q" * 19 + "iiiii" + "ffff")  # q k v dout lse delta dq +4; 5 x 3 strides +4;
 #                                       seqlen_q seqlen_k group +2; scale scale_log2 +2 (the dQ pass)
 
@@ -332,6 +339,48 @@ def sm90_maps(config: KernelConfig, q: torch.Tensor, k: torch.Tensor, v: torch.T
     return tuple(for_tensor(t, (1, 1, rows[n], span // 2), span) for n, t in zip(rows, (q, k, v, out)))
 
 
+def sm90_backward(config: KernelConfig, fns: dict, dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor,
+                  v: torch.Tensor, out: torch.Tensor, lse: torch.Tensor, scale: float, deterministic: bool):
+    """flash_backward on the sm90 family (plain and causal, (batch, heads, seqlen, d) tensors): the
+    delta kernel writes delta and the LSE in base 2 for query rows padded to whole tiles, the main
+    kernel adds dQ into an fp32 buffer of those rows by bulk reductions (one launch per key block
+    when deterministic, so the adds come in a fixed order) and writes dK, dV per query head (GQA:
+    summed here)."""
+    b, hq, lq, d = q.shape
+    hkv, lk = k.shape[1], k.shape[2]
+    group = hq // hkv
+    padded = -(-lq // config.block_m) * config.block_m
+    delta = guards.empty((b, hq, padded), torch.float32, q.device, "bhl", name="delta", contiguous=True)
+    lse2 = guards.empty((b, hq, padded), torch.float32, q.device, "bhl", name="lse2", contiguous=True)
+    _call(fns[f"{config.name}_delta"], (-(-padded // 128), hq, b), 128, 0, q.device, SM90_DELTA_PARAMS,
+          (out, dout, lse, delta, lse2), (*_strides(out), *_strides(dout), lse.stride(0), lse.stride(1), lq, padded),
+          SM90_DELTA_NAMES)
+    dq_accum = guards.zeros((b, hq, padded, d), torch.float32, q.device, "bhld", name="dq_accum", contiguous=True)
+    if group == 1:
+        dk_x = guards.empty_like(k, "bhld", name="dk", rows="k")
+        dv_x = guards.empty_like(v, "bhld", name="dv", rows="k")
+    else:  # per query head, summed below
+        dk_x = guards.empty((b, hq, lk, d), q.dtype, q.device, "bhld", name="dk", rows="k")
+        dv_x = guards.empty((b, hq, lk, d), q.dtype, q.device, "bhld", name="dv", rows="k")
+    if dout.stride(-1) != 1 or any(s % 8 for s in dout.stride()[:-1]) or 0 in dout.stride():
+        dout = dout.contiguous()  # TMA reads rows 16-byte aligned and apart (autograd may pass expanded zeros)
+    span, rows = config.swizzle_span, {"q": config.block_m, "k": config.block_n, "v": config.block_n,
+                                       "dout": config.block_m}
+    maps = tuple(for_tensor(t, (1, 1, rows[n], span // 2), span) for n, t in zip(rows, (q, k, v, dout)))
+    n_blocks = -(-lk // config.block_n)
+    scalars = (*_strides(dk_x), *_strides(dv_x), lq, lk, padded, group, scale, scale * LOG2E)
+    for n_block0, blocks in ([(j, 1) for j in range(n_blocks)] if deterministic else [(0, n_blocks)]):
+        _call(fns[config.name], (blocks, hq, b), config.threads, config.smem_bytes, q.device, SM90_BWD_PARAMS,
+              (lse2, delta, dq_accum, dk_x, dv_x), (*scalars, n_block0), SM90_BWD_NAMES, maps)
+    dq = torch.empty_like(q).copy_(dq_accum[:, :, :lq])
+    if group == 1:
+        return dq, dk_x, dv_x
+    rows4 = (b, hkv, group, lk, d)
+    dk = torch.empty_like(k).copy_(dk_x.view(rows4).sum(2, dtype=torch.float32))
+    dv = torch.empty_like(v).copy_(dv_x.view(rows4).sum(2, dtype=torch.float32))
+    return dq, dk, dv
+
+
 def flash_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
                    lse: torch.Tensor, *, causal: bool = False, scale: float | None = None,
                    config: KernelConfig | None = None, deterministic: bool = False, align: str = "top_left",
@@ -379,6 +428,8 @@ def flash_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torc
     check_config(config, d, dtype, causal, profile, "bwd")
     fns = kernel_functions(config, profile, q)
     out4, dout4 = (heads_view(out), heads_view(dout)) if varlen else (out, dout)
+    if config.family == "sm90":
+        return sm90_backward(config, fns, dout4, q4, k4, v4, out4, lse, scale, deterministic)
 
     # delta per query row; packed rows are one long sequence to it, (H, total_q) like the LSE
     delta = guards.empty(lse_shape, torch.float32, q.device, "hl" if varlen else "bhl", name="delta", rows="q",

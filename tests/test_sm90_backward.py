@@ -1,0 +1,150 @@
+"""The sm90 backward family (templates/flash_bwd_sm90.cu.j2: a producer warpgroup loading Q, dO by TMA
+and LSE, delta by bulk copies; one or two consumer warpgroups of 64 keys computing S^T, dP^T with
+wgmma, dK, dV as RS wgmma from registers, dQ^T from dS^T in shared memory, added into the fp32 dQ
+buffer by cp.reduce.async.bulk) on the host emulator as an H100: over a grid in the shape of
+FlashAttention's tests (head dims 64 and 128, causal in both alignments, GQA/MQA, lengths that are
+not multiples of the tiles, Lq > Lk) under FlashAttention's gradient rule; clean under the
+sanitizer, which reports a planted missing fence; bit-identical with deterministic=True; compiled
+for sm_90a through the ptxas gate (no spills, no serialization). The emulated grid is sampled per
+run (tests/sampling.py); AUTOFLASH_SWEEP=full runs all of it."""
+import math
+
+import pytest
+import torch
+
+import autoflash
+from autoflash import emulation
+from autoflash.emulation.guards import guarded_randn
+from autoflash.kernels.checks import TORCH_DTYPES
+from autoflash.kernels.config import KernelConfig
+from autoflash.kernels.launch import flash_backward
+from autoflash.reference.backward import attention_backward_ref
+from autoflash.reference.forward import attention_ref, within_tolerance
+
+from gpu_inputs import device
+
+PAIRS = ((113, 203), (1, 239), (256, 128))  # flash-attn's (Lq, Lk) at emulator sizes; Lq > Lk too
+HEADS = ((4, 2), (3, 1))  # GQA, MQA (MHA: the sanitizer test)
+# (block_m, consumer warpgroups) by head dim: two warpgroups of 64 keys with 64 queries a step (at
+# d = 64 the warpgroups split dQ^T's query columns), one warpgroup, and longer query steps.
+SCHEDULES = {
+    64: ((64, 2), (64, 1), (128, 2)),
+    128: ((64, 2), (64, 1), (32, 2)),
+}
+
+
+def sm90_config(d: int, dtype: str, causal: bool, align: str, block_m: int, groups: int) -> KernelConfig:
+    return KernelConfig(head_dim=d, dtype=dtype, block_m=block_m, block_n=64 * groups, num_warps=4 * groups,
+                        num_stages=2, causal=causal, align=align if causal else "top_left", direction="bwd",
+                        family="sm90")
+
+
+def gradients(cfg: KernelConfig, q, k, v, scale=None, deterministic=False, seed=0):
+    """(dq, dk, dv) from the sm90 kernel for dout = randn, with the forward's out and LSE from the
+    fp32 reference, and what check() needs."""
+    g = torch.Generator().manual_seed(seed)
+    up = [t.float() for t in (q, k, v)]
+    out, lse = attention_ref(*up, causal=cfg.causal, align=cfg.align, scale=scale)
+    dout = torch.randn(out.shape, generator=g).to(q.dtype)
+    grads = flash_backward(dout, q, k, v, out.to(q.dtype), lse.float(), causal=cfg.causal, align=cfg.align,
+                           scale=scale, config=cfg, deterministic=deterministic)
+    return grads, dout
+
+
+def check(grads, q, k, v, dout, causal, align, scale=None):
+    refs = attention_backward_ref(*(t.float() for t in (q, k, v)), dout.float(), causal=causal, align=align,
+                                  scale=scale)
+    yards = attention_backward_ref(q, k, v, dout, causal=causal, align=align, scale=scale, upcast=False)
+    for name, got, x, ref, yard in zip(("dq", "dk", "dv"), grads, (q, k, v), refs, yards):
+        assert got.shape == x.shape and got.dtype == x.dtype
+        assert not torch.isnan(got).any(), f"{name}: unwritten (poisoned) or NaN"
+        ok, err, bound = within_tolerance(got, ref, yard, backward=True)
+        assert ok, f"{name}: max err {err:.3e} > bound {bound:.3e}"
+
+
+@pytest.mark.sweep
+@pytest.mark.parametrize("pair", PAIRS, ids=lambda p: f"{p[0]}x{p[1]}")
+@pytest.mark.parametrize("heads", HEADS, ids=lambda h: f"h{h[0]}-{h[1]}")
+@pytest.mark.parametrize("schedule", [0, 1, 2], ids=["wg2", "wg1", "alt"])
+@pytest.mark.parametrize("causal", ["none", "top_left", "bottom_right"])
+@pytest.mark.parametrize("dtype", ["fp16", "bf16"])
+@pytest.mark.parametrize("d", [64, 128])
+def test_sm90_backward_meets_flashattention_rule(target, d, dtype, causal, schedule, heads, pair):
+    (hq, hkv), (lq, lk) = heads, pair
+    is_causal, align = causal != "none", "bottom_right" if causal == "bottom_right" else "top_left"
+    if target == "gpu" and torch.cuda.get_device_capability() != (9, 0):
+        pytest.skip("the sm90 family runs on sm_90 GPUs (H100, H200)")
+    cfg = sm90_config(d, dtype, is_causal, align, *SCHEDULES[d][schedule])
+    dev, dt = device(target), TORCH_DTYPES[dtype]
+    g = torch.Generator().manual_seed(hash((d, dtype, causal, schedule, heads, pair)) % 2**31)
+    # BSHD storage (flash-attn's layout) seen as BHSD: the TMA maps take any 16-byte strides
+    q = torch.randn(1, lq, hq, d, generator=g).to(dev, dt).transpose(1, 2)
+    k, v = (torch.randn(1, lk, hkv, d, generator=g).to(dev, dt).transpose(1, 2) for _ in range(2))
+    scale = 0.9 / math.sqrt(d)
+    grads, dout = gradients(cfg, q, k, v, scale=scale)
+    check([x.cpu() for x in grads], q.cpu(), k.cpu(), v.cpu(), dout.cpu(), is_causal, align, scale)
+
+
+SANITIZED = [sm90_config(64, "bf16", False, "top_left", 64, 2), sm90_config(128, "fp16", True, "top_left", 64, 2),
+             sm90_config(128, "bf16", True, "bottom_right", 64, 1)]
+
+
+@pytest.mark.parametrize("cfg", SANITIZED, ids=lambda c: c.name)
+def test_the_kernels_are_clean_under_the_sanitizer(cfg):
+    """An odd MHA shape (Lq 77, Lk 133: ragged query and key tiles) on guard-banded inputs."""
+    dt = TORCH_DTYPES[cfg.dtype]
+    g = torch.Generator().manual_seed(3)
+    q, k, v = (guarded_randn(1, 2, n, cfg.head_dim, dt, g, "bshd") for n in (77, 133, 133))
+    with autoflash.emulate("h100", sanitize=True):
+        emulation.clear_findings()
+        grads, dout = gradients(cfg, q, k, v)
+        found = emulation.findings()
+    assert found == [], [str(f) for f in found]
+    check(grads, q, k, v, dout, cfg.causal, cfg.align)
+
+
+def test_a_missing_fence_before_the_dq_gemm_is_a_finding(mutate):
+    cfg = SANITIZED[0]
+    mutate("bwd", "      wgmma_fence();\n      #pragma unroll\n      for (int kk = 0; kk < BLOCK_N / 16",
+           "      #pragma unroll\n      for (int kk = 0; kk < BLOCK_N / 16")
+    q, k, v = (torch.randn(1, 2, n, 64).bfloat16() for n in (64, 128, 128))
+    with autoflash.emulate("h100", sanitize=True):
+        emulation.clear_findings()
+        gradients(cfg, q, k, v)
+        found = emulation.findings()
+    assert any(f.kind == "async" and "no wgmma.fence" in f.detail for f in found), [str(f) for f in found]
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_deterministic_gradients_are_bit_identical(causal):
+    """One launch per key block: the bulk dQ reductions land in a fixed order."""
+    cfg = sm90_config(64, "bf16", causal, "top_left", 64, 1)
+    q, k, v = (torch.randn(1, 2, n, 64).bfloat16() for n in (150, 230, 230))
+    with autoflash.emulate("h100"):
+        first, dout = gradients(cfg, q, k, v, deterministic=True)
+        again, _ = gradients(cfg, q, k, v, deterministic=True)
+    for a, b in zip(first, again):
+        assert torch.equal(a, b)
+    check(first, q, k, v, dout, causal, "top_left")
+
+
+@pytest.mark.parametrize("d, block_m, groups", [(d, m, w) for d, s in SCHEDULES.items() for m, w in s],
+                         ids=lambda x: str(x))
+@pytest.mark.parametrize("causal", [False, True])
+def test_the_schedules_compile_for_sm_90a_without_spills(d, block_m, groups, causal):
+    from autoflash.kernels.compiler import compile_config
+    from autoflash.kernels.sass import disassemble
+
+    cfg = sm90_config(d, "bf16", causal, "top_left", block_m, groups)
+    compiled = compile_config(cfg, "sm_90a")  # the gate: no spills, no wgmma serialization notice
+    sass = disassemble(compiled.cubin_path, cfg.name)
+    assert "HGMMA" in sass and "UBLKRED.G.S.ADD.F32.RN" in sass and "UTMALDG.4D" in sass and "UBLKCP.S.G" in sass
+
+
+def test_the_gate_refuses_a_spilling_schedule():
+    """128 queries a step at d = 128: S^T, dP^T (64 registers each) beside dK, dV (64 each) cannot fit
+    the 240 registers a consumer thread gets."""
+    from autoflash.kernels.compiler import CompileError, compile_config
+
+    with pytest.raises(CompileError, match="spill"):
+        compile_config(sm90_config(128, "bf16", False, "top_left", 128, 2), "sm_90a")
