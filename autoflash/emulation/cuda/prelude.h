@@ -28,10 +28,31 @@
 using std::max;
 using std::min;
 
-struct alignas(16) uint4 { unsigned x, y, z, w; };
-struct alignas(16) float4 { float x, y, z, w; };
+// The vector types copy member by member. GCC's ThreadSanitizer instrumentation, which the sanitizer's
+// shared- and global-memory checks ride on, leaves a whole-struct copy (an 8- or 16-byte load or store
+// through a float2* or uint4*) unreported; member by member, each 4-byte access is seen.
+struct alignas(16) uint4 {
+  unsigned x, y, z, w;
+  uint4() = default;
+  constexpr uint4(unsigned x_, unsigned y_, unsigned z_, unsigned w_) : x(x_), y(y_), z(z_), w(w_) {}
+  uint4(const uint4& o) : x(o.x), y(o.y), z(o.z), w(o.w) {}
+  uint4& operator=(const uint4& o) { x = o.x; y = o.y; z = o.z; w = o.w; return *this; }
+};
+struct alignas(16) float4 {
+  float x, y, z, w;
+  float4() = default;
+  constexpr float4(float x_, float y_, float z_, float w_) : x(x_), y(y_), z(z_), w(w_) {}
+  float4(const float4& o) : x(o.x), y(o.y), z(o.z), w(o.w) {}
+  float4& operator=(const float4& o) { x = o.x; y = o.y; z = o.z; w = o.w; return *this; }
+};
 inline float4 make_float4(float x, float y, float z, float w) { return {x, y, z, w}; }
-struct alignas(8) float2 { float x, y; };
+struct alignas(8) float2 {
+  float x, y;
+  float2() = default;
+  constexpr float2(float x_, float y_) : x(x_), y(y_) {}
+  float2(const float2& o) : x(o.x), y(o.y) {}
+  float2& operator=(const float2& o) { x = o.x; y = o.y; return *this; }
+};
 inline float2 make_float2(float x, float y) { return {x, y}; }
 
 __forceinline__ void __syncthreads() { emu::syncthreads(); }
