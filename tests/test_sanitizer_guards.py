@@ -59,6 +59,11 @@ MUTATIONS = {
     # the sm90 family's LSE rows one past seqlen_q (its O leaves by TMA stores, which skip such rows)
     "lse-sm90": ("fwd", "if (t % 4 == 0 && row < seqlen_q) lse[", "if (t % 4 == 0 && row <= seqlen_q) lse[", SHAPE,
                  "flash_fwd_sm90.cu.j2", "if (t % 4 == 0 && row < seqlen_q) lse[", "write of lse"),
+    # the sm90 backward's dQ reduction one query row longer than its tile: past the padded
+    # accumulator's end at the last tile of the last head
+    "dq-sm90": ("bwd", "dq_tile, BLOCK_M * HEAD_DIM * 4);", "dq_tile, (BLOCK_M + 1) * HEAD_DIM * 4);",
+                [*SHAPE, "--backward"], "flash_bwd_sm90.cu.j2", "bulk_reduce_add(dq_accum + (rows_at + m0)",
+                "dq_accum"),
     # a store far past every tensor: memory of no tensor of the launch (the block stops before it)
     "wild-write": ("fwd", "lse_base[m_start + row] = row_lse(row_max[mt][h], l);",
                    "lse_base[m_start + row + (1 << 26)] = row_lse(row_max[mt][h], l);", SHAPE, "flash_fwd.cu.j2",
@@ -70,7 +75,7 @@ MUTATIONS = {
 def test_a_buffer_overrun_is_an_out_of_bounds_finding_at_its_line(mutate, capsys, name):
     direction, old, new, argv, template, line_text, detail = MUTATIONS[name]
     mutate(direction, old, new)
-    gpu = "a100" if template == "flash_fwd.cu.j2" else "h100"  # the H100's plain forward is the sm90 family's
+    gpu = "h100" if template.endswith("_sm90.cu.j2") else "a100"  # the H100's plain kernels are the sm90 family's
     status = selfcheck(["--emulate", gpu, "--sanitize", *argv])
     out = capsys.readouterr().out
     assert status == 1, out
@@ -89,7 +94,7 @@ def test_the_dq_accumulators_next_head_is_not_its_own(mutate):
     tensor: the finding says whose rows the block works on."""
     mutate("bwd", "if ((!MASKED || row0 + dr < seqlen_q) && col_ok)",
                   "if ((!MASKED || row0 + dr <= seqlen_q) && col_ok)")
-    assert selfcheck(["--emulate", "h100", "--sanitize", *SHAPE, "--backward"]) == 1
+    assert selfcheck(["--emulate", "a100", "--sanitize", *SHAPE, "--backward"]) == 1
     details = [f.detail for f in emulation.findings() if f.kind == "out-of-bounds"]
     rule = "not in the rows of the (batch, head) that block works on"
     assert any("dq_accum at element (0, 1, 0, " in d and rule in d for d in details), details

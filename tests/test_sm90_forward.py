@@ -125,7 +125,13 @@ def test_variants_and_other_gpus_run_the_sm80_family(launches):
 def test_explain_names_the_family_and_why_not(launches):
     q = torch.randn(1, 2, 64, 128).bfloat16()
     plain = str(autoflash.explain(q, q, q, gpu="h100"))
-    assert "forward sm90 (FlashAttention-3 design" in plain and "_sm90a" in plain
+    # both directions on the family (d = 128; the backward's since tests/test_sm90_backward.py)
+    assert "family: sm90 (FlashAttention-3 design" in plain
+    assert all("_sm90a" in line for line in plain.splitlines() if line.startswith(("forward:", "backward:")))
+    q96 = torch.randn(1, 64, 2, 96).bfloat16()
+    d96 = str(autoflash.explain(autoflash.flash_attn_func, q96, q96, q96, gpu="h100"))
+    assert "forward sm90" in d96 and "backward mma.sync" in d96
+    assert "family sm80 on this sm_90 GPU: the sm90 backward takes head dims 64, 128 (got 96)" in d96
     softcap = str(autoflash.explain(autoflash.flash_attn_func, q.transpose(1, 2), q.transpose(1, 2),
                                     q.transpose(1, 2), softcap=5.0, gpu="h100"))
     assert "family sm80 on this sm_90 GPU: softcap run on the sm80 family" in softcap

@@ -5,7 +5,8 @@ from autoflash.kernels.config import KernelConfig
 from autoflash.kernels.gpus import get_profile
 from autoflash.tuning.problem import ProblemKey
 from autoflash.tuning import space
-from autoflash.tuning.space import (ACCUMULATOR_REGISTER_LIMIT, ROWS_PER_WARP, Candidate, accumulator_registers,
+from autoflash.tuning.space import (ACCUMULATOR_REGISTER_LIMIT, ROWS_PER_WARP, SM90_OVERHEAD_REGISTERS, Candidate,
+                                    accumulator_registers,
                                     constrain, default_for, enumerate_space, param_values,
                                     point_of)
 
@@ -23,6 +24,9 @@ def test_space_is_valid_plausible_and_starts_with_the_default(key):
         assert key.matches(c)
         if c.direction == "fwd":
             assert c.block_m // c.num_warps in ROWS_PER_WARP
+        if c.family == "sm90" and c.direction == "bwd":  # within what setmaxnreg gives a consumer thread
+            assert accumulator_registers(c) + SM90_OVERHEAD_REGISTERS <= c.consumer_registers
+            continue
         # backward: KernelConfig.backward_layout keeps dK, dV, S, dP within 192 registers a thread
         assert accumulator_registers(c) <= (ACCUMULATOR_REGISTER_LIMIT if c.direction == "fwd" else 192)
     assert len(configs) > 20

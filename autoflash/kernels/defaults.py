@@ -78,6 +78,28 @@ def sm90_applies(head_dim: int, dtype: str, profile: GpuProfile) -> bool:
     return profile.arch == "sm_90" and dtype in ("fp16", "bf16") and head_dim % 16 == 0
 
 
+# Head dims the sm90 backward takes (KernelConfig: dK and dV of 64 keys stay in a consumer's
+# registers, dQ^T is computed by head-dim rows of 64).
+SM90_BACKWARD_HEAD_DIMS = (64, 128)
+
+
+def sm90_backward_applies(head_dim: int, dtype: str, profile: GpuProfile) -> bool:
+    """Whether the built-in backward on this GPU is the sm90 family (sm90_applies, and a head dim it
+    takes)."""
+    return sm90_applies(head_dim, dtype, profile) and head_dim in SM90_BACKWARD_HEAD_DIMS
+
+
+def _sm90_backward_tiles(head_dim: int, causal: bool) -> tuple[int, int]:
+    """(block_m, block_n) of the sm90 backward, two consumer warpgroups of 64 keys, from
+    FlashAttention-3's tile_size_bwd_sm90 for 16-bit inputs (hopper/flash_bwd_launch_template.h;
+    ../shared/docs/hopper.md 4.4): d = 64, 128 x 128; d = 128, its two tiles the other way round:
+    80 x 128 causal and 64 x 128 non-causal (ptxas spills ours at 80 x 128 without causal, 8 bytes, and
+    fits it with; FA3 takes 80 x 128 without causal, 64 x 128 with)."""
+    if head_dim <= 64:
+        return 128, 128
+    return (80, 128) if causal else (64, 128)
+
+
 @functools.lru_cache(maxsize=None)
 def default_config(head_dim: int, dtype: str, causal: bool, profile: GpuProfile, variant: bool = False) -> KernelConfig:
     """The built-in config for one problem on one GPU: the first preferred tile shape that fits the
@@ -165,7 +187,13 @@ def default_backward_config(head_dim: int, dtype: str, causal: bool, profile: Gp
                             variant: bool = False) -> KernelConfig:
     """The built-in backward config for the profile's arch: the first preferred tile that fits its
     shared memory, with the stage count _first_fitting picks among those the candidate allows.
-    `variant` as for default_config."""
+    `variant` as for default_config. On sm_90 GPUs a plain or causal backward (no `variant`) is the
+    sm90 family's where sm90_backward_applies."""
+    if not variant and sm90_backward_applies(head_dim, dtype, profile):
+        m, n = _sm90_backward_tiles(head_dim, causal)
+        return _first_fitting([dict(head_dim=head_dim, dtype=dtype, block_m=m, block_n=n, num_warps=n // 16,
+                                    causal=causal, direction="bwd", family="sm90", stages=(2,))],
+                              profile, f"the backward at head_dim={head_dim} {dtype} (sm90 family)")
     return _first_fitting(
         (dict(head_dim=head_dim, dtype=dtype, block_m=m, block_n=n, num_warps=w, causal=causal, direction="bwd",
               head_split=h, **({"stages": stages[0]} if stages else {}))

@@ -15,7 +15,7 @@ from autoflash.emulation import guards  # the sanitizer's guard bands; torch.emp
 from autoflash.kernels.checks import DTYPE_NAMES, check_config, check_like, check_qkv, check_scale, device_index
 from autoflash.kernels.compiler import compile_config
 from autoflash.kernels.config import VARIANTS, KernelConfig
-from autoflash.kernels.defaults import default_backward_config, default_config
+from autoflash.kernels.defaults import SM90_BACKWARD_HEAD_DIMS, default_backward_config, default_config
 from autoflash.kernels.driver import check_driver
 from autoflash.kernels.gpus import GpuProfile, detect
 from autoflash.kernels.tensor_map import for_tensor
@@ -235,13 +235,14 @@ def variant_config(config: KernelConfig | None, direction: str, d: int, dtype: s
                    profile: GpuProfile) -> KernelConfig:
     """The kernel a call launches: `config` (tuned or explicit) or the built-in default for the
     direction, with the call's variant switches (kernels.variants.resolve) turned on. The sm90 family
-    runs plain and causal forwards in either alignment; a call with a variant switch (window, softcap,
-    ALiBi, key bias, packed sequences) runs the sm80 family's default instead (sm90_fallback says why)."""
+    runs plain and causal forwards and backwards in either alignment; a call with a variant switch
+    (window, softcap, ALiBi, key bias, packed sequences) runs the sm80 family's default instead
+    (sm90_fallback says why)."""
     if config is not None and config.family == "sm90" and sm90_fallback(variant):
         config = None
     if config is None:
-        if direction == "fwd" and not sm90_fallback(variant):
-            plain = default_config(d, dtype, causal, profile)
+        if not sm90_fallback(variant):
+            plain = (default_config if direction == "fwd" else default_backward_config)(d, dtype, causal, profile)
             if plain.family == "sm90":
                 return with_variant(plain, causal, variant)
         default = default_config if direction == "fwd" else default_backward_config
@@ -250,9 +251,9 @@ def variant_config(config: KernelConfig | None, direction: str, d: int, dtype: s
 
 
 def family_reason(config: KernelConfig, variant, profile: GpuProfile) -> str | None:
-    """Why a forward on an sm_90 GPU runs on the sm80 family (None where it runs on sm90, or the GPU
-    has no sm90 family): what explain() says."""
-    if profile.arch != "sm_90" or config.family == "sm90" or config.direction != "fwd":
+    """Why a forward or backward on an sm_90 GPU runs on the sm80 family (None where it runs on sm90,
+    or the GPU has no sm90 family): what explain() says."""
+    if profile.arch != "sm_90" or config.family == "sm90":
         return None
     if why := sm90_fallback(variant):
         return why
@@ -260,6 +261,9 @@ def family_reason(config: KernelConfig, variant, profile: GpuProfile) -> str | N
         return "fp32 runs on the SIMT kernels"
     if config.head_dim % 16:
         return f"head dim {config.head_dim} is not a multiple of 16 (wgmma's k step)"
+    if config.direction == "bwd" and config.head_dim not in SM90_BACKWARD_HEAD_DIMS:
+        return (f"the sm90 backward takes head dims {', '.join(map(str, SM90_BACKWARD_HEAD_DIMS))} "
+                f"(got {config.head_dim})")
     return "the tuned table picked it for this GPU"
 
 
@@ -343,9 +347,9 @@ def sm90_backward(config: KernelConfig, fns: dict, dout: torch.Tensor, q: torch.
                   v: torch.Tensor, out: torch.Tensor, lse: torch.Tensor, scale: float, deterministic: bool):
     """flash_backward on the sm90 family (plain and causal, (batch, heads, seqlen, d) tensors): the
     delta kernel writes delta and the LSE in base 2 for query rows padded to whole tiles, the main
-    kernel adds dQ into an fp32 buffer of those rows by bulk reductions (one launch per key block
-    when deterministic, so the adds come in a fixed order) and writes dK, dV per query head (GQA:
-    summed here)."""
+    kernel adds dQ^T tile by tile into an fp32 buffer of those rows by bulk reductions (one launch
+    per key block when deterministic, so the adds come in a fixed order) and writes dK, dV per
+    query head (GQA: summed here); dQ is that buffer's tiles transposed and scaled."""
     b, hq, lq, d = q.shape
     hkv, lk = k.shape[1], k.shape[2]
     group = hq // hkv
@@ -372,7 +376,10 @@ def sm90_backward(config: KernelConfig, fns: dict, dout: torch.Tensor, q: torch.
     for n_block0, blocks in ([(j, 1) for j in range(n_blocks)] if deterministic else [(0, n_blocks)]):
         _call(fns[config.name], (blocks, hq, b), config.threads, config.smem_bytes, q.device, SM90_BWD_PARAMS,
               (lse2, delta, dq_accum, dk_x, dv_x), (*scalars, n_block0), SM90_BWD_NAMES, maps)
-    dq = torch.empty_like(q).copy_(dq_accum[:, :, :lq])
+    # Each query tile of dq_accum holds dQ^T (d x block_m, as the kernel's tile): back to rows, scaled
+    # (the kernel adds unscaled dS K, as FA3's postprocess scales).
+    tiles = dq_accum.view(b, hq, padded // config.block_m, d, config.block_m).transpose(3, 4)
+    dq = torch.empty_like(q).copy_(torch.mul(tiles, scale).reshape(b, hq, padded, d)[:, :, :lq])
     if group == 1:
         return dq, dk_x, dv_x
     rows4 = (b, hkv, group, lk, d)

@@ -66,6 +66,16 @@ SM90_FORWARD_KNOBS = {
     "pingpong": (False, True),
     "overlap": (False, True),
 }
+# The sm90 family's backward on sm_90 GPUs, at the head dims it takes (defaults.
+# SM90_BACKWARD_HEAD_DIMS): 1-2 consumer warpgroups of 64 keys (block_n = 16 * num_warps: no knob of
+# its own, point_of derives it), query steps of 32 to 128 (multiples of 16: the RS k steps; of 32
+# where two warpgroups at d = 64 split dQ^T's columns), two stages as FA3 runs.
+SM90_BACKWARD_KNOBS = {
+    "family": ("sm90",),
+    "block_m": (32, 48, 64, 80, 96, 112, 128),
+    "num_warps": (4, 8),
+    "num_stages": (2,),
+}
 # Registers a consumer thread keeps beside its accumulators (descriptors, softmax state, addresses).
 SM90_OVERHEAD_REGISTERS = 40
 
@@ -75,11 +85,13 @@ def knob_sets(key: ProblemKey) -> list[dict[str, tuple]]:
     sm90 family besides sm80 for a plain forward on an sm_90 GPU, where sm90_applies)."""
     if key.is_decode:
         return [DECODE_KNOBS]
-    if key.direction == "bwd":
-        return [BACKWARD_KNOBS]
-    from autoflash.kernels.defaults import sm90_applies
+    from autoflash.kernels.defaults import sm90_applies, sm90_backward_applies
     from autoflash.kernels.gpus import get_profile
 
+    if key.direction == "bwd":
+        if key.variant == "plain" and sm90_backward_applies(key.head_dim, key.dtype, get_profile(key.gpu)):
+            return [BACKWARD_KNOBS, SM90_BACKWARD_KNOBS]
+        return [BACKWARD_KNOBS]
     if key.variant == "plain" and sm90_applies(key.head_dim, key.dtype, get_profile(key.gpu)):
         return [FORWARD_KNOBS, SM90_FORWARD_KNOBS]
     return [FORWARD_KNOBS]
@@ -149,8 +161,8 @@ def point_of(key: ProblemKey, values: dict):
     the template does not take them."""
     values = dict(values)
     splits = values.pop("num_splits", None)
-    if values.get("family") == "sm90" and "num_warps" in values:
-        values.setdefault("block_m", 16 * values["num_warps"])  # one 64-row warpgroup per 4 consumer warps
+    if values.get("family") == "sm90" and "num_warps" in values:  # a warpgroup of 64 rows per 4 consumer warps:
+        values.setdefault("block_m" if key.direction == "fwd" else "block_n", 16 * values["num_warps"])  # queries, keys
     cfg = KernelConfig(**key.config_fields(), **values)
     return DecodePoint(cfg, splits) if key.is_decode else cfg
 
@@ -165,9 +177,12 @@ def accumulator_registers(config: KernelConfig) -> int | None:
 
     Forward: a warp's O (rows x d) and S (rows x block_n). Backward: a warp's tiles of dK and dV
     (keys x head dim) and of S and dP (queries x keys), from KernelConfig.backward_layout. 32
-    threads share a warp's accumulators."""
+    threads share a warp's accumulators. The sm90 backward: a consumer warpgroup's dK, dV (64 keys x
+    head dim) and S^T, dP^T (64 keys x block_m) over its 128 threads."""
     if not config.tensor_cores:
         return None
+    if config.family == "sm90" and config.direction == "bwd":  # a consumer warpgroup's 64 keys, 128 threads
+        return 2 * 64 * (config.head_dim + config.block_m) // 128
     if config.direction == "fwd":
         rows = config.block_m // config.num_warps
         return rows * (config.head_dim_padded + config.block_n) // 32
@@ -177,10 +192,12 @@ def accumulator_registers(config: KernelConfig) -> int | None:
 
 def _plausible(config: KernelConfig) -> bool:
     """The filter of the comprehension: a sensible warp layout and accumulators that can fit (sm90:
-    S, P and O of a consumer thread within the registers setmaxnreg gives it)."""
+    a consumer thread's accumulators within the registers setmaxnreg gives it)."""
     if not config.tensor_cores:
         return True
-    if config.family == "sm90":
+    if config.family == "sm90" and config.direction == "bwd":  # dK, dV; S^T, dP^T of 64 keys x block_m
+        return accumulator_registers(config) + SM90_OVERHEAD_REGISTERS <= config.consumer_registers
+    if config.family == "sm90":  # O; S and P of 64 rows x block_n
         held = config.head_dim // 2 + config.block_n // 2 + config.block_n // 4
         return held + SM90_OVERHEAD_REGISTERS <= config.consumer_registers
     if config.direction == "bwd":  # the layout already keeps accumulators within 192 registers
