@@ -23,8 +23,8 @@ per block and main-loop iteration against one K and one V tile, outside the loop
 and the first K/V tiles, and the grid flash_decode launches for a GQA call on the host emulator. It
 downloads nothing; it writes <date>-decode-loads-<template hash>.{txt,json}.
 
---fa3 compares the sm90 forward family with FlashAttention-3's own compiled kernels instead
-(autoflash/bench/sass_fa3.py)."""
+--fa3 compares the sm90 family, forward and backward, with FlashAttention-3's own compiled kernels
+instead (autoflash/bench/sass_fa3.py, sass_fa3_bwd.py)."""
 from __future__ import annotations
 
 import argparse
@@ -743,9 +743,10 @@ def make_parser() -> argparse.ArgumentParser:
                    help="instead: the decode kernels' global loads against their K/V tiles, and their grid "
                    "(no download; <date>-decode-loads-<template hash>.{txt,json})")
     p.add_argument("--fa3", action="store_true",
-                   help="instead: the sm90 forward family against FlashAttention-3's own sm_90a kernels (downloads "
-                   "the fa3-fwd wheel once, 28 MB; <date>-sass-fa3-<template hash>.{txt,json}); exit status 1 "
-                   "where a row misses the target")
+                   help="instead: the sm90 family, forward and backward, against FlashAttention-3's own sm_90a "
+                   "kernels (downloads the fa3-fwd wheel once, 28 MB, and dew-flash-attn-cu13's FA3 library, 78 MB "
+                   "wheel, 18 MB kept; <date>-sass-fa3-<template hash>.{txt,json}); exit status 1 where a row misses "
+                   "the target")
     return p
 
 
