@@ -25,11 +25,11 @@ from gpu_inputs import device
 
 PAIRS = ((113, 203), (1, 239), (256, 128))  # flash-attn's (Lq, Lk) at emulator sizes; Lq > Lk too
 HEADS = ((4, 2), (3, 1))  # GQA, MQA (MHA: the sanitizer test)
-# (block_m, consumer warpgroups) by head dim: two warpgroups of 64 keys with 64 queries a step (at
-# d = 64 the warpgroups split dQ^T's query columns), one warpgroup, and longer query steps.
+# (block_m, consumer warpgroups) by head dim: the H100's default (two warpgroups of 64 keys; at d = 64
+# they split dQ^T's query columns), one warpgroup, and another query step.
 SCHEDULES = {
-    64: ((64, 2), (64, 1), (128, 2)),
-    128: ((64, 2), (64, 1), (32, 2)),
+    64: ((128, 2), (64, 1), (64, 2)),
+    128: ((80, 2), (64, 1), (32, 2)),
 }
 
 

@@ -200,9 +200,10 @@ BACKWARD_COLUMNS = (("side", "side"), ("kernel", "kernel"), ("tile", "tile"), ("
 BACKWARD_LEGEND = """Backward: per consumer warp and query tile, the loop over query tiles of the main kernel (five GEMMs
 a trip: S, dP, dV, dK, dQ), counted as the forward's (hgmma_loops; FA3's steady loop chosen among those running whole
 query tiles, autoflash.bench.sass_fa3_bwd). FA3 d128 non-causal: 522 (510 in-line, without the mbarrier retry paths
-ptxas places after the body) per 400 equivalents. autoflash's sm90 backward keeps the causal mask inside its one loop
-(counted as taken, as FA3's at d >= 128); it takes head dims 64 and 128 so far. Target (the Hopper backward issue):
-insns/eq at or below FA3's at d 64, 128, 256, causal off and on, no spills, no serialization notices."""
+ptxas places after the body) per 400 equivalents. autoflash's sm90 backward peels the masked tiles into a loop of
+their own at d = 64 (as FA3 does) and keeps the causal mask behind a uniform branch in its one loop at d = 128 (counted
+as taken, as FA3's); it takes head dims 64 and 128 so far. Target (the Hopper backward issue): insns/eq at or below
+FA3's at d 64, 128, 256, causal off and on, no spills, no serialization notices."""
 
 
 def render(report: dict, command: str, date: str) -> str:

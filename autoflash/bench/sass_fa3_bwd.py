@@ -317,17 +317,21 @@ COMPARED_HEAD_DIMS = (64, 128, 256)
 
 
 def ours_row(cfg, text: str, registers: int, spill: int) -> dict:
-    """autoflash's sm90 backward kernel as a row of the side-by-side: its one loop over query tiles (the mask
-    sits inside it behind a uniform branch, counted as taken) per consumer warp and query tile."""
-    loops = sass.hgmma_loops(text)
-    if len(loops) != 1:
-        raise RuntimeError(f"{cfg.name}: {len(loops)} loops holding HGMMA, expected the one over query tiles")
-    loop = loops[0]
+    """autoflash's sm90 backward kernel as a row of the side-by-side, per consumer warp and query tile: its
+    loop over query tiles, or with the masked tiles peeled into a loop of their own (head dims up to 64),
+    the unmasked loop as the steady one and the masked one beside it (in the one loop the mask sits behind
+    a uniform branch, counted as taken)."""
+    loops = sorted(sass.hgmma_loops(text), key=lambda lp: lp.total)
+    if len(loops) not in (1, 2) or any(lp.shapes != loops[0].shapes for lp in loops):
+        raise RuntimeError(f"{cfg.name}: loops holding HGMMA {[lp.shapes for lp in loops]}, expected one or two "
+                           f"over query tiles, each a tile's GEMMs")
+    loop, masked = loops[0], (loops[1] if len(loops) == 2 else None)
     c = loop.counts
     return {"side": "autoflash", "kernel": cfg.name, "tile": f"{cfg.block_m}x{cfg.block_n} {cfg.consumer_groups}WG",
             "registers": registers, "spill bytes": spill, "HGMMA/tile": sum(loop.shapes.values()),
             "shapes": _shapes(loop.shapes), "m16n8k16-eq/warp": loop.mma_equivalents, "insns/tile": loop.total,
-            "insns/eq": round(loop.per_equivalent, 3), "masked insns/eq": float("nan"), "MUFU": c.get("MUFU", 0),
+            "insns/eq": round(loop.per_equivalent, 3),
+            "masked insns/eq": round(masked.per_equivalent, 3) if masked else float("nan"), "MUFU": c.get("MUFU", 0),
             "FP": sum(c.get(op, 0) for op in sass._FP),
             "uniform": sum(v for op, v in c.items() if op.startswith("U") or op == "R2UR"),
             "SYNCS+BAR": c.get("SYNCS", 0) + c.get("BAR", 0)}

@@ -90,14 +90,12 @@ def sm90_backward_applies(head_dim: int, dtype: str, profile: GpuProfile) -> boo
 
 
 def _sm90_backward_tiles(head_dim: int, causal: bool) -> tuple[int, int]:
-    """(block_m, block_n) of the sm90 backward, two consumer warpgroups of 64 keys, from
-    FlashAttention-3's tile_size_bwd_sm90 for 16-bit inputs (hopper/flash_bwd_launch_template.h;
-    ../shared/docs/hopper.md 4.4): d = 64, 128 x 128; d = 128, its two tiles the other way round:
-    80 x 128 causal and 64 x 128 non-causal (ptxas spills ours at 80 x 128 without causal, 8 bytes, and
-    fits it with; FA3 takes 80 x 128 without causal, 64 x 128 with)."""
-    if head_dim <= 64:
-        return 128, 128
-    return (80, 128) if causal else (64, 128)
+    """(block_m, block_n) of the sm90 backward, two consumer warpgroups of 64 keys: FlashAttention-3's
+    tile_size_bwd_sm90 for 16-bit inputs (hopper/flash_bwd_launch_template.h; ../shared/docs/
+    hopper.md 4.4), 128 x 128 at d = 64 and 80 x 128 at d = 128, which ours take causal too (FA3
+    there: 64 x 128); the least SASS per unit of tensor-core work of the schedules that compile clean
+    (bench/results/static/)."""
+    return (128, 128) if head_dim <= 64 else (80, 128)
 
 
 @functools.lru_cache(maxsize=None)
