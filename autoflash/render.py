@@ -79,8 +79,9 @@ SWITCHES: tuple[tuple[str, str, object, str], ...] = (
     ("--v-in-regs", "v_in_regs", True,
      "backward, fp16/bf16: each warp keeps its keys' V fragments in registers for dP (_vregs)"),
     ("--sm90", "family", "sm90",
-     "forward, fp16/bf16, sm_90 GPUs: the sm90 family (wgmma, TMA, a producer warpgroup beside --warps / 4 consumer "
-     "warpgroups of 64 query rows; templates/flash_fwd_sm90.cu.j2) (_sm90a)"),
+     "fp16/bf16, sm_90 GPUs: the sm90 family (wgmma, TMA, a producer warpgroup beside --warps / 4 consumer "
+     "warpgroups of 64 query rows, or with --backward of 64 keys; templates/flash_fwd_sm90.cu.j2, "
+     "flash_bwd_sm90.cu.j2) (_sm90a)"),
     ("--pingpong", "pingpong", True, "with --sm90: consumer warpgroups take turns issuing their GEMMs (_pp)"),
     ("--overlap", "overlap", True, "with --sm90: a warpgroup's softmax of tile j under its P V of tile j - 1 (_ov)"),
 )
@@ -190,8 +191,8 @@ def default_for(head_dim: int, dtype: str, direction: str, switches: dict[str, o
         heavy = switches.get("align", "top_left") != "top_left" or any(switches.get(f) for f in VARIANTS)
         pick = default_backward_config if direction == "bwd" else default_config
         base = pick(head_dim, dtype, bool(switches.get("causal") or switches.get("window")), profile, heavy)
-        if direction == "fwd" and not any(switches.get(f) for f in VARIANTS):  # sm90 takes either alignment
-            plain = default_config(head_dim, dtype, bool(switches.get("causal")), profile)
+        if not any(switches.get(f) for f in VARIANTS):  # sm90 takes either alignment
+            plain = pick(head_dim, dtype, bool(switches.get("causal")), profile)
             base = plain if plain.family == "sm90" else base
     # A window's base is a causal kernel's; the switches set causal (off unless --causal) as the launcher does.
     return _switched(lambda: base.replace(direction=direction, **{"causal": False, **switches}), switches)

@@ -279,3 +279,16 @@ def test_an_sm90_kernel_compiles_with_its_printed_sm_90a_command(standalone, tmp
     assert name in capsys.readouterr().out
     assert _note_command(path.read_text())[:2] == ["nvcc", "-arch=sm_90a"]
     _run_printed_nvcc(path, name)
+
+
+@pytest.mark.skipif(shutil.which("nvcc") is None, reason="needs nvcc")
+def test_the_h100s_sm90_backward_default_compiles_with_its_printed_command(tmp_path, capsys):
+    """--backward --default on an H100 renders the sm90 backward (its two kernels: delta and the main
+    one), and the printed nvcc -arch=sm_90a command builds it."""
+    path = tmp_path / "k.cu"
+    assert main(["--backward", "--default", "--gpu", "h100", "--head-dim", "64", "--dtype", "bf16", "--causal",
+                 "-o", str(path)]) == 0
+    name = "bwd_hd64_bf16_causal_m128n128w8s2_sm90a"
+    assert name in capsys.readouterr().out
+    assert _note_command(path.read_text())[:2] == ["nvcc", "-arch=sm_90a"]
+    _run_printed_nvcc(path, name)
