@@ -43,7 +43,7 @@ import zipfile
 from pathlib import Path
 
 from autoflash.bench.sass import _pip_download, cuobjdump, nvdisasm_version, table
-from autoflash.bench.sass_fa3 import _demangle, _registers
+from autoflash.bench.sass_fa3 import _demangle, _registers, _row
 from autoflash.kernels import sass
 
 FA3_BWD_WHEEL = "dew-flash-attn-cu13==0.3.6"  # FA3 hopper/ fwd+bwd, sm_90a, CUDA 13.0; ../shared/docs/hopper.md 6
@@ -317,24 +317,15 @@ COMPARED_HEAD_DIMS = (64, 128, 256)
 
 
 def ours_row(cfg, text: str, registers: int, spill: int) -> dict:
-    """autoflash's sm90 backward kernel as a row of the side-by-side, per consumer warp and query tile: its
-    loop over query tiles, or with the masked tiles peeled into a loop of their own (head dims up to 64),
-    the unmasked loop as the steady one and the masked one beside it (in the one loop the mask sits behind
-    a uniform branch, counted as taken)."""
-    loops = sorted(sass.hgmma_loops(text), key=lambda lp: lp.total)
+    """autoflash's sm90 backward kernel as a row of the side-by-side, per consumer warp and query tile, counted
+    as sass_fa3 counts the forward: its loop over query tiles, or with the masked tiles peeled into a loop of
+    their own (head dims up to 64), the unmasked loop as the steady one and the masked one beside it (in the
+    one loop the mask sits behind a uniform branch, counted as taken)."""
+    loops = sass.hgmma_loops(text)
     if len(loops) not in (1, 2) or any(lp.shapes != loops[0].shapes for lp in loops):
         raise RuntimeError(f"{cfg.name}: loops holding HGMMA {[lp.shapes for lp in loops]}, expected one or two "
                            f"over query tiles, each a tile's GEMMs")
-    loop, masked = loops[0], (loops[1] if len(loops) == 2 else None)
-    c = loop.counts
-    return {"side": "autoflash", "kernel": cfg.name, "tile": f"{cfg.block_m}x{cfg.block_n} {cfg.consumer_groups}WG",
-            "registers": registers, "spill bytes": spill, "HGMMA/tile": sum(loop.shapes.values()),
-            "shapes": _shapes(loop.shapes), "m16n8k16-eq/warp": loop.mma_equivalents, "insns/tile": loop.total,
-            "insns/eq": round(loop.per_equivalent, 3),
-            "masked insns/eq": round(masked.per_equivalent, 3) if masked else float("nan"), "MUFU": c.get("MUFU", 0),
-            "FP": sum(c.get(op, 0) for op in sass._FP),
-            "uniform": sum(v for op, v in c.items() if op.startswith("U") or op == "R2UR"),
-            "SYNCS+BAR": c.get("SYNCS", 0) + c.get("BAR", 0)}
+    return _row("autoflash", cfg.name, f"{cfg.block_m}x{cfg.block_n} {cfg.consumer_groups}WG", text, registers, spill)
 
 
 def side_by_side(workdir: Path, log=print) -> tuple[list[dict], bool]:
