@@ -148,3 +148,29 @@ def test_the_gate_refuses_a_spilling_schedule():
 
     with pytest.raises(CompileError, match="spill"):
         compile_config(sm90_config(128, "bf16", False, "top_left", 128, 2), "sm_90a")
+
+
+@pytest.mark.parametrize("entry", ["attention", "flash_attn_func"])
+def test_the_entry_points_run_the_sm90_backward(entry, monkeypatch):
+    """loss.backward() through autoflash.attention and flash_attn_func inside emulate("h100") runs the
+    family's backward (checked by name), gradients under FlashAttention's rule."""
+    from autoflash import flash_attn_func
+    from autoflash.kernels import launch
+
+    names = []
+    real = launch.kernel_functions
+    monkeypatch.setattr(launch, "kernel_functions", lambda cfg, *a: names.append(cfg.name) or real(cfg, *a))
+    g = torch.Generator().manual_seed(5)
+    q, k, v = (torch.randn(1, 2, n, 128, generator=g).bfloat16() for n in (70, 90, 90))
+    dout = torch.randn(1, 2, 70, 128, generator=g).bfloat16()
+    leaves = [t.clone().requires_grad_(True) for t in (q, k, v)]
+    with autoflash.emulate("h100"):
+        if entry == "attention":
+            out = autoflash.attention(*leaves, is_causal=True)
+            align = "top_left"
+        else:  # flash-attn's (batch, seqlen, heads, d) and its bottom-right causal
+            out = flash_attn_func(*(t.transpose(1, 2) for t in leaves), causal=True).transpose(1, 2)
+            align = "bottom_right"
+        out.backward(dout)
+    assert any(n.startswith("bwd_hd128_bf16_causal") and n.endswith("_sm90a") for n in names), names
+    check([t.grad for t in leaves], q, k, v, dout, True, align)
