@@ -336,7 +336,7 @@ def _c_code(param: str) -> str:
     return {"long long": "q", "int": "i", "float": "f"}[param.rsplit(" ", 1)[0]]
 
 
-@pytest.mark.parametrize("direction", ["fwd", "bwd", "bwd-dqpass", "fwd-split", "fwd-sm90"])
+@pytest.mark.parametrize("direction", ["fwd", "bwd", "bwd-dqpass", "fwd-split", "fwd-sm90", "bwd-sm90"])
 def test_the_packing_follows_the_templates_signatures(direction):
     """launch.py's parameter lists against the kernels' own, from the rendered source: a parameter
     added to a template and not to launch.py would shift every one after it."""
@@ -347,8 +347,8 @@ def test_the_packing_follows_the_templates_signatures(direction):
     from autoflash.kernels.gpus import get_profile
 
     make = default_config if direction.startswith("fwd") else default_backward_config
-    # The H100's forward default is the sm90 family's (its own template); the A100's the sm80 one's.
-    config = make(64, "bf16", True, H100 if direction in ("bwd", "bwd-dqpass", "fwd-sm90") else get_profile("a100"))
+    # The H100's defaults at d = 64 are the sm90 family's (its own templates); the A100's the sm80 ones.
+    config = make(64, "bf16", True, H100 if direction.endswith("sm90") else get_profile("a100"))
     if direction == "bwd-dqpass":
         config = config.replace(dq="pass")
     if direction == "fwd-split":  # the KV-cache kernel and its combine kernel
@@ -356,9 +356,10 @@ def test_the_packing_follows_the_templates_signatures(direction):
     source = render(config)
     expected = {config.name: launch.FWD_PARAMS} if direction.startswith("fwd") else \
         {config.name: launch.BWD_PARAMS, f"{config.name}_delta": launch.DELTA_PARAMS}
-    if direction == "fwd-sm90":
+    if direction.endswith("sm90"):
         assert config.family == "sm90"
-        expected = {config.name: launch.SM90_FWD_PARAMS}
+        expected = {config.name: launch.SM90_FWD_PARAMS} if direction == "fwd-sm90" else \
+            {config.name: launch.SM90_BWD_PARAMS, f"{config.name}_delta": launch.SM90_DELTA_PARAMS}
     if direction == "fwd-split":
         expected[f"{config.name}_combine"] = launch.COMBINE_PARAMS
     if direction == "bwd-dqpass":
