@@ -5,7 +5,7 @@ import os
 import random
 import time
 
-SHARE = 0.06  # of a grid's cases beyond one per key
+SHARE = 0.04  # of a grid's cases beyond one per key (CI on 2 cores: 56 min at 0.06 with the sm90 backward)
 SEED = int(os.environ.get("AUTOFLASH_SWEEP_SEED") or time.time_ns() % 2**31)
 FULL = os.environ.get("AUTOFLASH_SWEEP", "").lower() == "full"
 
