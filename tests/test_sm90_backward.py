@@ -174,3 +174,23 @@ def test_the_entry_points_run_the_sm90_backward(entry, monkeypatch):
         out.backward(dout)
     assert any(n.startswith("bwd_hd128_bf16_causal") and n.endswith("_sm90a") for n in names), names
     check([t.grad for t in leaves], q, k, v, dout, True, align)
+
+
+@pytest.mark.parametrize("d, block_m, causal", [(128, 80, False), (64, 128, False), (128, 80, True)])
+def test_keys_past_seqlen_k_stay_out_of_dq_when_p_would_overflow(d, block_m, causal):
+    """Every score of every row -200 (all keys alike, each query opposite them): LSE ~ -196, so P of a
+    key past seqlen_k (a zero K row, score 0) is e^196, inf in fp32. Those keys must not reach dQ (inf *
+    0 is NaN): masked, or their dS^T rows zeroed."""
+    lq, lk = 40, 77  # 77 keys: a ragged key block
+    g = torch.Generator().manual_seed(9)
+    u = torch.randn(d, generator=g)
+    u = u / u.norm()
+    k = u.expand(1, 2, lk, d).clone().bfloat16()
+    q = (-200 * math.sqrt(d) * u).expand(1, 2, lq, d).clone().bfloat16()
+    v = torch.randn(1, 2, lk, d, generator=g).bfloat16()
+    cfg = sm90_config(d, "bf16", causal, "bottom_right", block_m, 2)
+    with autoflash.emulate("h100"):
+        grads, dout = gradients(cfg, q, k, v)
+    for x in grads:
+        assert torch.isfinite(x).all()
+    check(grads, q, k, v, dout, causal, "bottom_right")
