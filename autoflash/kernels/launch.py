@@ -241,11 +241,11 @@ def variant_config(config: KernelConfig | None, direction: str, d: int, dtype: s
     if config is not None and config.family == "sm90" and sm90_fallback(variant):
         config = None
     if config is None:
+        default = default_config if direction == "fwd" else default_backward_config
         if not sm90_fallback(variant):
-            plain = (default_config if direction == "fwd" else default_backward_config)(d, dtype, causal, profile)
+            plain = default(d, dtype, causal, profile)
             if plain.family == "sm90":
                 return with_variant(plain, causal, variant)
-        default = default_config if direction == "fwd" else default_backward_config
         config = default(d, dtype, causal or variant.switches["window"], profile, variant.needs_registers)
     return with_variant(config, causal, variant)
 
@@ -335,12 +335,37 @@ def flash_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: 
     return out, lse
 
 
-def sm90_maps(config: KernelConfig, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor) -> tuple:
-    """The sm90 forward's TMA maps of (batch, heads, seqlen, d) views: boxes of swizzle-span rows
-    (the tiles' column blocks), 64 query rows (one consumer warpgroup's) or block_n keys."""
+def tile_maps(config: KernelConfig, *tiles: tuple[torch.Tensor, int]) -> tuple:
+    """The sm90 family's TMA maps of (batch, heads, seqlen, d) views, one per (tensor, rows): boxes of
+    that many rows by one column block of the tiles (swizzle-span bytes)."""
     span = config.swizzle_span
-    rows = {"q": 64, "k": config.block_n, "v": config.block_n, "out": 64}
-    return tuple(for_tensor(t, (1, 1, rows[n], span // 2), span) for n, t in zip(rows, (q, k, v, out)))
+    return tuple(for_tensor(t, (1, 1, rows, span // 2), span) for t, rows in tiles)
+
+
+def sm90_maps(config: KernelConfig, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor) -> tuple:
+    """The sm90 forward's maps: 64 query rows (one consumer warpgroup's) or block_n keys a box."""
+    return tile_maps(config, (q, 64), (k, config.block_n), (v, config.block_n), (out, 64))
+
+
+def kv_grad_buffers(k: torch.Tensor, v: torch.Tensor, heads_q: int, varlen: bool) -> tuple:
+    """The dK, dV buffers a backward kernel writes, for k, v of (batch, heads_kv, seqlen_k, d) or,
+    packed, (total_k, heads_kv, d): like k and v, or per query head (heads_q in place of heads_kv)
+    where query heads share a K/V head (GQA/MQA), for summed_kv_heads to sum."""
+    dims = "lhd" if varlen else "bhld"
+    if heads_q == k.shape[1]:
+        return (guards.empty_like(k, dims, name="dk", rows="k"), guards.empty_like(v, dims, name="dv", rows="k"))
+    shape = (k.shape[0], heads_q, *k.shape[2:])
+    return tuple(guards.empty(shape, k.dtype, k.device, dims, name=n, rows="k") for n in ("dk", "dv"))
+
+
+def summed_kv_heads(dk_x: torch.Tensor, dv_x: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> tuple:
+    """(dK, dV) like k and v from kv_grad_buffers' buffers: per-query-head ones summed, in fp32, over the
+    query heads that share each K/V head."""
+    if dk_x.shape[1] == k.shape[1]:
+        return dk_x, dv_x
+    rows = (*k.shape[:2], dk_x.shape[1] // k.shape[1], *k.shape[2:])  # the heads dim split (kv head, group)
+    return (torch.empty_like(k).copy_(dk_x.view(rows).sum(2, dtype=torch.float32)),
+            torch.empty_like(v).copy_(dv_x.view(rows).sum(2, dtype=torch.float32)))
 
 
 def sm90_backward(config: KernelConfig, fns: dict, dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor,
@@ -360,17 +385,10 @@ def sm90_backward(config: KernelConfig, fns: dict, dout: torch.Tensor, q: torch.
           (out, dout, lse, delta, lse2), (*_strides(out), *_strides(dout), lse.stride(0), lse.stride(1), lq, padded),
           SM90_DELTA_NAMES)
     dq_accum = guards.zeros((b, hq, padded, d), torch.float32, q.device, "bhld", name="dq_accum", contiguous=True)
-    if group == 1:
-        dk_x = guards.empty_like(k, "bhld", name="dk", rows="k")
-        dv_x = guards.empty_like(v, "bhld", name="dv", rows="k")
-    else:  # per query head, summed below
-        dk_x = guards.empty((b, hq, lk, d), q.dtype, q.device, "bhld", name="dk", rows="k")
-        dv_x = guards.empty((b, hq, lk, d), q.dtype, q.device, "bhld", name="dv", rows="k")
+    dk_x, dv_x = kv_grad_buffers(k, v, hq, varlen=False)
     if dout.stride(-1) != 1 or any(s % 8 for s in dout.stride()[:-1]) or 0 in dout.stride():
         dout = dout.contiguous()  # TMA reads rows 16-byte aligned and apart (autograd may pass expanded zeros)
-    span, rows = config.swizzle_span, {"q": config.block_m, "k": config.block_n, "v": config.block_n,
-                                       "dout": config.block_m}
-    maps = tuple(for_tensor(t, (1, 1, rows[n], span // 2), span) for n, t in zip(rows, (q, k, v, dout)))
+    maps = tile_maps(config, (q, config.block_m), (k, config.block_n), (v, config.block_n), (dout, config.block_m))
     n_blocks = -(-lk // config.block_n)
     scalars = (*_strides(dk_x), *_strides(dv_x), lq, lk, padded, group, scale, scale * LOG2E)
     for n_block0, blocks in ([(j, 1) for j in range(n_blocks)] if deterministic else [(0, n_blocks)]):
@@ -380,12 +398,7 @@ def sm90_backward(config: KernelConfig, fns: dict, dout: torch.Tensor, q: torch.
     # (the kernel adds unscaled dS K, as FA3's postprocess scales).
     tiles = dq_accum.view(b, hq, padded // config.block_m, d, config.block_m).transpose(3, 4)
     dq = torch.empty_like(q).copy_(torch.mul(tiles, scale).reshape(b, hq, padded, d)[:, :, :lq])
-    if group == 1:
-        return dq, dk_x, dv_x
-    rows4 = (b, hkv, group, lk, d)
-    dk = torch.empty_like(k).copy_(dk_x.view(rows4).sum(2, dtype=torch.float32))
-    dv = torch.empty_like(v).copy_(dv_x.view(rows4).sum(2, dtype=torch.float32))
-    return dq, dk, dv
+    return (dq, *summed_kv_heads(dk_x, dv_x, k, v))
 
 
 def flash_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
@@ -450,13 +463,7 @@ def flash_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torc
     # dq_accum's rows are the LSE's, (B, H, L) or (H, total_q), each of d floats.
     dq_accum = None if dq_pass else guards.zeros((*lse_shape, d), torch.float32, q.device, "hld" if varlen else "bhld",
                                                  name="dq_accum", rows="q", contiguous=True)
-    if group == 1:
-        dk_x = guards.empty_like(k, "lhd" if varlen else "bhld", name="dk", rows="k")
-        dv_x = guards.empty_like(v, "lhd" if varlen else "bhld", name="dv", rows="k")
-    else:  # per query head, summed below
-        shape = (k.shape[0], hq, d) if varlen else (b, hq, lk, d)
-        dk_x = guards.empty(shape, q.dtype, q.device, "lhd" if varlen else "bhld", name="dk", rows="k")
-        dv_x = guards.empty(shape, q.dtype, q.device, "lhd" if varlen else "bhld", name="dv", rows="k")
+    dk_x, dv_x = kv_grad_buffers(k, v, hq, varlen)
     dk4, dv4 = (heads_view(dk_x), heads_view(dv_x)) if varlen else (dk_x, dv_x)
     n_blocks, split = math.ceil(lk / config.block_n), config.head_split
     extra_scalars = variant.scalars(lse)
@@ -482,9 +489,4 @@ def flash_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torc
                   ("q", "k", "v", "dout", "lse", "delta", "dq", *_VARIANT_POINTERS))
     else:
         dq = torch.empty_like(q).copy_(dq_accum.transpose(0, 1) if varlen else dq_accum)
-    if group == 1:
-        return dq, dk_x, dv_x
-    rows = (k.shape[0], hkv, group, d) if varlen else (b, hkv, group, lk, d)
-    dk = torch.empty_like(k).copy_(dk_x.view(rows).sum(2, dtype=torch.float32))
-    dv = torch.empty_like(v).copy_(dv_x.view(rows).sum(2, dtype=torch.float32))
-    return dq, dk, dv
+    return (dq, *summed_kv_heads(dk_x, dv_x, k, v))

@@ -193,8 +193,9 @@ class KeyStudy:
     def evaluated(self) -> int:
         return sum(is_measured(t) for t in self.trials())
 
-    def exhausted(self) -> bool:
-        done = {t.user_attrs.get("config") for t in self.trials() if is_measured(t)}
+    def exhausted(self, trials=None) -> bool:
+        """Every feasible config measured (`trials`: the study's, as the caller just read them)."""
+        done = {t.user_attrs.get("config") for t in (self.trials() if trials is None else trials) if is_measured(t)}
         return self.feasible <= done
 
     def recover_interrupted(self) -> list[int]:
@@ -313,9 +314,8 @@ class KeyStudy:
                 trial.set_user_attr(f, answer[f])
         raise TrialFailed(f"{cfg.name}: {answer.get('status')}: {answer.get('reason')}")
 
-    def _done(self) -> bool:
-        trials = self.trials()
-        return (sum(is_measured(t) for t in trials) >= self.settings.budget or self.exhausted()
+    def _done(self, trials) -> bool:
+        return (sum(is_measured(t) for t in trials) >= self.settings.budget or self.exhausted(trials)
                 or len(trials) >= self.max_trials(trials))
 
     def max_trials(self, trials) -> int:
@@ -358,10 +358,11 @@ class KeyStudy:
                 # warning, and only it, is silenced.
                 warnings.filterwarnings("ignore", message=HEARTBEAT_WARNING, category=UserWarning)
                 fail_stale_trials(self.study)  # other processes' dead trials (RDB heartbeats)
-                if self._done():
+                trials = self.trials()  # read once: the stop test and the stall guard both look at them
+                if self._done(trials):
                     self._stop.set()
                     return
-                self.unstick(self.trials())
+                self.unstick(trials)
                 trial = self.study.ask()
             told = {}
             try:

@@ -171,13 +171,12 @@ bool copy_map(Worker& w, const void* tmap, int rank, TensorMap& m, uint32_t smem
 
 
 // A flat copy of `bytes` at global address `addr` as a rank-1 map of `esize`-byte elements (no
-// swizzle, nothing outside: the box is the tensor).
+// swizzle, nothing outside: the box is the tensor; no data type: only the element size is read).
 TensorMap flat_map(uint64_t addr, uint32_t bytes, int esize) {
   TensorMap m;
   m.addr = addr;
   m.rank = 1;
   m.esize = esize;
-  m.dtype = esize == 4 ? 7 : 0;  // FLOAT32 for reductions; loads copy bytes
   m.stride[0] = uint64_t(esize);
   m.dim[0] = bytes / uint32_t(esize);
   m.box[0] = bytes / uint32_t(esize);
