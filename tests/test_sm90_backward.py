@@ -1,9 +1,10 @@
 """The sm90 backward family (templates/flash_bwd_sm90.cu.j2: a producer warpgroup loading Q, dO by TMA
 and LSE, delta by bulk copies; one or two consumer warpgroups of 64 keys computing S^T, dP^T with
-wgmma, dK, dV as RS wgmma from registers, dQ^T from dS^T in shared memory, added into the fp32 dQ
-buffer by cp.reduce.async.bulk) on the host emulator as an H100: over a grid in the shape of
-FlashAttention's tests (head dims 64 and 128, causal in both alignments, GQA/MQA, lengths that are
-not multiples of the tiles, Lq > Lk) under FlashAttention's gradient rule; clean under the
+wgmma, dK, dV as RS wgmma from registers, or two sharing 64 keys with dV^T in one and dK^T in the
+other (dkv_split, SS wgmma from P^T, dS^T in shared memory); dQ^T from dS^T in shared memory, added
+into the fp32 dQ buffer by cp.reduce.async.bulk) on the host emulator as an H100: over a grid in the
+shape of FlashAttention's tests (head dims 64, 128, 192 and 256, causal in both alignments, GQA/MQA,
+lengths that are not multiples of the tiles, Lq > Lk) under FlashAttention's gradient rule; clean under the
 sanitizer, which reports a planted missing fence; bit-identical with deterministic=True; compiled
 for sm_90a through the ptxas gate (no spills, no serialization). The emulated grid is sampled per
 run (tests/sampling.py); AUTOFLASH_SWEEP=full runs all of it."""
@@ -25,17 +26,22 @@ from gpu_inputs import device
 
 PAIRS = ((113, 203), (1, 239), (256, 128))  # flash-attn's (Lq, Lk) at emulator sizes; Lq > Lk too
 HEADS = ((4, 2), (3, 1))  # GQA, MQA (MHA: the sanitizer test)
-# (block_m, consumer warpgroups) by head dim: the H100's default (two warpgroups of 64 keys; at d = 64
-# they split dQ^T's query columns), one warpgroup, and another query step.
+# (block_m, block_n, consumer warps, stages) by head dim: the H100's default first. d = 64, 128: two
+# warpgroups of 64 keys (at d = 64 they split dQ^T's query columns), one warpgroup, and two sharing 64
+# keys (dkv_split: block_n 64 with 8 warps). d = 192, 256 (dkv_split only): other query steps and
+# stage counts (at d = 192 every warpgroup takes every dQ^T row, half the columns).
 SCHEDULES = {
-    64: ((128, 2), (64, 1), (64, 2)),
-    128: ((80, 2), (64, 1), (32, 2)),
+    64: ((128, 128, 8, 2), (64, 64, 4, 2), (64, 64, 8, 2)),
+    128: ((80, 128, 8, 2), (64, 64, 4, 2), (128, 64, 8, 1)),
+    192: ((64, 64, 8, 2), (32, 64, 8, 1), (96, 64, 8, 1)),
+    256: ((64, 64, 8, 1), (32, 64, 8, 2), (32, 64, 8, 1)),
 }
 
 
-def sm90_config(d: int, dtype: str, causal: bool, align: str, block_m: int, groups: int) -> KernelConfig:
-    return KernelConfig(head_dim=d, dtype=dtype, block_m=block_m, block_n=64 * groups, num_warps=4 * groups,
-                        num_stages=2, causal=causal, align=align if causal else "top_left", direction="bwd",
+def sm90_config(d: int, dtype: str, causal: bool, align: str, block_m: int, block_n: int = 128, num_warps: int = 8,
+                stages: int = 2) -> KernelConfig:
+    return KernelConfig(head_dim=d, dtype=dtype, block_m=block_m, block_n=block_n, num_warps=num_warps,
+                        num_stages=stages, causal=causal, align=align if causal else "top_left", direction="bwd",
                         family="sm90")
 
 
@@ -65,10 +71,10 @@ def check(grads, q, k, v, dout, causal, align, scale=None):
 @pytest.mark.sweep
 @pytest.mark.parametrize("pair", PAIRS, ids=lambda p: f"{p[0]}x{p[1]}")
 @pytest.mark.parametrize("heads", HEADS, ids=lambda h: f"h{h[0]}-{h[1]}")
-@pytest.mark.parametrize("schedule", [0, 1, 2], ids=["wg2", "wg1", "alt"])
+@pytest.mark.parametrize("schedule", [0, 1, 2], ids=["default", "alt1", "alt2"])
 @pytest.mark.parametrize("causal", ["none", "top_left", "bottom_right"])
 @pytest.mark.parametrize("dtype", ["fp16", "bf16"])
-@pytest.mark.parametrize("d", [64, 128])
+@pytest.mark.parametrize("d", [64, 128, 192, 256])
 def test_sm90_backward_meets_flashattention_rule(target, d, dtype, causal, schedule, heads, pair):
     (hq, hkv), (lq, lk) = heads, pair
     is_causal, align = causal != "none", "bottom_right" if causal == "bottom_right" else "top_left"
@@ -85,8 +91,10 @@ def test_sm90_backward_meets_flashattention_rule(target, d, dtype, causal, sched
     check([x.cpu() for x in grads], q.cpu(), k.cpu(), v.cpu(), dout.cpu(), is_causal, align, scale)
 
 
-SANITIZED = [sm90_config(64, "bf16", False, "top_left", 64, 2), sm90_config(128, "fp16", True, "top_left", 64, 2),
-             sm90_config(128, "bf16", True, "bottom_right", 64, 1)]
+SANITIZED = [sm90_config(64, "bf16", False, "top_left", 64), sm90_config(128, "fp16", True, "top_left", 64),
+             sm90_config(128, "bf16", True, "bottom_right", 64, 64, 4),
+             sm90_config(256, "bf16", True, "bottom_right", 64, 64, 8, 1),
+             sm90_config(192, "fp16", False, "top_left", 64, 64, 8, 2)]
 
 
 @pytest.mark.parametrize("cfg", SANITIZED, ids=lambda c: c.name)
@@ -103,23 +111,37 @@ def test_the_kernels_are_clean_under_the_sanitizer(cfg):
     check(grads, q, k, v, dout, cfg.causal, cfg.align)
 
 
-def test_a_missing_fence_before_the_dq_gemm_is_a_finding(mutate):
-    cfg = SANITIZED[0]
-    mutate("bwd", "      wgmma_fence();\n      #pragma unroll\n      for (int kk = 0; kk < BLOCK_N / 16",
-           "      #pragma unroll\n      for (int kk = 0; kk < BLOCK_N / 16")
-    q, k, v = (torch.randn(1, 2, n, 64).bfloat16() for n in (64, 128, 128))
+# Planted hazards the sanitizer must report: (config, template text, its replacement, what it says).
+# Without wgmma.fence the dQ GEMM may read accumulators still in flight; with dkv_split P^T and dS^T
+# are written by stmatrix (generic proxy) and read by the other warpgroup's wgmma (async proxy), so
+# without fence.proxy.async before that barrier the read is unordered.
+HAZARDS = {
+    "dq-gemm-fence": (SANITIZED[0], "      wgmma_fence();\n      #pragma unroll\n      for (int kk = 0; kk < BLOCK_N",
+                      "      #pragma unroll\n      for (int kk = 0; kk < BLOCK_N", "no wgmma.fence"),
+    "dkv-split-proxy-fence": (sm90_config(256, "bf16", False, "top_left", 64, 64, 8, 1),
+                              "    fence_proxy_async();  // generic stores, read by the dK^T, dV^T and dQ^T wgmma "
+                              "(async proxy)\n", "", "no fence.proxy.async"),
+}
+
+
+@pytest.mark.parametrize("hazard", sorted(HAZARDS))
+def test_a_missing_fence_is_a_finding(mutate, hazard):
+    cfg, old, new, text = HAZARDS[hazard]
+    mutate("bwd", old, new)
+    q, k, v = (torch.randn(1, 2, n, cfg.head_dim).bfloat16() for n in (64, 128, 128))
     with autoflash.emulate("h100", sanitize=True):
         emulation.clear_findings()
         gradients(cfg, q, k, v)
         found = emulation.findings()
-    assert any(f.kind == "async" and "no wgmma.fence" in f.detail for f in found), [str(f) for f in found]
+    assert any(f.kind == "async" and text in f.detail for f in found), [str(f) for f in found]
 
 
+@pytest.mark.parametrize("d, schedule", [(64, (64, 64, 4, 2)), (256, (64, 64, 8, 1))], ids=["d64", "d256-split"])
 @pytest.mark.parametrize("causal", [False, True])
-def test_deterministic_gradients_are_bit_identical(causal):
+def test_deterministic_gradients_are_bit_identical(causal, d, schedule):
     """One launch per key block: the bulk dQ reductions land in a fixed order."""
-    cfg = sm90_config(64, "bf16", causal, "top_left", 64, 1)
-    q, k, v = (torch.randn(1, 2, n, 64).bfloat16() for n in (150, 230, 230))
+    cfg = sm90_config(d, "bf16", causal, "top_left", *schedule)
+    q, k, v = (torch.randn(1, 2, n, d).bfloat16() for n in (150, 230, 230))
     with autoflash.emulate("h100"):
         first, dout = gradients(cfg, q, k, v, deterministic=True)
         again, _ = gradients(cfg, q, k, v, deterministic=True)
@@ -128,14 +150,13 @@ def test_deterministic_gradients_are_bit_identical(causal):
     check(first, q, k, v, dout, causal, "top_left")
 
 
-@pytest.mark.parametrize("d, block_m, groups", [(d, m, w) for d, s in SCHEDULES.items() for m, w in s],
-                         ids=lambda x: str(x))
+@pytest.mark.parametrize("d, schedule", [(d, x) for d, s in SCHEDULES.items() for x in s], ids=lambda x: str(x))
 @pytest.mark.parametrize("causal", [False, True])
-def test_the_schedules_compile_for_sm_90a_without_spills(d, block_m, groups, causal):
+def test_the_schedules_compile_for_sm_90a_without_spills(d, schedule, causal):
     from autoflash.kernels.compiler import compile_config
     from autoflash.kernels.sass import disassemble
 
-    cfg = sm90_config(d, "bf16", causal, "top_left", block_m, groups)
+    cfg = sm90_config(d, "bf16", causal, "top_left", *schedule)
     compiled = compile_config(cfg, "sm_90a")  # the gate: no spills, no wgmma serialization notice
     sass = disassemble(compiled.cubin_path, cfg.name)
     assert "HGMMA" in sass and "UBLKRED.G.S.ADD.F32.RN" in sass and "UTMALDG.4D" in sass and "UBLKCP.S.G" in sass
@@ -147,11 +168,12 @@ def test_the_gate_refuses_a_spilling_schedule():
     from autoflash.kernels.compiler import CompileError, compile_config
 
     with pytest.raises(CompileError, match="spill"):
-        compile_config(sm90_config(128, "bf16", False, "top_left", 128, 2), "sm_90a")
+        compile_config(sm90_config(128, "bf16", False, "top_left", 128), "sm_90a")
 
 
+@pytest.mark.parametrize("d", [128, 256])
 @pytest.mark.parametrize("entry", ["attention", "flash_attn_func"])
-def test_the_entry_points_run_the_sm90_backward(entry, monkeypatch):
+def test_the_entry_points_run_the_sm90_backward(entry, d, monkeypatch):
     """loss.backward() through autoflash.attention and flash_attn_func inside emulate("h100") runs the
     family's backward (checked by name), gradients under FlashAttention's rule."""
     from autoflash import flash_attn_func
@@ -161,8 +183,8 @@ def test_the_entry_points_run_the_sm90_backward(entry, monkeypatch):
     real = launch.kernel_functions
     monkeypatch.setattr(launch, "kernel_functions", lambda cfg, *a: names.append(cfg.name) or real(cfg, *a))
     g = torch.Generator().manual_seed(5)
-    q, k, v = (torch.randn(1, 2, n, 128, generator=g).bfloat16() for n in (70, 90, 90))
-    dout = torch.randn(1, 2, 70, 128, generator=g).bfloat16()
+    q, k, v = (torch.randn(1, 2, n, d, generator=g).bfloat16() for n in (70, 90, 90))
+    dout = torch.randn(1, 2, 70, d, generator=g).bfloat16()
     leaves = [t.clone().requires_grad_(True) for t in (q, k, v)]
     with autoflash.emulate("h100"):
         if entry == "attention":
@@ -172,12 +194,13 @@ def test_the_entry_points_run_the_sm90_backward(entry, monkeypatch):
             out = flash_attn_func(*(t.transpose(1, 2) for t in leaves), causal=True).transpose(1, 2)
             align = "bottom_right"
         out.backward(dout)
-    assert any(n.startswith("bwd_hd128_bf16_causal") and n.endswith("_sm90a") for n in names), names
+    assert any(n.startswith(f"bwd_hd{d}_bf16_causal") and n.endswith("_sm90a") for n in names), names
     check([t.grad for t in leaves], q, k, v, dout, True, align)
 
 
-@pytest.mark.parametrize("d, block_m, causal", [(128, 80, False), (64, 128, False), (128, 80, True)])
-def test_keys_past_seqlen_k_stay_out_of_dq_when_p_would_overflow(d, block_m, causal):
+@pytest.mark.parametrize("d, block_m, block_n, causal",
+                         [(128, 80, 128, False), (64, 128, 128, False), (128, 80, 128, True), (256, 64, 64, False)])
+def test_keys_past_seqlen_k_stay_out_of_dq_when_p_would_overflow(d, block_m, block_n, causal):
     """Every score of every row -200 (all keys alike, each query opposite them): LSE ~ -196, so P of a
     key past seqlen_k (a zero K row, score 0) is e^196, inf in fp32. Those keys must not reach dQ (inf *
     0 is NaN): masked, or their dS^T rows zeroed."""
@@ -188,7 +211,7 @@ def test_keys_past_seqlen_k_stay_out_of_dq_when_p_would_overflow(d, block_m, cau
     k = u.expand(1, 2, lk, d).clone().bfloat16()
     q = (-200 * math.sqrt(d) * u).expand(1, 2, lq, d).clone().bfloat16()
     v = torch.randn(1, 2, lk, d, generator=g).bfloat16()
-    cfg = sm90_config(d, "bf16", causal, "bottom_right", block_m, 2)
+    cfg = sm90_config(d, "bf16", causal, "bottom_right", block_m, block_n, 8, 1 if d == 256 else 2)
     with autoflash.emulate("h100"):
         grads, dout = gradients(cfg, q, k, v)
     for x in grads:

@@ -131,7 +131,7 @@ def test_explain_names_the_family_and_why_not(launches):
     q96 = torch.randn(1, 64, 2, 96).bfloat16()
     d96 = str(autoflash.explain(autoflash.flash_attn_func, q96, q96, q96, gpu="h100"))
     assert "forward sm90" in d96 and "backward mma.sync" in d96
-    assert "family sm80 on this sm_90 GPU: the sm90 backward takes head dims 64, 128 (got 96)" in d96
+    assert "family sm80 on this sm_90 GPU: the sm90 backward takes head dims 64, 128, 192, 256 (got 96" in d96
     softcap = str(autoflash.explain(autoflash.flash_attn_func, q.transpose(1, 2), q.transpose(1, 2),
                                     q.transpose(1, 2), softcap=5.0, gpu="h100"))
     assert "family sm80 on this sm_90 GPU: softcap run on the sm80 family" in softcap
@@ -146,8 +146,8 @@ def test_an_sm90_config_is_refused_on_other_gpus():
 
 
 @pytest.mark.parametrize("fields, text", [
-    (dict(direction="bwd", head_dim=96), "takes head dims 64 and 128"),
-    (dict(direction="bwd", block_n=64), "consumer warpgroups of 64 keys"),
+    (dict(direction="bwd", head_dim=192), "head_dim=192 without dkv_split"),
+    (dict(direction="bwd", block_n=96), "consumer warpgroups of 64 keys"),
     (dict(direction="bwd", pingpong=True), "the sm90 forward's schedule"),
     (dict(direction="bwd", head_dim=64, block_m=48), "block_m a multiple of 32"),
     (dict(dtype="fp32", block_m=128), "is fp16/bf16"),

@@ -100,6 +100,19 @@ def test_an_sm_90_forward_space_holds_both_families():
         assert {c.family for c in enumerate_space(key)} == {"sm80"}
 
 
+def test_an_sm_90_backward_space_holds_both_layouts():
+    """The sm90 backward's space: warpgroups of 64 keys each and two sharing 64 keys (dkv_split) at
+    d = 128; only the shared layout at d = 256 (dK and dV of 64 keys do not fit one warpgroup), whose
+    default takes one Q/dO stage (two do not fit the H100's shared memory)."""
+    d128 = [c for c in enumerate_space(ProblemKey("h100", "bwd", "bf16", 128, True, "le1k")) if c.family == "sm90"]
+    assert {c.dkv_split for c in d128} == {False, True} and {c.num_warps for c in d128} == {4, 8}
+    key = ProblemKey("h100", "bwd", "bf16", 256, False, "le1k")
+    default = default_for(key, get_profile("h100"))
+    d256 = [c for c in enumerate_space(key, default) if c.family == "sm90"]
+    assert default.dkv_split and default.num_stages == 1 and d256[0] == default
+    assert len(d256) > 3 and all(c.dkv_split and c.block_n == 64 for c in d256)
+
+
 # ------------------------------------------------------------------ variant keys
 from autoflash.kernels.defaults import default_backward_config, default_config  # noqa: E402
 from autoflash.tuning.problem import (KEY_VARIANTS, TOKENS, Shape, packed_lengths, variant_applies,  # noqa: E402

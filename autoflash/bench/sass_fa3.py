@@ -201,8 +201,9 @@ BACKWARD_LEGEND = """Backward: per consumer warp and query tile, the loop over q
 a trip: S, dP, dV, dK, dQ), counted as the forward's (hgmma_loops; FA3's steady loop chosen among those running whole
 query tiles, autoflash.bench.sass_fa3_bwd). FA3 d128 non-causal: 522 (510 in-line, without the mbarrier retry paths
 ptxas places after the body) per 400 equivalents. autoflash's sm90 backward peels the masked tiles into a loop of
-their own at d = 64 (as FA3 does) and keeps the causal mask behind a uniform branch in its one loop at d = 128 (counted
-as taken, as FA3's); it takes head dims 64 and 128 so far. Target (the Hopper backward issue): insns/eq at or below
+their own at d = 64 (as FA3 does) and keeps the causal mask behind a uniform branch in its one loop above (counted as
+taken, as FA3's). At d = 256 its two warpgroups share 64 keys, one accumulating dV^T and the other dK^T (dkv_split;
+FA3's dKV_swapAB splits both by head-dim halves over 80 keys). Target (the Hopper backward issue): insns/eq at or below
 FA3's at d 64, 128, 256, causal off and on, no spills, no serialization notices."""
 
 

@@ -325,7 +325,8 @@ def ours_row(cfg, text: str, registers: int, spill: int) -> dict:
     if len(loops) not in (1, 2) or any(lp.shapes != loops[0].shapes for lp in loops):
         raise RuntimeError(f"{cfg.name}: loops holding HGMMA {[lp.shapes for lp in loops]}, expected one or two "
                            f"over query tiles, each a tile's GEMMs")
-    return _row("autoflash", cfg.name, f"{cfg.block_m}x{cfg.block_n} {cfg.consumer_groups}WG", text, registers, spill)
+    tile = f"{cfg.block_m}x{cfg.block_n} {cfg.consumer_groups}WG" + (" dKV split" if cfg.dkv_split else "")
+    return _row("autoflash", cfg.name, tile, text, registers, spill)
 
 
 def side_by_side(workdir: Path, log=print) -> tuple[list[dict], bool]:

@@ -13,8 +13,9 @@ DQ_MODES = ("atomic", "pass")
 # Kernel families: "sm80" runs Ampere's mma.sync (ldmatrix, cp.async) on every GPU from sm_80;
 # "sm90" is FlashAttention-3's design on sm_90a (wgmma, TMA, mbarriers, a producer warpgroup beside
 # the consumer warpgroups): the forward (block_m / 64 consumer warpgroups of query rows;
-# templates/flash_fwd_sm90.cu.j2) and the backward (block_n / 64 consumer warpgroups of keys, dQ
-# added by bulk reductions; templates/flash_bwd_sm90.cu.j2).
+# templates/flash_fwd_sm90.cu.j2) and the backward (block_n / 64 consumer warpgroups of keys, or two
+# sharing 64 keys and splitting dK/dV between them: KernelConfig.dkv_split; dQ added by bulk
+# reductions; templates/flash_bwd_sm90.cu.j2).
 FAMILIES = ("sm80", "sm90")
 # setmaxnreg per thread (producer, consumer) by consumer warpgroups: FlashAttention-3's choice
 # (hopper/flash_fwd_kernel_sm90.h; 64K registers a block: 128 * (24 + 2 * 240) fits).
@@ -197,8 +198,9 @@ class KernelConfig:
     split: bool = False     # the key range split across blocks: fp32 partial O and LSE, merged by <name>_combine
     # ---- kernel family (see FAMILIES) and the sm90 forward's schedule ----
     # sm90: num_warps counts the consumer warps (4 per warpgroup; 64 query rows each in the forward,
-    # block_m = 16 * num_warps, 64 keys each in the backward, block_n = 16 * num_warps); a producer
-    # warpgroup comes on top. Forward only: pingpong, the consumer warpgroups take turns issuing
+    # block_m = 16 * num_warps; in the backward 64 keys each, block_n = 16 * num_warps, or with
+    # num_warps 8 and block_n 64 two sharing those keys, see dkv_split); a producer warpgroup comes
+    # on top. Forward only: pingpong, the consumer warpgroups take turns issuing
     # their GEMMs (named barriers); overlap, a warpgroup's softmax of tile j runs under its P V of
     # tile j - 1.
     family: str = "sm80"
@@ -340,16 +342,18 @@ class KernelConfig:
     def _validate_sm90_backward(self, what: str) -> None:
         if self.pingpong or self.overlap:
             raise ValueError(f"{what}: pingpong and overlap are the sm90 forward's schedule (expected False)")
-        if self.num_warps not in (4, 8) or self.block_n != 16 * self.num_warps:
-            raise ValueError(f"{what}: got block_n={self.block_n} with {self.num_warps} consumer warps; expected 1 or 2 "
-                             f"consumer warpgroups of 64 keys (num_warps 4 or 8 and block_n = 16 * num_warps)")
-        if self.head_dim not in (64, 128):
-            raise ValueError(f"{what}: the sm90 backward takes head dims 64 and 128 (dK and dV of 64 keys stay in a "
-                             f"consumer's registers; dQ^T is computed by head-dim rows of 64); others run on family "
-                             f"'sm80'")
-        if self.dq_columns % 16:
-            raise ValueError(f"{what}: got block_m={self.block_m}; two warpgroups at head dim 64 split dQ^T's query "
-                             f"columns, expected block_m a multiple of 32")
+        if self.num_warps not in (4, 8) or self.block_n not in (16 * self.num_warps, 64):
+            raise ValueError(f"{what}: got block_n={self.block_n} with {self.num_warps} consumer warps; expected 1 or "
+                             f"2 consumer warpgroups of 64 keys (num_warps 4 or 8 and block_n = 16 * num_warps) or "
+                             f"two sharing 64 keys (num_warps 8, block_n 64: dkv_split)")
+        if self.head_dim % 64 or (not self.dkv_split and self.head_dim > 128):
+            raise ValueError(f"{what}: got head_dim={self.head_dim}{'' if self.dkv_split else ' without dkv_split'}; "
+                             f"the sm90 backward takes head dims 64 and 128, and 192 and 256 with dK and dV split "
+                             f"between two warpgroups (num_warps 8, block_n 64; dK^T, dV^T and dQ^T are computed by "
+                             f"head-dim rows of 64); others run on family 'sm80'")
+        if self.dq_columns % 16 or self.block_m % (16 * self.consumer_groups if self.dkv_split else 16):
+            raise ValueError(f"{what}: got block_m={self.block_m}; two warpgroups splitting dQ^T's or S^T's query "
+                             f"columns take whole k steps of 16 each, expected block_m a multiple of 32")
 
     def _validate_backward(self) -> None:
         if not self.tensor_cores:
@@ -453,18 +457,28 @@ class KernelConfig:
         return self.num_warps // 4
 
     @property
+    def dkv_split(self) -> bool:
+        """sm90 backward with two consumer warpgroups sharing block_n = 64 keys (num_warps 8): each
+        computes S^T and dP^T for half the query tile, and warpgroup 0 accumulates dV^T, warpgroup 1
+        dK^T, the head dim along M (FlashAttention-3's dKV_swapAB): half the registers a thread of
+        keys-per-warpgroup needs for dK and dV, the way to head dims 192 and 256."""
+        return self.family == "sm90" and self.direction == "bwd" and self.num_warps == 8 and self.block_n == 64
+
+    @property
     def dq_columns(self) -> int:
         """sm90 backward: query columns of a consumer warpgroup's dQ^T tile. dQ^T (head dim x block_m)
-        is shared by head-dim rows of 64, and by query columns too where there are fewer such rows
-        than warpgroups (head dim 64, two warpgroups)."""
+        is shared by head-dim rows of 64, and by query columns instead where those rows do not split
+        evenly between the warpgroups (head dims 64 and 192, two warpgroups)."""
         rows = self.head_dim // 64
-        return self.block_m if rows >= self.consumer_groups else self.block_m * rows // self.consumer_groups
+        return self.block_m if rows % self.consumer_groups == 0 else self.block_m // self.consumer_groups
 
     @property
     def ds_span(self) -> int:
         """sm90 backward: bytes dS^T's rows (queries) are swizzled over: the largest of 128, 64, 32
-        that divides a warpgroup's dQ^T columns, so each warpgroup's operand starts a column block."""
-        return next(s for s in (128, 64, 32) if self.dq_columns * 2 % s == 0)
+        that divides a warpgroup's dQ^T columns (and with dkv_split its S^T columns), so each
+        warpgroup's operand starts a column block."""
+        cols = self.block_m // self.consumer_groups if self.dkv_split else self.dq_columns
+        return next(s for s in (128, 64, 32) if self.dq_columns * 2 % s == 0 and cols * 2 % s == 0)
 
     @property
     def producer_registers(self) -> int:
@@ -511,6 +525,7 @@ class KernelConfig:
         if self.direction == "bwd" and self.family == "sm90":  # tiles 1024-aligned, LSE and delta rows, barriers
             tiles = {"k": self.block_n * row, "v": self.block_n * row, "q": self.num_stages * self.block_m * row,
                      "dout": self.num_stages * self.block_m * row, "ds": self.block_m * self.block_n * 2,
+                     **({"p": self.block_m * self.block_n * 2} if self.dkv_split else {}),
                      "dq": self.block_m * self.head_dim * 4}
             layout = {k: _round_up(v, 1024) for k, v in tiles.items()}
             rows = 2 * self.num_stages * self.block_m * 4

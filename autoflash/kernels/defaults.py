@@ -78,9 +78,9 @@ def sm90_applies(head_dim: int, dtype: str, profile: GpuProfile) -> bool:
     return profile.arch == "sm_90" and dtype in ("fp16", "bf16") and head_dim % 16 == 0
 
 
-# Head dims the sm90 backward takes (KernelConfig: dK and dV of 64 keys stay in a consumer's
-# registers, dQ^T is computed by head-dim rows of 64).
-SM90_BACKWARD_HEAD_DIMS = (64, 128)
+# Head dims the sm90 backward takes (KernelConfig: dK^T, dV^T and dQ^T are computed by head-dim rows
+# of 64; above 128 with dK and dV split between two warpgroups, KernelConfig.dkv_split).
+SM90_BACKWARD_HEAD_DIMS = (64, 128, 192, 256)
 
 
 def sm90_backward_applies(head_dim: int, dtype: str, profile: GpuProfile) -> bool:
@@ -89,13 +89,21 @@ def sm90_backward_applies(head_dim: int, dtype: str, profile: GpuProfile) -> boo
     return sm90_applies(head_dim, dtype, profile) and head_dim in SM90_BACKWARD_HEAD_DIMS
 
 
-def _sm90_backward_tiles(head_dim: int, causal: bool) -> tuple[int, int]:
-    """(block_m, block_n) of the sm90 backward, two consumer warpgroups of 64 keys: FlashAttention-3's
-    tile_size_bwd_sm90 for 16-bit inputs (hopper/flash_bwd_launch_template.h; ../shared/docs/
-    hopper.md 4.4), 128 x 128 at d = 64 and 80 x 128 at d = 128, which ours take causal too (FA3
-    there: 64 x 128); the least SASS per unit of tensor-core work of the schedules that compile clean
-    (bench/results/static/)."""
-    return (128, 128) if head_dim <= 64 else (80, 128)
+def _sm90_backward_tiles(head_dim: int, causal: bool) -> tuple[int, int, int, tuple[int, ...]]:
+    """(block_m, block_n, num_warps, stage counts) of the sm90 backward, two consumer warpgroups. At
+    d = 64 and 128 each owns 64 keys, with FlashAttention-3's tiles (tile_size_bwd_sm90 for 16-bit
+    inputs, hopper/flash_bwd_launch_template.h; ../shared/docs/hopper.md 4.4): 128 x 128 at d = 64 and
+    80 x 128 at d = 128, which ours take causal too (FA3 there: 64 x 128). Above, dK^T and dV^T are
+    split between them (dkv_split) over 64 keys and 64 queries: FA3 takes 64 x 96 at d = 192 and
+    64 x 80 at d = 256 with its dKV_swapAB, both warpgroups holding half of dK^T and of dV^T; ours
+    needs block_n = 64 (S^T's rows, one wgmma M). d = 256 fits one Q/dO stage (209 KB of the H100's
+    227), d = 192 two. The least SASS per unit of tensor-core work of the schedules that compile
+    clean (bench/results/static/)."""
+    if head_dim <= 64:
+        return 128, 128, 8, (2,)
+    if head_dim <= 128:
+        return 80, 128, 8, (2,)
+    return 64, 64, 8, (2, 1)
 
 
 @functools.lru_cache(maxsize=None)
@@ -188,9 +196,9 @@ def default_backward_config(head_dim: int, dtype: str, causal: bool, profile: Gp
     `variant` as for default_config. On sm_90 GPUs a plain or causal backward (no `variant`) is the
     sm90 family's where sm90_backward_applies."""
     if not variant and sm90_backward_applies(head_dim, dtype, profile):
-        m, n = _sm90_backward_tiles(head_dim, causal)
-        return _first_fitting([dict(head_dim=head_dim, dtype=dtype, block_m=m, block_n=n, num_warps=n // 16,
-                                    causal=causal, direction="bwd", family="sm90", stages=(2,))],
+        m, n, w, stages = _sm90_backward_tiles(head_dim, causal)
+        return _first_fitting([dict(head_dim=head_dim, dtype=dtype, block_m=m, block_n=n, num_warps=w,
+                                    causal=causal, direction="bwd", family="sm90", stages=stages)],
                               profile, f"the backward at head_dim={head_dim} {dtype} (sm90 family)")
     return _first_fitting(
         (dict(head_dim=head_dim, dtype=dtype, block_m=m, block_n=n, num_warps=w, causal=causal, direction="bwd",

@@ -263,7 +263,7 @@ def family_reason(config: KernelConfig, variant, profile: GpuProfile) -> str | N
         return f"head dim {config.head_dim} is not a multiple of 16 (wgmma's k step)"
     if config.direction == "bwd" and config.head_dim not in SM90_BACKWARD_HEAD_DIMS:
         return (f"the sm90 backward takes head dims {', '.join(map(str, SM90_BACKWARD_HEAD_DIMS))} "
-                f"(got {config.head_dim})")
+                f"(got {config.head_dim}; its GEMMs run by head-dim rows of 64)")
     return "the tuned table picked it for this GPU"
 
 
@@ -394,10 +394,12 @@ def sm90_backward(config: KernelConfig, fns: dict, dout: torch.Tensor, q: torch.
     for n_block0, blocks in ([(j, 1) for j in range(n_blocks)] if deterministic else [(0, n_blocks)]):
         _call(fns[config.name], (blocks, hq, b), config.threads, config.smem_bytes, q.device, SM90_BWD_PARAMS,
               (lse2, delta, dq_accum, dk_x, dv_x), (*scalars, n_block0), SM90_BWD_NAMES, maps)
-    # Each query tile of dq_accum holds dQ^T (d x block_m, as the kernel's tile): back to rows, scaled
-    # (the kernel adds unscaled dS K, as FA3's postprocess scales).
-    tiles = dq_accum.view(b, hq, padded // config.block_m, d, config.block_m).transpose(3, 4)
-    dq = torch.empty_like(q).copy_(torch.mul(tiles, scale).reshape(b, hq, padded, d)[:, :, :lq])
+    # Each query tile of dq_accum holds dQ^T as the kernel's tile keeps it (its DQ_AT: head-dim row
+    # blocks of 64, query column groups of 8, warps, lanes' row lane / 4 and column pair lane % 4, then
+    # row half and column): back to rows, scaled (the kernel adds unscaled dS K, as FA3's postprocess).
+    tiles = dq_accum.view(b, hq, padded // config.block_m, d // 64, config.block_m // 8, 4, 8, 4, 2, 2)
+    rows = tiles.permute(0, 1, 2, 4, 7, 9, 3, 5, 8, 6)  # (query: group, pair, column), (d: block, warp, half, row)
+    dq = torch.empty_like(q).copy_(torch.mul(rows, scale).reshape(b, hq, padded, d)[:, :, :lq])
     return (dq, *summed_kv_heads(dk_x, dv_x, k, v))
 
 

@@ -67,14 +67,17 @@ SM90_FORWARD_KNOBS = {
     "overlap": (False, True),
 }
 # The sm90 family's backward on sm_90 GPUs, at the head dims it takes (defaults.
-# SM90_BACKWARD_HEAD_DIMS): 1-2 consumer warpgroups of 64 keys (block_n = 16 * num_warps: no knob of
-# its own, point_of derives it), query steps of 32 to 128 (multiples of 16: the RS k steps; of 32
-# where two warpgroups at d = 64 split dQ^T's columns), two stages as FA3 runs.
+# SM90_BACKWARD_HEAD_DIMS): 1-2 consumer warpgroups of 64 keys (block_n = 16 * num_warps), or two
+# sharing 64 keys with dK and dV split between them (block_n 64 with 8 warps: KernelConfig.dkv_split,
+# the one layout above d = 128); query steps of 32 to 128 (multiples of 16: the RS k steps; of 32
+# where two warpgroups split dQ^T's or S^T's columns), one or two Q/dO stages (FA3 runs two; d = 256
+# fits one).
 SM90_BACKWARD_KNOBS = {
     "family": ("sm90",),
     "block_m": (32, 48, 64, 80, 96, 112, 128),
+    "block_n": (64, 128),
     "num_warps": (4, 8),
-    "num_stages": (2,),
+    "num_stages": (1, 2),
 }
 # Registers a consumer thread keeps beside its accumulators (descriptors, softmax state, addresses).
 SM90_OVERHEAD_REGISTERS = 40
@@ -178,11 +181,12 @@ def accumulator_registers(config: KernelConfig) -> int | None:
     Forward: a warp's O (rows x d) and S (rows x block_n). Backward: a warp's tiles of dK and dV
     (keys x head dim) and of S and dP (queries x keys), from KernelConfig.backward_layout. 32
     threads share a warp's accumulators. The sm90 backward: a consumer warpgroup's dK, dV (64 keys x
-    head dim) and S^T, dP^T (64 keys x block_m) over its 128 threads."""
+    head dim) and S^T, dP^T (64 keys x block_m) over its 128 threads; with dkv_split half of that (one
+    of dK^T, dV^T; S^T and dP^T for half the queries)."""
     if not config.tensor_cores:
         return None
-    if config.family == "sm90" and config.direction == "bwd":  # a consumer warpgroup's 64 keys, 128 threads
-        return 2 * 64 * (config.head_dim + config.block_m) // 128
+    if config.family == "sm90" and config.direction == "bwd":  # block_n keys over the consumer warpgroups
+        return 2 * config.block_n * (config.head_dim + config.block_m) // (128 * config.consumer_groups)
     if config.direction == "fwd":
         rows = config.block_m // config.num_warps
         return rows * (config.head_dim_padded + config.block_n) // 32
@@ -195,7 +199,7 @@ def _plausible(config: KernelConfig) -> bool:
     a consumer thread's accumulators within the registers setmaxnreg gives it)."""
     if not config.tensor_cores:
         return True
-    if config.family == "sm90" and config.direction == "bwd":  # dK, dV; S^T, dP^T of 64 keys x block_m
+    if config.family == "sm90" and config.direction == "bwd":  # dK, dV; S^T, dP^T of a warpgroup
         return accumulator_registers(config) + SM90_OVERHEAD_REGISTERS <= config.consumer_registers
     if config.family == "sm90":  # O; S and P of 64 rows x block_n
         held = config.head_dim // 2 + config.block_n // 2 + config.block_n // 4
