@@ -3,8 +3,9 @@ and LSE, delta by bulk copies; one or two consumer warpgroups of 64 keys computi
 wgmma, dK, dV as RS wgmma from registers, or two sharing 64 keys with dV^T in one and dK^T in the
 other (dkv_split, SS wgmma from P^T, dS^T in shared memory); dQ^T from dS^T in shared memory, added
 into the fp32 dQ buffer by cp.reduce.async.bulk) on the host emulator as an H100: over a grid in the
-shape of FlashAttention's tests (head dims 64, 128, 192 and 256, causal in both alignments, GQA/MQA,
-lengths that are not multiples of the tiles, Lq > Lk) under FlashAttention's gradient rule; clean under the
+shape of FlashAttention's tests (head dims 64, 96, 128, 192 and 256, causal in both alignments, GQA/MQA,
+lengths that are not multiples of the tiles, Lq > Lk) under FlashAttention's gradient rule, and the
+H100's default at every other head dim that is a multiple of 16; clean under the
 sanitizer, which reports a planted missing fence; bit-identical with deterministic=True; compiled
 for sm_90a through the ptxas gate (no spills, no serialization). The emulated grid is sampled per
 run (tests/sampling.py); AUTOFLASH_SWEEP=full runs all of it."""
@@ -26,12 +27,14 @@ from gpu_inputs import device
 
 PAIRS = ((113, 203), (1, 239), (256, 128))  # flash-attn's (Lq, Lk) at emulator sizes; Lq > Lk too
 HEADS = ((4, 2), (3, 1))  # GQA, MQA (MHA: the sanitizer test)
-# (block_m, block_n, consumer warps, stages) by head dim: the H100's default first. d = 64, 128: two
+# (block_m, block_n, consumer warps, stages) by head dim: the H100's default first. d = 64, 96, 128: two
 # warpgroups of 64 keys (at d = 64 they split dQ^T's query columns), one warpgroup, and two sharing 64
 # keys (dkv_split: block_n 64 with 8 warps). d = 192, 256 (dkv_split only): other query steps and
-# stage counts (at d = 192 every warpgroup takes every dQ^T row, half the columns).
+# stage counts (at d = 192 every warpgroup takes every dQ^T row, half the columns). d = 96: K's tile
+# (and with dkv_split Q's, dO's) padded to 128 columns of zeros for the head-dim rows of 64.
 SCHEDULES = {
     64: ((128, 128, 8, 2), (64, 64, 4, 2), (64, 64, 8, 2)),
+    96: ((96, 128, 8, 2), (64, 64, 4, 2), (64, 64, 8, 2)),
     128: ((80, 128, 8, 2), (64, 64, 4, 2), (128, 64, 8, 1)),
     192: ((64, 64, 8, 2), (32, 64, 8, 1), (96, 64, 8, 1)),
     256: ((64, 64, 8, 1), (32, 64, 8, 2), (32, 64, 8, 1)),
@@ -74,7 +77,7 @@ def check(grads, q, k, v, dout, causal, align, scale=None):
 @pytest.mark.parametrize("schedule", [0, 1, 2], ids=["default", "alt1", "alt2"])
 @pytest.mark.parametrize("causal", ["none", "top_left", "bottom_right"])
 @pytest.mark.parametrize("dtype", ["fp16", "bf16"])
-@pytest.mark.parametrize("d", [64, 128, 192, 256])
+@pytest.mark.parametrize("d", sorted(SCHEDULES))
 def test_sm90_backward_meets_flashattention_rule(target, d, dtype, causal, schedule, heads, pair):
     (hq, hkv), (lq, lk) = heads, pair
     is_causal, align = causal != "none", "bottom_right" if causal == "bottom_right" else "top_left"
@@ -89,6 +92,26 @@ def test_sm90_backward_meets_flashattention_rule(target, d, dtype, causal, sched
     scale = 0.9 / math.sqrt(d)
     grads, dout = gradients(cfg, q, k, v, scale=scale)
     check([x.cpu() for x in grads], q.cpu(), k.cpu(), v.cpu(), dout.cpu(), is_causal, align, scale)
+
+
+# Head dims that are multiples of 16 beside the grid's: the H100's default at each (64 keys a warpgroup
+# up to 128, dkv_split above; all but 144..240 in steps of 64 pad K's tile to whole rows of 64).
+OTHER_HEAD_DIMS = (32, 48, 80, 112, 144, 160, 176, 208, 224, 240)
+
+
+@pytest.mark.parametrize("d", OTHER_HEAD_DIMS)
+def test_the_default_at_other_head_dims_meets_flashattention_rule(d):
+    from autoflash.kernels.defaults import default_backward_config
+    from autoflash.kernels.gpus import get_profile
+
+    cfg = default_backward_config(d, "bf16", True, get_profile("h100")).replace(align="bottom_right")
+    assert cfg.family == "sm90" and cfg.dkv_split == (d > 128)
+    g = torch.Generator().manual_seed(d)
+    q = torch.randn(1, 2, 90, d, generator=g).bfloat16()
+    k, v = (torch.randn(1, 1, 150, d, generator=g).bfloat16() for _ in range(2))
+    with autoflash.emulate("h100"):
+        grads, dout = gradients(cfg, q, k, v)
+    check(grads, q, k, v, dout, True, "bottom_right")
 
 
 SANITIZED = [sm90_config(64, "bf16", False, "top_left", 64), sm90_config(128, "fp16", True, "top_left", 64),

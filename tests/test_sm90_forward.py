@@ -128,10 +128,12 @@ def test_explain_names_the_family_and_why_not(launches):
     # both directions on the family (d = 128; the backward's since tests/test_sm90_backward.py)
     assert "family: sm90 (FlashAttention-3 design" in plain
     assert all("_sm90a" in line for line in plain.splitlines() if line.startswith(("forward:", "backward:")))
-    q96 = torch.randn(1, 64, 2, 96).bfloat16()
+    q96 = torch.randn(1, 64, 2, 96).bfloat16()  # both directions on the family (padded head-dim rows)
     d96 = str(autoflash.explain(autoflash.flash_attn_func, q96, q96, q96, gpu="h100"))
-    assert "forward sm90" in d96 and "backward mma.sync" in d96
-    assert "family sm80 on this sm_90 GPU: the sm90 backward takes head dims 64, 128, 192, 256 (got 96" in d96
+    assert "backward: bwd_hd96_bf16_m96n128w8s2_sm90a" in d96 and "family sm80" not in d96
+    q72 = torch.randn(1, 64, 2, 72).bfloat16()
+    d72 = str(autoflash.explain(autoflash.flash_attn_func, q72, q72, q72, gpu="h100"))
+    assert d72.count("family sm80 on this sm_90 GPU: head dim 72 is not a multiple of 16") == 2
     softcap = str(autoflash.explain(autoflash.flash_attn_func, q.transpose(1, 2), q.transpose(1, 2),
                                     q.transpose(1, 2), softcap=5.0, gpu="h100"))
     assert "family sm80 on this sm_90 GPU: softcap run on the sm80 family" in softcap

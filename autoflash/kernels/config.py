@@ -346,11 +346,10 @@ class KernelConfig:
             raise ValueError(f"{what}: got block_n={self.block_n} with {self.num_warps} consumer warps; expected 1 or "
                              f"2 consumer warpgroups of 64 keys (num_warps 4 or 8 and block_n = 16 * num_warps) or "
                              f"two sharing 64 keys (num_warps 8, block_n 64: dkv_split)")
-        if self.head_dim % 64 or (not self.dkv_split and self.head_dim > 128):
-            raise ValueError(f"{what}: got head_dim={self.head_dim}{'' if self.dkv_split else ' without dkv_split'}; "
-                             f"the sm90 backward takes head dims 64 and 128, and 192 and 256 with dK and dV split "
-                             f"between two warpgroups (num_warps 8, block_n 64; dK^T, dV^T and dQ^T are computed by "
-                             f"head-dim rows of 64); others run on family 'sm80'")
+        if not self.dkv_split and self.head_dim > 128:
+            raise ValueError(f"{what}: got head_dim={self.head_dim} without dkv_split; dK and dV of 64 keys fit a "
+                             f"warpgroup's registers up to head dim 128, above that the two warpgroups split them "
+                             f"(expected num_warps 8 and block_n 64)")
         if self.dq_columns % 16 or self.block_m % (16 * self.consumer_groups if self.dkv_split else 16):
             raise ValueError(f"{what}: got block_m={self.block_m}; two warpgroups splitting dQ^T's or S^T's query "
                              f"columns take whole k steps of 16 each, expected block_m a multiple of 32")
@@ -465,11 +464,18 @@ class KernelConfig:
         return self.family == "sm90" and self.direction == "bwd" and self.num_warps == 8 and self.block_n == 64
 
     @property
+    def head_rows(self) -> int:
+        """sm90 backward: the head dim rounded up to whole rows of 64, the M extent of dQ^T (and with
+        dkv_split of dK^T, dV^T): K's tile (and with dkv_split Q's, dO's, V's) is that wide, zero past
+        the head dim."""
+        return _round_up(self.head_dim, 64)
+
+    @property
     def dq_columns(self) -> int:
         """sm90 backward: query columns of a consumer warpgroup's dQ^T tile. dQ^T (head dim x block_m)
         is shared by head-dim rows of 64, and by query columns instead where those rows do not split
         evenly between the warpgroups (head dims 64 and 192, two warpgroups)."""
-        rows = self.head_dim // 64
+        rows = self.head_rows // 64
         return self.block_m if rows % self.consumer_groups == 0 else self.block_m // self.consumer_groups
 
     @property
@@ -523,10 +529,13 @@ class KernelConfig:
         """Bytes of each shared-memory buffer, in the order the template declares them."""
         row = self.head_dim_padded * self.elem_bytes
         if self.direction == "bwd" and self.family == "sm90":  # tiles 1024-aligned, LSE and delta rows, barriers
-            tiles = {"k": self.block_n * row, "v": self.block_n * row, "q": self.num_stages * self.block_m * row,
-                     "dout": self.num_stages * self.block_m * row, "ds": self.block_m * self.block_n * 2,
+            wide = 2 * self.head_rows  # bytes a row of the tiles padded to head_rows (see head_rows)
+            split_row = wide if self.dkv_split else row
+            tiles = {"k": self.block_n * wide, "v": self.block_n * split_row,
+                     "q": self.num_stages * self.block_m * split_row, "dout": self.num_stages * self.block_m * split_row,
+                     "ds": self.block_m * self.block_n * 2,
                      **({"p": self.block_m * self.block_n * 2} if self.dkv_split else {}),
-                     "dq": self.block_m * self.head_dim * 4}
+                     "dq": self.block_m * self.head_rows * 4}
             layout = {k: _round_up(v, 1024) for k, v in tiles.items()}
             rows = 2 * self.num_stages * self.block_m * 4
             layout["lse_delta_barriers"] = _round_up(_round_up(rows, 16) + 8 * (1 + 2 * self.num_stages), 1024)

@@ -78,29 +78,29 @@ def sm90_applies(head_dim: int, dtype: str, profile: GpuProfile) -> bool:
     return profile.arch == "sm_90" and dtype in ("fp16", "bf16") and head_dim % 16 == 0
 
 
-# Head dims the sm90 backward takes (KernelConfig: dK^T, dV^T and dQ^T are computed by head-dim rows
-# of 64; above 128 with dK and dV split between two warpgroups, KernelConfig.dkv_split).
-SM90_BACKWARD_HEAD_DIMS = (64, 128, 192, 256)
-
-
 def sm90_backward_applies(head_dim: int, dtype: str, profile: GpuProfile) -> bool:
-    """Whether the built-in backward on this GPU is the sm90 family (sm90_applies, and a head dim it
-    takes)."""
-    return sm90_applies(head_dim, dtype, profile) and head_dim in SM90_BACKWARD_HEAD_DIMS
+    """Whether the built-in backward on this GPU is the sm90 family: where the forward's is
+    (sm90_applies: every head dim that is a multiple of 16; above 128 with dK and dV split between two
+    warpgroups, KernelConfig.dkv_split)."""
+    return sm90_applies(head_dim, dtype, profile)
 
 
 def _sm90_backward_tiles(head_dim: int, causal: bool) -> tuple[int, int, int, tuple[int, ...]]:
-    """(block_m, block_n, num_warps, stage counts) of the sm90 backward, two consumer warpgroups. At
-    d = 64 and 128 each owns 64 keys, with FlashAttention-3's tiles (tile_size_bwd_sm90 for 16-bit
-    inputs, hopper/flash_bwd_launch_template.h; ../shared/docs/hopper.md 4.4): 128 x 128 at d = 64 and
-    80 x 128 at d = 128, which ours take causal too (FA3 there: 64 x 128). Above, dK^T and dV^T are
-    split between them (dkv_split) over 64 keys and 64 queries: FA3 takes 64 x 96 at d = 192 and
-    64 x 80 at d = 256 with its dKV_swapAB, both warpgroups holding half of dK^T and of dV^T; ours
-    needs block_n = 64 (S^T's rows, one wgmma M). d = 256 fits one Q/dO stage (209 KB of the H100's
-    227), d = 192 two. The least SASS per unit of tensor-core work of the schedules that compile
-    clean (bench/results/static/)."""
+    """(block_m, block_n, num_warps, stage counts) of the sm90 backward, two consumer warpgroups. Up to
+    d = 128 each owns 64 keys, with FlashAttention-3's tiles where it has them (tile_size_bwd_sm90 for
+    16-bit inputs, hopper/flash_bwd_launch_template.h; ../shared/docs/hopper.md 4.4): 128 x 128 at
+    d = 64 and 80 x 128 at d = 128, which ours take causal too (FA3 there: 64 x 128); between them
+    96 x 128 (FA3 at d = 96: 64 x 128; ours runs fewer instructions per unit of tensor-core work at 96
+    queries a step, and 112 spill). Above, dK^T and dV^T are split between them (dkv_split) over 64
+    keys and 64 queries: FA3 takes 64 x 96 at d = 192 and 64 x 80 at d = 256 with its dKV_swapAB,
+    both warpgroups holding half of dK^T and of dV^T; ours needs block_n = 64 (S^T's rows, one wgmma
+    M). d = 256 fits one Q/dO stage (209 KB of the H100's 227), d = 192 two. Each compiles without
+    spills (tests/test_sm90_backward.py); the least SASS per unit of tensor-core work of the schedules
+    that do (bench/results/static/)."""
     if head_dim <= 64:
         return 128, 128, 8, (2,)
+    if head_dim <= 96:
+        return 96, 128, 8, (2,)
     if head_dim <= 128:
         return 80, 128, 8, (2,)
     return 64, 64, 8, (2, 1)

@@ -15,7 +15,7 @@ from autoflash.emulation import guards  # the sanitizer's guard bands; torch.emp
 from autoflash.kernels.checks import DTYPE_NAMES, check_config, check_like, check_qkv, check_scale, device_index
 from autoflash.kernels.compiler import compile_config
 from autoflash.kernels.config import VARIANTS, KernelConfig
-from autoflash.kernels.defaults import SM90_BACKWARD_HEAD_DIMS, default_backward_config, default_config
+from autoflash.kernels.defaults import default_backward_config, default_config
 from autoflash.kernels.driver import check_driver
 from autoflash.kernels.gpus import GpuProfile, detect
 from autoflash.kernels.tensor_map import for_tensor
@@ -261,9 +261,6 @@ def family_reason(config: KernelConfig, variant, profile: GpuProfile) -> str | N
         return "fp32 runs on the SIMT kernels"
     if config.head_dim % 16:
         return f"head dim {config.head_dim} is not a multiple of 16 (wgmma's k step)"
-    if config.direction == "bwd" and config.head_dim not in SM90_BACKWARD_HEAD_DIMS:
-        return (f"the sm90 backward takes head dims {', '.join(map(str, SM90_BACKWARD_HEAD_DIMS))} "
-                f"(got {config.head_dim}; its GEMMs run by head-dim rows of 64)")
     return "the tuned table picked it for this GPU"
 
 
@@ -384,7 +381,8 @@ def sm90_backward(config: KernelConfig, fns: dict, dout: torch.Tensor, q: torch.
     _call(fns[f"{config.name}_delta"], (-(-padded // 128), hq, b), 128, 0, q.device, SM90_DELTA_PARAMS,
           (out, dout, lse, delta, lse2), (*_strides(out), *_strides(dout), lse.stride(0), lse.stride(1), lq, padded),
           SM90_DELTA_NAMES)
-    dq_accum = guards.zeros((b, hq, padded, d), torch.float32, q.device, "bhld", name="dq_accum", contiguous=True)
+    rows = config.head_rows  # the head dim rounded up to 64: the kernel's dQ^T tiles have that many rows
+    dq_accum = guards.zeros((b, hq, padded, rows), torch.float32, q.device, "bhld", name="dq_accum", contiguous=True)
     dk_x, dv_x = kv_grad_buffers(k, v, hq, varlen=False)
     if dout.stride(-1) != 1 or any(s % 8 for s in dout.stride()[:-1]) or 0 in dout.stride():
         dout = dout.contiguous()  # TMA reads rows 16-byte aligned and apart (autograd may pass expanded zeros)
@@ -397,9 +395,9 @@ def sm90_backward(config: KernelConfig, fns: dict, dout: torch.Tensor, q: torch.
     # Each query tile of dq_accum holds dQ^T as the kernel's tile keeps it (its DQ_AT: head-dim row
     # blocks of 64, query column groups of 8, warps, lanes' row lane / 4 and column pair lane % 4, then
     # row half and column): back to rows, scaled (the kernel adds unscaled dS K, as FA3's postprocess).
-    tiles = dq_accum.view(b, hq, padded // config.block_m, d // 64, config.block_m // 8, 4, 8, 4, 2, 2)
-    rows = tiles.permute(0, 1, 2, 4, 7, 9, 3, 5, 8, 6)  # (query: group, pair, column), (d: block, warp, half, row)
-    dq = torch.empty_like(q).copy_(torch.mul(rows, scale).reshape(b, hq, padded, d)[:, :, :lq])
+    tiles = dq_accum.view(b, hq, padded // config.block_m, rows // 64, config.block_m // 8, 4, 8, 4, 2, 2)
+    back = tiles.permute(0, 1, 2, 4, 7, 9, 3, 5, 8, 6)  # (query: group, pair, column), (d: block, warp, half, row)
+    dq = torch.empty_like(q).copy_(torch.mul(back, scale).reshape(b, hq, padded, rows)[:, :, :lq, :d])
     return (dq, *summed_kv_heads(dk_x, dv_x, k, v))
 
 

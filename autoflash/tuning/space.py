@@ -66,12 +66,11 @@ SM90_FORWARD_KNOBS = {
     "pingpong": (False, True),
     "overlap": (False, True),
 }
-# The sm90 family's backward on sm_90 GPUs, at the head dims it takes (defaults.
-# SM90_BACKWARD_HEAD_DIMS): 1-2 consumer warpgroups of 64 keys (block_n = 16 * num_warps), or two
-# sharing 64 keys with dK and dV split between them (block_n 64 with 8 warps: KernelConfig.dkv_split,
-# the one layout above d = 128); query steps of 32 to 128 (multiples of 16: the RS k steps; of 32
-# where two warpgroups split dQ^T's or S^T's columns), one or two Q/dO stages (FA3 runs two; d = 256
-# fits one).
+# The sm90 family's backward on sm_90 GPUs (defaults.sm90_backward_applies): 1-2 consumer warpgroups
+# of 64 keys (block_n = 16 * num_warps), or two sharing 64 keys with dK and dV split between them
+# (block_n 64 with 8 warps: KernelConfig.dkv_split, the one layout above d = 128); query steps of 32
+# to 128 (multiples of 16: the RS k steps; of 32 where two warpgroups split dQ^T's or S^T's
+# columns), one or two Q/dO stages (FA3 runs two; d = 256 fits one).
 SM90_BACKWARD_KNOBS = {
     "family": ("sm90",),
     "block_m": (32, 48, 64, 80, 96, 112, 128),

@@ -38,6 +38,7 @@ struct alignas(16) uint4 {
   uint4(const uint4& o) : x(o.x), y(o.y), z(o.z), w(o.w) {}
   uint4& operator=(const uint4& o) { x = o.x; y = o.y; z = o.z; w = o.w; return *this; }
 };
+inline uint4 make_uint4(unsigned x, unsigned y, unsigned z, unsigned w) { return {x, y, z, w}; }
 struct alignas(16) float4 {
   float x, y, z, w;
   float4() = default;
