@@ -460,7 +460,7 @@ class KernelConfig:
         """sm90 backward with two consumer warpgroups sharing block_n = 64 keys (num_warps 8): each
         computes S^T and dP^T for half the query tile, and warpgroup 0 accumulates dV^T, warpgroup 1
         dK^T, the head dim along M (FlashAttention-3's dKV_swapAB): half the registers a thread of
-        keys-per-warpgroup needs for dK and dV, the way to head dims 192 and 256."""
+        keys-per-warpgroup needs for dK and dV, the way to head dims above 128."""
         return self.family == "sm90" and self.direction == "bwd" and self.num_warps == 8 and self.block_n == 64
 
     @property
@@ -531,8 +531,8 @@ class KernelConfig:
         if self.direction == "bwd" and self.family == "sm90":  # tiles 1024-aligned, LSE and delta rows, barriers
             wide = 2 * self.head_rows  # bytes a row of the tiles padded to head_rows (see head_rows)
             split_row = wide if self.dkv_split else row
-            tiles = {"k": self.block_n * wide, "v": self.block_n * split_row,
-                     "q": self.num_stages * self.block_m * split_row, "dout": self.num_stages * self.block_m * split_row,
+            staged = self.num_stages * self.block_m * split_row
+            tiles = {"k": self.block_n * wide, "v": self.block_n * split_row, "q": staged, "dout": staged,
                      "ds": self.block_m * self.block_n * 2,
                      **({"p": self.block_m * self.block_n * 2} if self.dkv_split else {}),
                      "dq": self.block_m * self.head_rows * 4}

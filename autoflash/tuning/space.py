@@ -185,7 +185,8 @@ def accumulator_registers(config: KernelConfig) -> int | None:
     if not config.tensor_cores:
         return None
     if config.family == "sm90" and config.direction == "bwd":  # block_n keys over the consumer warpgroups
-        return 2 * config.block_n * (config.head_dim + config.block_m) // (128 * config.consumer_groups)
+        dim = config.head_rows if config.dkv_split else config.head_dim  # dK^T, dV^T by head-dim rows of 64
+        return 2 * config.block_n * (dim + config.block_m) // (128 * config.consumer_groups)
     if config.direction == "fwd":
         rows = config.block_m // config.num_warps
         return rows * (config.head_dim_padded + config.block_n) // 32
