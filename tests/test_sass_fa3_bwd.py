@@ -48,3 +48,21 @@ def test_a_tiling_that_does_not_fit_hgmma_is_refused():
     wrong = Fa3BwdKernel("x.cubin", D128, **{**args, "warpgroups": 3})  # 128 keys over 3 warpgroups
     with pytest.raises((ValueError, RuntimeError)):
         query_tile_hgmma(wrong)
+
+
+def test_our_rows_count_the_loop_in_line_too():
+    """Our side of the side-by-side is counted both ways, as FA3's is: with the out-of-line mbarrier
+    retry paths (hgmma_loops) and without them (the listing from the loop's head to its back branch),
+    so a row cannot meet the target on the first count alone."""
+    from autoflash.bench.sass_fa3_bwd import ours_row
+    from autoflash.kernels import sass
+    from autoflash.kernels.compiler import compile_config
+    from autoflash.kernels.config import KernelConfig
+
+    cfg = KernelConfig(head_dim=64, dtype="bf16", block_m=64, block_n=64, num_warps=8, causal=True, direction="bwd",
+                       family="sm90")
+    compiled = compile_config(cfg, "sm_90a")
+    row = ours_row(cfg, sass.disassemble(compiled.cubin_path, cfg.name), compiled.resources.registers, 0)
+    assert 0 < row["in-line insns/tile"] < row["insns/tile"]
+    assert row["in-line insns/eq"] == round(row["in-line insns/tile"] / row["m16n8k16-eq/warp"], 3)
+    assert row["tile"] == "64x64 2WG dKV split"
