@@ -95,7 +95,8 @@ def test_sm90_backward_meets_flashattention_rule(target, d, dtype, causal, sched
 
 
 # Head dims that are multiples of 16 beside the grid's: the H100's default at each (64 keys a warpgroup
-# up to 128, dkv_split above; all but 144..240 in steps of 64 pad K's tile to whole rows of 64).
+# up to 128, dkv_split above; none is a multiple of 64, so each pads K's tile, and above 128 Q's and
+# dO's, to whole head-dim rows of 64).
 OTHER_HEAD_DIMS = (32, 48, 80, 112, 144, 160, 176, 208, 224, 240)
 
 

@@ -466,8 +466,8 @@ class KernelConfig:
     @property
     def head_rows(self) -> int:
         """sm90 backward: the head dim rounded up to whole rows of 64, the M extent of dQ^T (and with
-        dkv_split of dK^T, dV^T): K's tile (and with dkv_split Q's, dO's, V's) is that wide, zero past
-        the head dim."""
+        dkv_split of dK^T, dV^T): K's tile (and with dkv_split Q's and dO's) is that wide, zero past the
+        head dim; with dkv_split V's too, where dV leaves through it."""
         return _round_up(self.head_dim, 64)
 
     @property

@@ -371,7 +371,7 @@ def sm90_backward(config: KernelConfig, fns: dict, dout: torch.Tensor, q: torch.
     delta kernel writes delta and the LSE in base 2 for query rows padded to whole tiles, the main
     kernel adds dQ^T tile by tile into an fp32 buffer of those rows by bulk reductions (one launch
     per key block when deterministic, so the adds come in a fixed order) and writes dK, dV per
-    query head (GQA: summed here); dQ is that buffer's tiles transposed and scaled."""
+    query head (GQA: summed here); dQ is that buffer's tiles turned back into rows and scaled."""
     b, hq, lq, d = q.shape
     hkv, lk = k.shape[1], k.shape[2]
     group = hq // hkv
