@@ -207,10 +207,12 @@ def _space_title(key) -> str:
 
 
 def _dry_run(args, keys, spaces) -> int:
-    from autoflash.tuning.report import format_space
+    """Prints each space; exits 1 where a space has no survivor or its default was rejected (a user
+    of that GPU could not run the built-in kernel), naming what rejected it."""
+    from autoflash.tuning.report import dominant_reason, format_space
     from autoflash.tuning.runner import spaces_for
 
-    seen = set()
+    seen, failures = set(), []
     for key in keys:
         default, cands = spaces_for(spaces, key)
         title = _space_title(key)
@@ -219,7 +221,14 @@ def _dry_run(args, keys, spaces) -> int:
         seen.add(title)
         print(format_space(f"{title} (default {default.name})", cands, show_rejected=args.show_rejected))
         print()
+        if not any(c.ok for c in cands):
+            failures.append(f"{title}: no candidate survives; {dominant_reason(cands)}")
+        elif bad := next((c for c in cands if c.config == default and not c.ok), None):
+            failures.append(f"{title}: the built-in default {default.name} is rejected: {bad.status}: {bad.reason}")
     print("Measuring needs the GPU itself: run without --dry-run on a machine with that GPU.")
+    if failures:
+        print("\n".join(["", "Failed:", *failures]), file=sys.stderr)
+        return 1
     return 0
 
 

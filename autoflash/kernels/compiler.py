@@ -32,6 +32,19 @@ class CompileError(RuntimeError):
         cfg = f"\nconfig: {config}" if config is not None else ""
         super().__init__(f"NVRTC failed to compile {name} for {arch}{cfg}\n--- compiler log ---\n{log.strip()}")
 
+    @property
+    def reason(self) -> str:
+        """The line that refused the kernel: the gate's first finding (a ptxas notice, the spill), else
+        NVRTC's first error, else the log's last line (never ptxas's closing "Compile time")."""
+        lines = [line.strip() for line in self.log.strip().splitlines() if line.strip()]
+        if lines and lines[0].startswith("the sm90 family's ptxas gate refused it"):
+            return lines[1] if len(lines) > 1 else lines[0]
+        errors = [line for line in lines if re.search(r"\berror\b|catastrophic|C75\d\d", line)]
+        if errors:
+            return errors[0]
+        useful = [line for line in lines if "Compile time" not in line]
+        return useful[-1] if useful else str(self).splitlines()[0]
+
 
 @dataclasses.dataclass(frozen=True)
 class Resources:
@@ -149,6 +162,16 @@ def _site_file(relative: str) -> str | None:
     return None
 
 
+def nvrtc_builtins(lib: str) -> list[str]:
+    """The builtins libraries that sit beside NVRTC `lib` in its wheel (libnvrtc-builtins.so.13.0 beside
+    libnvrtc.so.13). NVRTC dlopens its builtins by soname at its first compile; the 13.5 wheel's
+    libnvrtc carries RPATH $ORIGIN, the 13.0.88 one (pinned by CUDA torch 2.14.1) none, so there the
+    builtins are found only if something loaded them first. Loaded before NVRTC, the soname is already
+    in the process and NVRTC takes it, whichever wheel and whatever was imported before."""
+    folder = Path(lib).parent
+    return sorted(str(p) for p in folder.glob("libnvrtc-builtins.so.*") if ".alt." not in p.name)
+
+
 @functools.lru_cache(maxsize=1)
 def _nvrtc():
     """cuda.bindings.nvrtc, bound to the NVRTC of the installed stack.
@@ -167,6 +190,8 @@ def _nvrtc():
     stack = STACKS.get(_major(getattr(cuda.bindings, "__version__", "")))
     lib = _site_file(stack.nvrtc_lib) if stack is not None and sys.platform.startswith("linux") else None
     if lib is not None:
+        for builtins in nvrtc_builtins(lib):
+            ctypes.CDLL(builtins, mode=os.RTLD_NOW | os.RTLD_GLOBAL)
         ctypes.CDLL(lib, mode=os.RTLD_NOW | os.RTLD_GLOBAL)
     try:
         nvrtc.nvrtcVersion()

@@ -42,6 +42,7 @@ def load_functions(config: KernelConfig, arch: str, device_index: int) -> dict:
     import cupy
 
     compiled = compile_config(config, arch)
+    check_params(config, compiled.cubin)  # what the driver will read is what _call packs
     with cupy.cuda.Device(device_index):
         module = cupy.RawModule(path=str(compiled.cubin_path))
         fns = {n: module.get_function(n) for n in config.symbols}
@@ -171,6 +172,30 @@ SM90_BWD_NAMES = ("q", "k", "v", "dout", "lse2", "delta", "dq_accum", "dk", "dv"
 SM90_BWD_PARAMS = KernelParams(5, "q" * 6 + "iiii" + "ff" + "i", maps=4)
 DQ_PARAMS = KernelParams(11, "q" * 19 + "iiiii" + "ffff")  # q k v dout lse delta dq +4; 5 x 3 strides +4;
 #                                       seqlen_q seqlen_k group +2; scale scale_log2 +2 (the dQ pass)
+
+
+def params_for(config: KernelConfig) -> dict[str, KernelParams]:
+    """{symbol: the parameter list its launches pack} for every kernel a config's source defines."""
+    if config.family == "sm90":
+        if config.direction == "fwd":
+            return {config.name: SM90_FWD_PARAMS}
+        return {config.name: SM90_BWD_PARAMS, f"{config.name}_delta": SM90_DELTA_PARAMS}
+    if config.direction == "fwd":
+        return {config.name: FWD_PARAMS, **({f"{config.name}_combine": COMBINE_PARAMS} if config.split else {})}
+    return {config.name: BWD_PARAMS, f"{config.name}_delta": DELTA_PARAMS,
+            **({f"{config.name}_dq": DQ_PARAMS} if config.dq == "pass" else {})}
+
+
+def check_params(config: KernelConfig, cubin: bytes) -> None:
+    """ValueError unless every kernel's parameter table in the cubin (what the driver copies at
+    launch: count, size and C offset of each parameter) is the list the launcher packs for it."""
+    from autoflash.kernels.cubin import param_table
+
+    for symbol, params in params_for(config).items():
+        table = param_table(cubin, symbol)
+        if table.relative != params.spans:
+            raise ValueError(f"{symbol}: the cubin's parameters (offset, size) are {table.relative}; the launcher "
+                             f"packs {params.spans} ({params.struct.format})")
 
 
 def _call(fn, grid, threads: int, smem: int, device: torch.device, params: KernelParams, tensors: tuple,

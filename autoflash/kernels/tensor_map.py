@@ -11,6 +11,7 @@ A kernel takes a map by value, `const __grid_constant__ TmaDesc map` (templates/
 Dims are given innermost first, as the driver takes them; `for_tensor` builds them from a torch tensor."""
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -78,18 +79,33 @@ class TiledMap:
         return w.view(np.uint8)
 
     def encoded(self) -> bytes:
-        """The driver's CUtensorMap for this map (needs the CUDA driver: a GPU machine)."""
-        from cuda.bindings import driver
+        """The driver's CUtensorMap for this map (needs the CUDA driver: a GPU machine). Encoded once
+        per distinct map (address, dims, strides, box, swizzle, type: the dataclass's fields), as every
+        launch on the same tensors asks for the same bytes: ~11 us of Python each, four per sm90
+        forward and per key block of the deterministic backward. The cache holds the fields, never
+        the tensor."""
+        return _encode(self.data_type, self.address, self.dims, self.strides, self.box, self.element_strides,
+                       self.swizzle, self.l2_promotion)
 
-        err, tmap = driver.cuTensorMapEncodeTiled(
-            driver.CUtensorMapDataType(self.data_type), self.rank, self.address, list(self.dims),
-            list(self.strides), list(self.box), list(self.element_strides),
-            driver.CUtensorMapInterleave.CU_TENSOR_MAP_INTERLEAVE_NONE,
-            driver.CUtensorMapSwizzle(SWIZZLES[self.swizzle]), driver.CUtensorMapL2promotion(self.l2_promotion),
-            driver.CUtensorMapFloatOOBfill.CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE)
-        if err != driver.CUresult.CUDA_SUCCESS:
-            raise ValueError(f"cuTensorMapEncodeTiled refused {self}: {err!r}")
-        return np.array([int(x) for x in tmap.opaque], dtype=np.uint64).tobytes()
+
+@functools.lru_cache(maxsize=4096)
+def _encode(data_type: int, address: int, dims: tuple, strides: tuple, box: tuple, element_strides: tuple,
+            swizzle: int, l2_promotion: int) -> bytes:
+    from cuda.bindings import driver
+
+    # The bindings take the lists as cuuint64_t (dims, strides) and cuuint32_t (box, element strides),
+    # as cuda.h types them; plain ints are a TypeError before the driver is reached.
+    u64, u32 = driver.cuuint64_t, driver.cuuint32_t
+    err, tmap = driver.cuTensorMapEncodeTiled(
+        driver.CUtensorMapDataType(data_type), len(dims), address, [u64(n) for n in dims], [u64(s) for s in strides],
+        [u32(b) for b in box], [u32(s) for s in element_strides],
+        driver.CUtensorMapInterleave.CU_TENSOR_MAP_INTERLEAVE_NONE,
+        driver.CUtensorMapSwizzle(SWIZZLES[swizzle]), driver.CUtensorMapL2promotion(l2_promotion),
+        driver.CUtensorMapFloatOOBfill.CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE)
+    if err != driver.CUresult.CUDA_SUCCESS:
+        raise ValueError(f"cuTensorMapEncodeTiled refused the map of {dims} elements (innermost first) at "
+                         f"{address:#x}, strides {strides} bytes, box {box}, swizzle {swizzle}: {err!r}")
+    return np.array([int(x) for x in tmap.opaque], dtype=np.uint64).tobytes()
 
 
 def check(m: TiledMap) -> None:

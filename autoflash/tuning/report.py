@@ -3,6 +3,7 @@ winner, time, TFLOPs, x SDPA-flash, x default) and the --plot PNG of the search.
 from __future__ import annotations
 
 import collections
+import re
 from pathlib import Path
 
 from autoflash.bench.report import flops, tflops
@@ -60,6 +61,23 @@ def format_space(title: str, candidates: list[Candidate], *, show_rejected: bool
             if not c.ok:
                 lines.append(f"  x {c.config.name:<{width - 2}} {c.status}: {c.reason}")
     return "\n".join(lines)
+
+
+def dominant_reason(candidates: list[Candidate]) -> str:
+    """What rejected most of a space's candidates, as one line: the status and its most common reason
+    (kernel names and figures stripped, so one ptxas notice counts once however many configs hit it)."""
+    def plain(c: Candidate) -> str:
+        if c.status == "smem":
+            return "smem: over the GPU's shared memory per block"
+        if c.status == "spills":
+            return "spills: ptxas spilled registers"
+        return f"{c.status}: " + re.sub(r"'[^']*'", "'...'", c.reason)
+
+    counts = collections.Counter(plain(c) for c in candidates if not c.ok)
+    if not counts:
+        return "nothing was rejected"
+    reason, n = counts.most_common(1)[0]
+    return f"{n} of {len(candidates)}: {reason}"
 
 
 def _ratio(num: float | None, den: float | None) -> str:

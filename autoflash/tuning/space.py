@@ -264,7 +264,7 @@ def _compile_one(config: KernelConfig, arch: str) -> tuple[str, str, int | None,
     try:
         res = compile_config(config, arch).resources
     except CompileError as e:
-        return "compile", e.log.strip().splitlines()[-1] if e.log.strip() else str(e), None, None
+        return "compile", e.reason, None, None
     if res.spills:
         return ("spills", f"{res.spill_stores} bytes spill stores, {res.spill_loads} bytes spill loads",
                 res.registers, res.spill_stores + res.spill_loads)
