@@ -257,3 +257,81 @@ def test_every_arch_compiles_or_names_the_install(arch):
         return
     for cfg in cfgs:
         assert compiler.compile_config(cfg, arch).resources.registers > 0
+
+
+# ---- defaults per stack -----------------------------------------------------------------------------
+
+@pytest.fixture
+def nvrtc_release(monkeypatch):
+    """nvrtc_release((13, 0)): the built-in defaults as under that NVRTC (caches cleared around)."""
+    from autoflash.kernels import defaults
+
+    def clear():
+        for f in (defaults.default_config, defaults.default_backward_config, defaults.default_decode_config):
+            f.cache_clear()
+
+    def apply(version):
+        monkeypatch.setattr(compiler, "installed_nvrtc", lambda: version)
+        clear()
+
+    yield apply
+    clear()
+
+
+def test_defaults_that_spill_under_an_older_nvrtc_take_the_next_choice(nvrtc_release):
+    # NVRTC 12.9 and 13.0.88 (CUDA torch 2.14.1's pin) spill FA2's A100 d128 forward tile and two
+    # sm90 defaults that 13.5 compiles clean (bench/results/compile/).
+    from autoflash.kernels.defaults import default_backward_config, default_config, stack_note
+    from autoflash.kernels.gpus import get_profile
+
+    a100, h100 = get_profile("a100"), get_profile("h100")
+    nvrtc_release((13, 5))
+    newest = (default_config(128, "bf16", False, a100), default_config(208, "bf16", True, h100),
+              default_backward_config(80, "bf16", False, h100))
+    assert [(c.block_m, c.block_n, c.num_warps) for c in newest[:1]] == [(128, 64, 4)]
+    assert [c.family for c in newest[1:]] == ["sm90", "sm90"]
+    assert all(stack_note(c, p) is None for c, p in zip(newest, (a100, h100, h100)))
+    for version in ((13, 0), (12, 9)):
+        nvrtc_release(version)
+        older = (default_config(128, "bf16", False, a100), default_config(208, "bf16", True, h100),
+                 default_backward_config(80, "bf16", False, h100))
+        assert (older[0].block_m, older[0].block_n, older[0].num_warps) == (128, 64, 8)
+        assert [c.family for c in older[1:]] == ["sm80", "sm80"]
+        for c, p in zip(older, (a100, h100, h100)):
+            note = stack_note(c, p)
+            assert note.startswith(f"NVRTC {version[0]}.{version[1]} picked it") and "13.5" in note, note
+        # what the newest stack runs is untouched elsewhere
+        assert default_backward_config(80, "bf16", True, h100).family == "sm90"
+        assert default_config(192, "bf16", True, h100).family == "sm90"
+
+
+def test_without_nvrtc_the_newest_defaults_stand(nvrtc_release):
+    from autoflash.kernels.defaults import default_config
+    from autoflash.kernels.gpus import get_profile
+
+    nvrtc_release(None)
+    assert default_config(208, "bf16", False, get_profile("h100")).family == "sm90"
+
+
+def test_a_refusal_names_the_nvrtc_and_the_upgrade(monkeypatch):
+    # The emulator's refusal of a kernel NVRTC refuses says which NVRTC did and what may fix it.
+    from autoflash.emulation import limits
+    from autoflash.kernels.defaults import default_config
+    from autoflash.kernels.gpus import get_profile
+
+    config = default_config(64, "bf16", True, get_profile("h100"))
+
+    def refuse(cfg, arch):
+        raise compiler.CompileError(cfg.name, arch, "the sm90 family's ptxas gate refused it:\nptxas info : (C7519) "
+                                    "warpgroup.arrive is injected\n--- full log ---\n...", cfg)
+
+    monkeypatch.setattr(compiler, "compile_config", refuse)
+    limits.kernel_registers.cache_clear()
+    try:
+        with pytest.raises(limits.EmulationError) as e:
+            limits.kernel_registers(config, "sm_90", config.name)
+    finally:
+        limits.kernel_registers.cache_clear()
+    text = str(e.value)
+    assert "(C7519) warpgroup.arrive is injected" in text.splitlines()[0]
+    assert f"NVRTC {compiler.nvrtc_version()}" in text and "pip install -U" in text

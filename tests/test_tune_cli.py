@@ -289,3 +289,43 @@ def test_a_simulated_tune_of_a_window_key_writes_its_entry(tmp_path):
     assert entry.default.name == default_for(key, get_profile("h100")).name
     assert entry.sdpa_flash_ms is None  # SDPA-flash has no sliding window: no baseline, not a made-up one
     assert key.label in proc.stdout
+
+
+def test_a_dry_run_where_nothing_survives_fails_and_says_why(monkeypatch, capsys):
+    # NVRTC that refuses every kernel (as 13.0.88 without its builtins did, or a ptxas notice through
+    # the gate): the dry run said "0 of N candidates survive" and exited 0, the cause visible only as
+    # ptxas's closing "Compile time" line under --show-rejected.
+    from autoflash.kernels import compiler
+    from autoflash.tuning import space
+
+    log = ("ptxas info    : (C7519) warpgroup.arrive is injected in around line 412 by compiler to allow use of "
+           "registers in GMMA in function 'x'\nptxas info    : Compile time = 879.000 ms")
+
+    def refuse(config, arch):
+        raise compiler.CompileError(config.name, arch, "the sm90 family's ptxas gate refused it:\n" + log.splitlines()[0]
+                                    + "\n--- full log ---\n" + log if config.family == "sm90" else log, config)
+
+    monkeypatch.setattr(compiler, "compile_config", refuse)
+    assert main(["--gpu", "h100", "--dry-run", "--show-rejected", "--jobs", "1", *TINY]) == 1
+    captured = capsys.readouterr()
+    assert "0 of" in captured.out and "Compile time" not in captured.out
+    assert "(C7519) warpgroup.arrive is injected" in captured.out
+    assert "no candidate survives" in captured.err and "compile: " in captured.err
+    assert space._compile_one  # the candidates came through the tuner's own compile step
+
+
+def test_a_dry_run_fails_when_the_default_is_rejected(monkeypatch, capsys):
+    from autoflash.kernels import compiler
+
+    default = default_config(64, "fp16", True, get_profile("h100"))
+    real = compiler.compile_config
+
+    def refuse_default(config, arch):
+        if config == default:
+            raise compiler.CompileError(config.name, arch, "ptxas info    : 80 bytes spill stores", config)
+        return real(config, arch)
+
+    monkeypatch.setattr(compiler, "compile_config", refuse_default)
+    assert main(["--gpu", "h100", "--dry-run", "--jobs", "1", "--causal", "on", *TINY]) == 1
+    err = capsys.readouterr().err
+    assert f"the built-in default {default.name} is rejected" in err

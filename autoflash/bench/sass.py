@@ -404,14 +404,10 @@ def our_kernels(arch: str, d: int, causal: bool, profile) -> dict[str, Kernel]:
     from autoflash.kernels.defaults import default_backward_config, default_config
 
     out = {}
-    # FA2's sm80 kernels against ours of the same design: on an H100 the forward default is the sm90
-    # family's (compared with FlashAttention-3 by --fa3); the sm80 family's tiles are the A100's.
-    fwd = default_config(d, DTYPE, causal, profile)
-    if fwd.family == "sm90":
-        from autoflash.kernels.gpus import get_profile
-
-        fwd = default_config(d, DTYPE, causal, get_profile("a100"))
-    for key, cfg in (("fwd", fwd), ("bwd", default_backward_config(d, DTYPE, causal, profile))):
+    # FA2's sm80 kernels against ours of the same design: on an H100 the defaults are the sm90
+    # family's (compared with FlashAttention-3 by --fa3): here the sm80 family's defaults for the GPU.
+    fwd = default_config(d, DTYPE, causal, profile, family="sm80")
+    for key, cfg in (("fwd", fwd), ("bwd", default_backward_config(d, DTYPE, causal, profile, family="sm80"))):
         compiled = compile_config(cfg, arch)
         functions = sass.functions(sass.disassemble(compiled.cubin_path))
         out[key] = Kernel("autoflash", cfg.name, cfg.direction, cfg.head_dim_padded, cfg.block_m, cfg.block_n,

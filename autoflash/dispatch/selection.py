@@ -82,6 +82,7 @@ def _tables(gpu: str, template_hash: str, folders: tuple[tuple[str, Path], ...],
 
 def _select(profile: GpuProfile, direction: str, dtype: str, head_dim: int, causal: bool, bucket: str,
             variant: str, template_hash: str, folders: tuple[tuple[str, Path], ...], files: tuple) -> Selection:
+    from autoflash.kernels.defaults import stack_note
     from autoflash.tuning.space import default_for
 
     key = ProblemKey(profile.name, direction, dtype, head_dim, causal, bucket, variant)
@@ -90,7 +91,9 @@ def _select(profile: GpuProfile, direction: str, dtype: str, head_dim: int, caus
         # A table measured on the full part may name a tile a cut-down variant cannot hold.
         if entry is not None and entry.winner.config.smem_bytes <= profile.smem_per_block_optin:
             return Selection(key, entry.winner.config, f"tuned table {path}")
-    return Selection(key, default_for(key, profile), HEURISTIC)
+    config = default_for(key, profile)
+    note = stack_note(config, profile)  # where the installed NVRTC moved a built-in choice
+    return Selection(key, config, HEURISTIC + (f"; {note}" if note else ""))
 
 
 def select_config(profile: GpuProfile, direction: str, dtype: str, head_dim: int, causal: bool,

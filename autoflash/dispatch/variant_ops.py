@@ -75,13 +75,14 @@ def tuned_selection(profile, q: torch.Tensor, direction: str, kw: dict, seqlen_k
                                   variant=variant)
     except ValueError:  # a variant with no tuner key (e.g. fp32): the built-in tiles
         return None
-    return None if selection.origin == HEURISTIC else selection
+    return None if selection.origin.startswith(HEURISTIC) else selection
 
 
 def kernel_plan(profile, q, k, kw: dict, directions=("fwd", "bwd")) -> tuple:
     """What the ops would launch for a checked call, per direction: Selection(tuner key or None,
     the KernelConfig with the call's switches, where its tiles came from). Metadata only: nothing is
     compiled or launched (autoflash.explain)."""
+    from autoflash.kernels.defaults import stack_note
     from autoflash.kernels.launch import family_reason, variant_config
     from autoflash.kernels.variants import resolve, views
 
@@ -97,6 +98,8 @@ def kernel_plan(profile, q, k, kw: dict, directions=("fwd", "bwd")) -> tuple:
                                                           if variant.needs_registers and config.family == "sm80" else "")
         why = family_reason(config, variant, profile)
         origin += f"; family sm80 on this sm_90 GPU: {why}" if why else ""
+        note = None if tuned else stack_note(config, profile)
+        origin += f"; {note}" if note and note not in origin else ""
         chosen.append(Selection(tuned.key if tuned else None, config, origin))
     return tuple(chosen)
 

@@ -40,13 +40,14 @@ def kernel_registers(config: KernelConfig, arch: str, name: str) -> int | None:
     """Registers per thread ptxas gives kernel `name` of `config` on `arch` (NVRTC, disk-cached); None
     where NVRTC or the CUDA headers are missing (the register limit is then not checked; a warning
     says so). A kernel NVRTC rejects is refused: no GPU could launch it."""
-    from autoflash.kernels.compiler import CompileError, compile_config, parse_ptxas_report
+    from autoflash.kernels.compiler import CompileError, compile_config, parse_ptxas_report, upgrade_hint
 
     try:
         compiled = compile_config(config, arch)
     except CompileError as e:
         raise EmulationError(f"launch of {name} refused: NVRTC cannot compile {config.name} for {arch}, so no GPU "
-                             f"could run it:\n{e.log.strip()[-2000:]}") from None
+                             f"could run it: {e.reason}\n{upgrade_hint()}\n--- compiler log ---\n"
+                             f"{e.log.strip()[-2000:]}") from None
     except (ImportError, OSError, RuntimeError) as e:
         warnings.warn(f"the emulator does not check {name}'s registers against the register file: ptxas's count "
                       f"for {arch} needs NVRTC and the CUDA headers ({type(e).__name__}: {e})", stacklevel=2)

@@ -219,6 +219,25 @@ def nvrtc_version() -> str:
     return f"{major}.{minor}"
 
 
+def installed_nvrtc() -> tuple[int, int] | None:
+    """(major, minor) of the NVRTC the kernels compile with; None where no CUDA stack is installed."""
+    try:
+        return tuple(int(x) for x in nvrtc_version().split("."))[:2]
+    except RuntimeError:
+        return None
+
+
+def upgrade_hint() -> str:
+    """Which NVRTC compiles here and the install that brings its stack's newest (for refusals: ptxas
+    releases differ in what they spill and serialize; the newest of each stack is CI's)."""
+    try:
+        stack = _nvrtc_stack()
+    except RuntimeError as e:
+        return str(e)
+    return (f"NVRTC {nvrtc_version()} ({stack.nvrtc_wheel}) compiled it; a newer release of the stack may not refuse it: "
+            f"`pip install -U \"{stack.nvrtc_wheel}<{stack.major + 1}\"`")
+
+
 def _nvrtc_stack() -> CudaStack:
     major = _major(nvrtc_version())
     if major not in STACKS:

@@ -2,6 +2,7 @@
 needs it (registers, shared memory), for a GPU profile. The tuner starts from these."""
 from __future__ import annotations
 
+import dataclasses
 import functools
 
 from autoflash.kernels.config import KernelConfig
@@ -9,6 +10,67 @@ from autoflash.kernels.gpus import GpuProfile
 
 # A100-class parts let one block use up to 163 KB of shared memory; sm_86/sm_89 parts only 99 KB.
 _BIG_SMEM = 160 * 1024
+
+
+@dataclasses.dataclass(frozen=True)
+class StackSpill:
+    """A built-in kernel that ptxas spills under the NVRTC of some of the CUDA stacks our users get
+    (the compile tier runs under each: .ci/nvrtc_stacks.sh, bench/results/compile/). Under an NVRTC
+    older than `clean_from` the default takes the next choice: the next tile, or for the sm90 family
+    the sm80 family's kernel."""
+
+    arch: str
+    family: str
+    direction: str
+    head_dims: tuple[int, ...]
+    causal: tuple[bool, ...]
+    tile: tuple[int, int, int] | None  # (block_m, block_n, num_warps); None: the family's built-in tile
+    clean_from: tuple[int, int]  # the first NVRTC seen clean
+    seen: str  # where it spilled
+
+    def note(self, nvrtc: tuple[int, int]) -> str:
+        return (f"NVRTC {nvrtc[0]}.{nvrtc[1]} picked it: ptxas there spills the first choice ({self.seen}; clean "
+                f"from NVRTC {self.clean_from[0]}.{self.clean_from[1]})")
+
+
+STACK_SPILLS = (
+    StackSpill("sm_80", "sm80", "fwd", (128,), (False, True), (128, 64, 4), (13, 5),
+               "128 x 64 with 4 warps: 72-80 bytes under 12.1, 12.9 and 13.0.88"),
+    StackSpill("sm_90", "sm90", "fwd", (208,), (False, True), None, (13, 5),
+               "16 bytes under 12.9 and 13.0.88"),
+    StackSpill("sm_90", "sm90", "bwd", (80,), (False,), None, (13, 5), "8 bytes under 12.9 and 13.0.88"),
+    StackSpill("sm_90", "sm90", "bwd", (128,), (False,), None, (12, 9), "4 bytes under 12.1"),
+)
+
+
+def stack_spill(arch: str, family: str, direction: str, head_dim: int, causal: bool,
+                tile: tuple[int, int, int] | None = None, nvrtc: tuple[int, int] | None = None) -> StackSpill | None:
+    """The StackSpill that rules a kernel out under `nvrtc` (default: the installed NVRTC; none
+    installed: the newest, under which nothing is ruled out), or None."""
+    if nvrtc is None:
+        from autoflash.kernels.compiler import installed_nvrtc
+
+        nvrtc = installed_nvrtc()
+        if nvrtc is None:
+            return None
+    return next((s for s in STACK_SPILLS if (s.arch, s.family, s.direction) == (arch, family, direction)
+                 and head_dim in s.head_dims and causal in s.causal and s.tile == tile and nvrtc < s.clean_from),
+                None)
+
+
+def stack_note(config: KernelConfig, profile: GpuProfile) -> str | None:
+    """Where the installed NVRTC changed a built-in choice that `config` replaces (explain() prints it)."""
+    from autoflash.kernels.compiler import installed_nvrtc
+
+    nvrtc = installed_nvrtc()
+    if nvrtc is None:
+        return None
+    first = {"fwd": (128, 64, 4)} if profile.arch == "sm_80" else {}
+    for family, tile in (("sm90", None), ("sm80", first.get(config.direction))):
+        spill = stack_spill(profile.arch, family, config.direction, config.head_dim, config.causal, tile, nvrtc)
+        if spill is not None and (family != config.family or (config.block_m, config.block_n, config.num_warps) != tile):
+            return spill.note(nvrtc)
+    return None
 
 
 def _candidates(head_dim: int, dtype: str, causal: bool, big_smem: bool, arch: str, variant: bool = False):
@@ -37,7 +99,8 @@ def _candidates(head_dim: int, dtype: str, causal: bool, big_smem: bool, arch: s
         yield 128, 64, 4
     elif head_dim <= 128:
         if big_smem:
-            if head_dim not in (104, 112) and not (blackwell and causal) and not variant:  # spills on sm_100
+            if head_dim not in (104, 112) and not (blackwell and causal) and not variant \
+                    and not stack_spill(arch, "sm80", "fwd", head_dim, causal, (128, 64, 4)):  # spills on sm_100
                 yield 128, 64, 4
             yield 128, 64, 8
         elif causal:
@@ -106,14 +169,31 @@ def _sm90_backward_tiles(head_dim: int, causal: bool) -> tuple[int, int, int, tu
     return 64, 64, 8, (2, 1)
 
 
+def _family_wanted(family: str | None, variant: bool, applies: bool, direction: str, head_dim: int, causal: bool,
+                   profile: GpuProfile) -> bool:
+    """Whether a default is the sm90 family's: asked for (`family`), or by default where it applies."""
+    if family not in (None, "sm80", "sm90"):
+        raise ValueError(f"family: got {family!r}, expected 'sm80', 'sm90' or None (the GPU's default)")
+    if family == "sm90" and (variant or not applies):
+        raise ValueError(f"family 'sm90': no {direction} default for head_dim={head_dim} on {profile.name} "
+                         f"(the family runs plain and causal 16-bit attention at head dims that are multiples of "
+                         f"16 on sm_90 GPUs)")
+    if family is not None:
+        return family == "sm90"
+    return not variant and applies and not stack_spill(profile.arch, "sm90", direction, head_dim, causal)
+
+
 @functools.lru_cache(maxsize=None)
-def default_config(head_dim: int, dtype: str, causal: bool, profile: GpuProfile, variant: bool = False) -> KernelConfig:
+def default_config(head_dim: int, dtype: str, causal: bool, profile: GpuProfile, variant: bool = False,
+                   family: str | None = None) -> KernelConfig:
     """The built-in config for one problem on one GPU: the first preferred tile shape that fits the
     profile's shared memory, with two K/V pipeline stages when they fit, else one. `variant`: the
     tiles for a kernel that will carry variant switches (see _candidates); the switches themselves
     are the caller's to set. On sm_90 GPUs a plain or causal forward (no `variant`) is the sm90
-    family's where sm90_applies (_sm90_tiles), else the sm80 family's."""
-    if not variant and sm90_applies(head_dim, dtype, profile):
+    family's where sm90_applies (_sm90_tiles) and the installed NVRTC compiles it clean
+    (stack_spill), else the sm80 family's. `family` ("sm80", "sm90") asks for that family's default
+    instead (ValueError where it has none for the problem)."""
+    if _family_wanted(family, variant, sm90_applies(head_dim, dtype, profile), "fwd", head_dim, causal, profile):
         m, n, pingpong = _sm90_tiles(head_dim, causal)
         return _first_fitting([dict(head_dim=head_dim, dtype=dtype, block_m=m, block_n=n, num_warps=m // 16,
                                     causal=causal, family="sm90", pingpong=pingpong, overlap=True, stages=(2,))],
@@ -190,12 +270,14 @@ def _backward_candidates(head_dim: int, dtype: str, arch: str, variant: bool = F
 
 @functools.lru_cache(maxsize=None)
 def default_backward_config(head_dim: int, dtype: str, causal: bool, profile: GpuProfile,
-                            variant: bool = False) -> KernelConfig:
+                            variant: bool = False, family: str | None = None) -> KernelConfig:
     """The built-in backward config for the profile's arch: the first preferred tile that fits its
     shared memory, with the stage count _first_fitting picks among those the candidate allows.
-    `variant` as for default_config. On sm_90 GPUs a plain or causal backward (no `variant`) is the
-    sm90 family's where sm90_backward_applies."""
-    if not variant and sm90_backward_applies(head_dim, dtype, profile):
+    `variant` and `family` as for default_config. On sm_90 GPUs a plain or causal backward (no
+    `variant`) is the sm90 family's where sm90_backward_applies and the installed NVRTC compiles it
+    clean."""
+    if _family_wanted(family, variant, sm90_backward_applies(head_dim, dtype, profile), "bwd", head_dim, causal,
+                      profile):
         m, n, w, stages = _sm90_backward_tiles(head_dim, causal)
         return _first_fitting([dict(head_dim=head_dim, dtype=dtype, block_m=m, block_n=n, num_warps=w,
                                     causal=causal, direction="bwd", family="sm90", stages=stages)],

@@ -286,7 +286,9 @@ def family_reason(config: KernelConfig, variant, profile: GpuProfile) -> str | N
         return "fp32 runs on the SIMT kernels"
     if config.head_dim % 16:
         return f"head dim {config.head_dim} is not a multiple of 16 (wgmma's k step)"
-    return "the tuned table picked it for this GPU"
+    from autoflash.kernels.defaults import stack_note
+
+    return stack_note(config, profile) or "the tuned table picked it for this GPU"
 
 
 def sm90_fallback(variant) -> str | None:
