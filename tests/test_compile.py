@@ -85,13 +85,18 @@ def defaults():
     decode = {(default_decode_config(d, dt, prof, 256 if v.get("paged") else None, "window" in v or "key_bias" in v)
                .replace(**v), arch)
               for d in HEAD_DIMS for dt in ("fp16", "bf16") for v in DECODE_SETS for arch, prof in ARCH_PROFILES.items()}
-    return sorted(fwd | bwd | variants | decode, key=lambda x: (x[0].name, x[1]))
+    # The sm90 family's defaults at every head dim it takes (multiples of 16): ptxas releases differ at
+    # single head dims (12.9 and 13.0.88 spill d = 208's forward and d = 80's backward).
+    h100 = ARCH_PROFILES["sm_90"]
+    sm90 = {(make(d, "bf16", c, h100), "sm_90") for make in (default_config, default_backward_config)
+            for d in range(32, 257, 16) for c in (False, True)}
+    return sorted(fwd | bwd | variants | decode | sm90, key=lambda x: (x[0].name, x[1]))
 
 
 # Under an NVRTC besides the main one (.ci/nvrtc_stacks.sh sets AUTOFLASH_NVRTC_STACK), a run compiles
-# every sm90-family default (where ptxas notices differ between releases) and
-# one default per (family, arch, direction, dtype, head dim) of the rest plus the sampled share:
-# 416 compiles a release take ~9 minutes on 2 cores. AUTOFLASH_SWEEP=full compiles all of them.
+# every sm90-family default (where ptxas notices differ between releases) and one default per (family,
+# arch, direction, dtype) of the rest plus the sampled share: all 448 take ~10 minutes a release on 2
+# cores, four releases a run. AUTOFLASH_SWEEP=full compiles all of them (bench/results/compile/).
 EXTRA_STACK = os.environ.get("AUTOFLASH_NVRTC_STACK")
 
 
@@ -99,7 +104,7 @@ def stack_defaults():
     jobs = defaults()
     if not EXTRA_STACK:
         return jobs
-    kept = sampling.keep(jobs, lambda j: (j[0].family, j[1], j[0].direction, j[0].dtype, j[0].head_dim))
+    kept = sampling.keep(jobs, lambda j: (j[0].family, j[1], j[0].direction, j[0].dtype))
     return [j for j, k in zip(jobs, kept) if k or j[0].family == "sm90"]
 
 

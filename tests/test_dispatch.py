@@ -403,3 +403,14 @@ def test_head_dims_without_tiles_run_zero_padded(d):
     for g, r, y in zip(grads, refs, yards):
         ok, err, bound = within_tolerance(g, r, y, backward=True)
         assert ok, (err, bound)
+
+
+def test_explain_lists_every_fallback_reason():
+    # A call that three things keep off the kernels: explain() names all three, not the first only;
+    # the fallback still warns once, about the first.
+    q = torch.randn(1, 2, 8, 64, dtype=torch.float64)
+    k = torch.randn(1, 2, 8, 64, dtype=torch.float64)
+    v = torch.randn(1, 2, 8, 32, dtype=torch.float64)
+    text = str(autoflash.explain(q, k, v, dropout_p=0.5))
+    for part in ("cpu tensors", "dtype torch.float64", "dropout_p > 0", "head_dim 64 (value 32)"):
+        assert part in text, text

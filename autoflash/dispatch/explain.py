@@ -115,7 +115,7 @@ def _explain_attention(query, key, value, attn_mask=None, dropout_p: float = 0.0
     from autoflash.dispatch.selection import select_config
 
     p = plan(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa, device_check=gpu is None)
-    reason = mask_reason(attn_mask, p)
+    reason = p.reasons if p.reason is not None else mask_reason(attn_mask, p)
     if reason is not None:
         return Explanation(SDPA_FALLBACK, reason, gpu, None, None)
     profile = _profile(gpu, query)

@@ -53,10 +53,16 @@ class Plan:
     says how its attn_mask runs on the kernels (NO_MASK, KEY_PADDING, KEY_PADDING_IF_CONSTANT: the
     kernels only after mask_reason() finds its values the same for every query and head)."""
 
-    reason: str | None
+    reason: str | None  # the first reason: the one the fallback warns about (once per reason)
     scale: float
     batch_shape: tuple[int, ...] = ()  # the dims before (heads, seqlen, head_dim), flattened for the kernels
     mask: str = NO_MASK
+    others: tuple[str, ...] = ()  # every further reason (explain() lists them all)
+
+    @property
+    def reasons(self) -> str | None:
+        """Every reason the call cannot run on the kernels, joined by "; " (None: it can)."""
+        return None if self.reason is None else "; ".join((self.reason, *self.others))
 
 
 # ------------------------------------------------------------------ validation (SDPA's error cases)
@@ -238,50 +244,53 @@ def clear_plan_cache() -> None:
 
 
 def _decide(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa, device_check) -> Plan:
-    """plan() without the cache: validation, then the first reason the kernels cannot run the call."""
+    """plan() without the cache: validation, then every reason the kernels cannot run the call (the
+    first is the one a fallback warns about; explain() lists them all)."""
     _validate(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa)
     e, ev = query.shape[-1], value.shape[-1]
     sc = 1.0 / math.sqrt(e) if scale is None else float(scale)
     emulated = device_check and query.device.type == "cpu" and bool(_emulated_gpu())
+    reasons = []
     if device_check and query.device.type != "cuda" and not emulated:
-        return Plan(f"{query.device.type} tensors: the kernels run on CUDA GPUs (or on the CPU inside "
-                    "autoflash.emulate())", sc)
+        reasons.append(f"{query.device.type} tensors: the kernels run on CUDA GPUs (or on the CPU inside "
+                       "autoflash.emulate())")
     if query.dtype not in KERNEL_DTYPES:
-        return Plan(f"dtype {query.dtype}: the kernels run float16, bfloat16 and float32", sc)
+        reasons.append(f"dtype {query.dtype}: the kernels run float16, bfloat16 and float32")
     mask = _mask_kind(attn_mask, query)
     if attn_mask is not None and attn_mask.requires_grad:
-        return Plan("attn_mask requires grad: the kernels give no gradient for a mask", sc)
+        reasons.append("attn_mask requires grad: the kernels give no gradient for a mask")
     if mask == KEY_PADDING_IF_CONSTANT and torch.compiler.is_compiling():
-        return Plan("attn_mask shaped (..., Lq, Lk) under torch.compile: telling a key-padding mask from "
-                    "another reads its values (only masks that broadcast over queries and heads run on the "
-                    "kernels here)", sc)
+        reasons.append("attn_mask shaped (..., Lq, Lk) under torch.compile: telling a key-padding mask from "
+                       "another reads its values (only masks that broadcast over queries and heads run on the "
+                       "kernels here)")
     if dropout_p > 0.0:
-        return Plan("dropout_p > 0: the kernels have no dropout yet", sc)
+        reasons.append("dropout_p > 0: the kernels have no dropout yet")
     if e != ev or e > HEAD_DIM_MAX:
-        return Plan(f"head_dim {e} (value {ev}): the kernels run equal query/value head dims up to "
-                    f"{HEAD_DIM_MAX}", sc)
+        reasons.append(f"head_dim {e} (value {ev}): the kernels run equal query/value head dims up to "
+                       f"{HEAD_DIM_MAX}")
     if not sc > 0.0:
-        return Plan(f"scale {sc}: the kernels take a positive scale", sc)
+        reasons.append(f"scale {sc}: the kernels take a positive scale")
     if query.dtype == torch.float32 and (attn_mask is not None or not native_head_dim(e)):
         what = "an attn_mask" if attn_mask is not None else f"head_dim {e}"
-        return Plan(f"float32 with {what}: the float32 (SIMT) kernels run plain and causal calls at head dims "
-                    f"{HEAD_DIM_MIN}..{HEAD_DIM_MAX} in steps of {HEAD_DIM_STEP}; their variant switches are built "
-                    "and tested for float16/bfloat16 only", sc)
+        reasons.append(f"float32 with {what}: the float32 (SIMT) kernels run plain and causal calls at head dims "
+                       f"{HEAD_DIM_MIN}..{HEAD_DIM_MAX} in steps of {HEAD_DIM_STEP}; their variant switches are "
+                       "built and tested for float16/bfloat16 only")
     if query.dim() < 3 or not (query.dim() == key.dim() == value.dim()) \
             or query.shape[:-3] != key.shape[:-3] or key.shape[:-3] != value.shape[:-3] \
             or (not enable_gqa and not (query.shape[-3] == key.shape[-3] == value.shape[-3])):
-        return Plan(f"shapes query {tuple(query.shape)}, key {tuple(key.shape)}: the kernels take (..., heads, "
-                    "seqlen, head_dim) inputs with the same leading dims (no broadcasting)", sc)
-    batch_shape = tuple(query.shape[:-3])
-    if math.prod(batch_shape) > GRID_YZ_MAX or query.shape[-3] > GRID_YZ_MAX:
-        return Plan(f"batch {math.prod(batch_shape)} x heads {query.shape[-3]}: the kernels launch at most "
-                    f"{GRID_YZ_MAX} of each", sc)
-    if device_check and not emulated:
+        reasons.append(f"shapes query {tuple(query.shape)}, key {tuple(key.shape)}: the kernels take (..., heads, "
+                       "seqlen, head_dim) inputs with the same leading dims (no broadcasting)")
+    elif math.prod(query.shape[:-3]) > GRID_YZ_MAX or query.shape[-3] > GRID_YZ_MAX:
+        reasons.append(f"batch {math.prod(query.shape[:-3])} x heads {query.shape[-3]}: the kernels launch at most "
+                       f"{GRID_YZ_MAX} of each")
+    if device_check and not emulated and query.device.type == "cuda":
         index = device_index(query)
         reason = _device_reason(index)
         if reason:
-            return Plan(f"cuda:{index}: {reason}", sc)
-    return Plan(None, sc, batch_shape, mask)
+            reasons.append(f"cuda:{index}: {reason}")
+    if reasons:
+        return Plan(reasons[0], sc, others=tuple(reasons[1:]))
+    return Plan(None, sc, tuple(query.shape[:-3]), mask)
 
 
 # ------------------------------------------------------------------ key-padding masks

@@ -14,14 +14,15 @@ _BIG_SMEM = 160 * 1024
 
 @dataclasses.dataclass(frozen=True)
 class StackSpill:
-    """A built-in kernel that ptxas spills under the NVRTC of some of the CUDA stacks our users get
-    (the compile tier runs under each: .ci/nvrtc_stacks.sh, bench/results/compile/). Under an NVRTC
-    older than `clean_from` the default takes the next choice: the next tile, or for the sm90 family
-    the sm80 family's kernel."""
+    """A built-in kernel that ptxas spills (or gives a stack frame) under the NVRTC of some of the CUDA
+    stacks our users get (the compile tier runs under each: .ci/nvrtc_stacks.sh,
+    bench/results/compile/). Under an NVRTC older than `clean_from` the default takes the next
+    choice: the next tile, or for the sm90 family (`tile` None) the sm80 family's kernel."""
 
-    arch: str
+    archs: tuple[str, ...]
     family: str
     direction: str
+    dtypes: tuple[str, ...]
     head_dims: tuple[int, ...]
     causal: tuple[bool, ...]
     tile: tuple[int, int, int] | None  # (block_m, block_n, num_warps); None: the family's built-in tile
@@ -29,21 +30,26 @@ class StackSpill:
     seen: str  # where it spilled
 
     def note(self, nvrtc: tuple[int, int]) -> str:
-        return (f"NVRTC {nvrtc[0]}.{nvrtc[1]} picked it: ptxas there spills the first choice ({self.seen}; clean "
-                f"from NVRTC {self.clean_from[0]}.{self.clean_from[1]})")
+        first = f"{self.tile[0]} x {self.tile[1]} with {self.tile[2]} warps" if self.tile else f"the {self.family} family"
+        return (f"NVRTC {nvrtc[0]}.{nvrtc[1]} picked it: ptxas there spills the first choice, {first} ({self.seen}; "
+                f"clean from NVRTC {self.clean_from[0]}.{self.clean_from[1]})")
 
 
+_16BIT, _BOTH = ("fp16", "bf16"), (False, True)
 STACK_SPILLS = (
-    StackSpill("sm_80", "sm80", "fwd", (128,), (False, True), (128, 64, 4), (13, 5),
-               "128 x 64 with 4 warps: 72-80 bytes under 12.1, 12.9 and 13.0.88"),
-    StackSpill("sm_90", "sm90", "fwd", (208,), (False, True), None, (13, 5),
-               "16 bytes under 12.9 and 13.0.88"),
-    StackSpill("sm_90", "sm90", "bwd", (80,), (False,), None, (13, 5), "8 bytes under 12.9 and 13.0.88"),
-    StackSpill("sm_90", "sm90", "bwd", (128,), (False,), None, (12, 9), "4 bytes under 12.1"),
+    StackSpill(("sm_80",), "sm80", "fwd", _16BIT, (128,), _BOTH, (128, 64, 4), (13, 5),
+               "72-80 bytes under 12.1, 12.9 and 13.0.88"),
+    StackSpill(("sm_80",), "sm80", "fwd", _16BIT, (32, 64), _BOTH, (128, 128, 4), (12, 9),
+               "a 672-800 byte stack frame under 12.1"),
+    StackSpill(("sm_80", "sm_90"), "sm80", "fwd", ("fp32",), (40,), _BOTH, (64, 32, 4), (13, 5),
+               "12-20 bytes under 12.1, 12.9 and 13.0.88"),
+    StackSpill(("sm_90",), "sm90", "fwd", _16BIT, (208,), _BOTH, None, (13, 5), "16 bytes under 12.9 and 13.0.88"),
+    StackSpill(("sm_90",), "sm90", "bwd", _16BIT, (80,), (False,), None, (13, 5), "8 bytes under 12.9 and 13.0.88"),
+    StackSpill(("sm_90",), "sm90", "bwd", _16BIT, (128,), (False,), None, (12, 9), "4 bytes under 12.1"),
 )
 
 
-def stack_spill(arch: str, family: str, direction: str, head_dim: int, causal: bool,
+def stack_spill(arch: str, family: str, direction: str, dtype: str, head_dim: int, causal: bool,
                 tile: tuple[int, int, int] | None = None, nvrtc: tuple[int, int] | None = None) -> StackSpill | None:
     """The StackSpill that rules a kernel out under `nvrtc` (default: the installed NVRTC; none
     installed: the newest, under which nothing is ruled out), or None."""
@@ -53,23 +59,23 @@ def stack_spill(arch: str, family: str, direction: str, head_dim: int, causal: b
         nvrtc = installed_nvrtc()
         if nvrtc is None:
             return None
-    return next((s for s in STACK_SPILLS if (s.arch, s.family, s.direction) == (arch, family, direction)
-                 and head_dim in s.head_dims and causal in s.causal and s.tile == tile and nvrtc < s.clean_from),
-                None)
+    return next((s for s in STACK_SPILLS if arch in s.archs and (s.family, s.direction) == (family, direction)
+                 and dtype in s.dtypes and head_dim in s.head_dims and causal in s.causal and s.tile == tile
+                 and nvrtc < s.clean_from), None)
 
 
 def stack_note(config: KernelConfig, profile: GpuProfile) -> str | None:
-    """Where the installed NVRTC changed a built-in choice that `config` replaces (explain() prints it)."""
+    """Where the installed NVRTC moved a built-in choice that `config` replaces (explain() prints it)."""
     from autoflash.kernels.compiler import installed_nvrtc
 
     nvrtc = installed_nvrtc()
     if nvrtc is None:
         return None
-    first = {"fwd": (128, 64, 4)} if profile.arch == "sm_80" else {}
-    for family, tile in (("sm90", None), ("sm80", first.get(config.direction))):
-        spill = stack_spill(profile.arch, family, config.direction, config.head_dim, config.causal, tile, nvrtc)
-        if spill is not None and (family != config.family or (config.block_m, config.block_n, config.num_warps) != tile):
-            return spill.note(nvrtc)
+    for s in STACK_SPILLS:
+        if stack_spill(profile.arch, s.family, config.direction, config.dtype, config.head_dim, config.causal, s.tile,
+                       nvrtc) is s and (s.family != config.family or (s.tile is not None and s.tile != (
+                           config.block_m, config.block_n, config.num_warps))):
+            return s.note(nvrtc)
     return None
 
 
@@ -99,8 +105,7 @@ def _candidates(head_dim: int, dtype: str, causal: bool, big_smem: bool, arch: s
         yield 128, 64, 4
     elif head_dim <= 128:
         if big_smem:
-            if head_dim not in (104, 112) and not (blackwell and causal) and not variant \
-                    and not stack_spill(arch, "sm80", "fwd", head_dim, causal, (128, 64, 4)):  # spills on sm_100
+            if head_dim not in (104, 112) and not (blackwell and causal) and not variant:  # spills on sm_100
                 yield 128, 64, 4
             yield 128, 64, 8
         elif causal:
@@ -169,8 +174,8 @@ def _sm90_backward_tiles(head_dim: int, causal: bool) -> tuple[int, int, int, tu
     return 64, 64, 8, (2, 1)
 
 
-def _family_wanted(family: str | None, variant: bool, applies: bool, direction: str, head_dim: int, causal: bool,
-                   profile: GpuProfile) -> bool:
+def _family_wanted(family: str | None, variant: bool, applies: bool, direction: str, dtype: str, head_dim: int,
+                   causal: bool, profile: GpuProfile) -> bool:
     """Whether a default is the sm90 family's: asked for (`family`), or by default where it applies."""
     if family not in (None, "sm80", "sm90"):
         raise ValueError(f"family: got {family!r}, expected 'sm80', 'sm90' or None (the GPU's default)")
@@ -180,7 +185,7 @@ def _family_wanted(family: str | None, variant: bool, applies: bool, direction: 
                          f"16 on sm_90 GPUs)")
     if family is not None:
         return family == "sm90"
-    return not variant and applies and not stack_spill(profile.arch, "sm90", direction, head_dim, causal)
+    return not variant and applies and not stack_spill(profile.arch, "sm90", direction, dtype, head_dim, causal)
 
 
 @functools.lru_cache(maxsize=None)
@@ -193,7 +198,7 @@ def default_config(head_dim: int, dtype: str, causal: bool, profile: GpuProfile,
     family's where sm90_applies (_sm90_tiles) and the installed NVRTC compiles it clean
     (stack_spill), else the sm80 family's. `family` ("sm80", "sm90") asks for that family's default
     instead (ValueError where it has none for the problem)."""
-    if _family_wanted(family, variant, sm90_applies(head_dim, dtype, profile), "fwd", head_dim, causal, profile):
+    if _family_wanted(family, variant, sm90_applies(head_dim, dtype, profile), "fwd", dtype, head_dim, causal, profile):
         m, n, pingpong = _sm90_tiles(head_dim, causal)
         return _first_fitting([dict(head_dim=head_dim, dtype=dtype, block_m=m, block_n=n, num_warps=m // 16,
                                     causal=causal, family="sm90", pingpong=pingpong, overlap=True, stages=(2,))],
@@ -201,7 +206,8 @@ def default_config(head_dim: int, dtype: str, causal: bool, profile: GpuProfile,
     big = profile.smem_per_block_optin >= _BIG_SMEM
     return _first_fitting(
         (dict(head_dim=head_dim, dtype=dtype, block_m=m, block_n=n, num_warps=w, causal=causal)
-         for m, n, w in _candidates(head_dim, dtype, causal, big, profile.arch, variant)),
+         for m, n, w in _candidates(head_dim, dtype, causal, big, profile.arch, variant)
+         if not stack_spill(profile.arch, "sm80", "fwd", dtype, head_dim, causal, (m, n, w))),
         profile, f"head_dim={head_dim} {dtype}")
 
 
@@ -276,8 +282,8 @@ def default_backward_config(head_dim: int, dtype: str, causal: bool, profile: Gp
     `variant` and `family` as for default_config. On sm_90 GPUs a plain or causal backward (no
     `variant`) is the sm90 family's where sm90_backward_applies and the installed NVRTC compiles it
     clean."""
-    if _family_wanted(family, variant, sm90_backward_applies(head_dim, dtype, profile), "bwd", head_dim, causal,
-                      profile):
+    if _family_wanted(family, variant, sm90_backward_applies(head_dim, dtype, profile), "bwd", dtype, head_dim,
+                      causal, profile):
         m, n, w, stages = _sm90_backward_tiles(head_dim, causal)
         return _first_fitting([dict(head_dim=head_dim, dtype=dtype, block_m=m, block_n=n, num_warps=w,
                                     causal=causal, direction="bwd", family="sm90", stages=stages)],
