@@ -5,10 +5,16 @@ target "gpu" (marked `gpu`) and once with "emulated" (CPU tensors inside autofla
 marked `sweep` are grids: on the emulator each run keeps every (head dim, dtype, causal) key once
 plus a random share of the rest, drawn from a seed printed in the header
 (AUTOFLASH_SWEEP_SEED=N replays a run, AUTOFLASH_SWEEP=full runs the whole grid)."""
+import os
+import time
+
 import pytest
 import torch
 
 import sampling
+
+# The fuzz's seed, fixed before pytest-xdist's workers start so that the run has one (printed per case).
+os.environ.setdefault("AUTOFLASH_FUZZ_SEED", str(time.time_ns() % 2**31))
 
 
 def pytest_report_header(config):

@@ -7,6 +7,9 @@ import time
 
 SHARE = 0.04  # of a grid's cases beyond one per key (CI on 2 cores: 56 min at 0.06 with the sm90 backward)
 SEED = int(os.environ.get("AUTOFLASH_SWEEP_SEED") or time.time_ns() % 2**31)
+# pytest-xdist's workers inherit it (conftest imports this module before they start): every worker
+# must collect the same sampled cases.
+os.environ["AUTOFLASH_SWEEP_SEED"] = str(SEED)
 FULL = os.environ.get("AUTOFLASH_SWEEP", "").lower() == "full"
 
 

@@ -10,6 +10,7 @@ import pytest
 import torch
 
 import autoflash
+import sampling
 from autoflash import emulation
 from autoflash.kernels.defaults import default_backward_config, default_config
 from autoflash.emulation import build, context, module
@@ -292,6 +293,17 @@ def _unique_defaults():
 DEFAULTS = _unique_defaults()
 
 
+def sanitized_defaults(direction: str) -> list:
+    """This run's share of DEFAULTS in one direction: every sm90-family default (its asynchronous
+    hazards are the sanitizer's hardest), one default per (family, dtype, causal, head-dim bucket)
+    of the rest and the sampled share; every one under AUTOFLASH_SWEEP=full (the every-default sweep
+    took 12 minutes of the suite's 42 on 2 cores)."""
+    todo = [(cfg, gpu) for cfg, gpu in DEFAULTS if cfg.direction == direction]
+    kept = sampling.keep(todo, lambda item: (item[0].family, item[0].dtype, item[0].causal,
+                                             min(item[0].head_dim, 129) // 65))
+    return [item for item, k in zip(todo, kept) if k or item[0].family == "sm90"]
+
+
 def _sanitized_run(cfg, gpu):
     """Runs one config at an odd GQA shape on guard-banded inputs; (problems, findings)."""
     from autoflash.kernels.checks import TORCH_DTYPES
@@ -327,10 +339,10 @@ def _sanitized_run(cfg, gpu):
 def test_every_default_of_every_gpu_is_clean_under_the_sanitizer(direction):
     """Every built-in default (FlashAttention's head dims, three dtypes, causal or not) of every GPU
     profile, forward or backward, at an odd GQA shape (Lq 77, Lk 133) on guard-banded inputs: no
-    finding, and results within FlashAttention's rule. Configs run two at a time (one per core), all
-    as on the H100 (the largest shared memory: every profile's configs fit; the code does not depend
-    on the GPU)."""
-    todo = [(cfg, gpu) for cfg, gpu in DEFAULTS if cfg.direction == direction]
+    finding, and results within FlashAttention's rule (per run: every sm90 default and a seeded sample
+    of the rest, sanitized_defaults). Configs run two at a time (one per core), all as on the H100
+    (the largest shared memory: every profile's configs fit; the code does not depend on the GPU)."""
+    todo = sanitized_defaults(direction)
 
     def one(item):
         return item[0].name, *_sanitized_run(*item)
@@ -339,9 +351,10 @@ def test_every_default_of_every_gpu_is_clean_under_the_sanitizer(direction):
         results = list(pool.map(one, todo))
     bad = [f"{name}: {problems} {[str(f) for f in findings]}" for name, problems, findings in results
            if problems or findings]
-    print(f"{len(results)} {direction} default configs sanitized")
+    every = [cfg for cfg, _ in DEFAULTS if cfg.direction == direction]
+    print(f"{len(results)} of {len(every)} {direction} default configs sanitized (seed {sampling.SEED})")
     assert not bad, "\n".join(bad)
-    assert len(results) == len(todo) > 30
+    assert len(results) == len(todo) > 15 and {c.family for c, _ in todo} == {c.family for c in every}
 
 
 def test_sanitizer_guard_bands_are_not_elements():

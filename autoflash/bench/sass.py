@@ -33,7 +33,6 @@ import fractions
 import json
 import re
 import shutil
-import stat
 import subprocess
 import sys
 import textwrap
@@ -41,6 +40,7 @@ import time
 import zipfile
 from pathlib import Path
 
+from autoflash.bench.sass_tools import _pip_download, cuobjdump, nvdisasm_version, provenance, source, table
 from autoflash.kernels import sass
 
 TARGETS = (("a100", "sm_80"), ("h100", "sm_80"), ("h100", "sm_90"))  # (GPU profile, arch compiled for)
@@ -130,45 +130,6 @@ def pick(index: list[Located], kernel: str, arch: str, traits: tuple[int, ...], 
 
 
 # ---------------------------------------------------------------- tools and the torch library
-
-def _pip_download(requirement: str, dest: Path) -> Path:
-    dest.mkdir(parents=True, exist_ok=True)
-    before = set(dest.glob("*.whl"))
-    subprocess.run([sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:", "--quiet",
-                    "--dest", str(dest), requirement], check=True)
-    new = sorted(set(dest.glob("*.whl")) - before) or sorted(dest.glob("*.whl"))
-    if not new:
-        raise RuntimeError(f"pip download {requirement!r} left no wheel in {dest}")
-    return new[-1]
-
-
-def cuobjdump(workdir: Path) -> Path:
-    """cuobjdump: the pip-installed toolkit's, else the one in workdir/bin, else from PyPI's
-    nvidia-cuda-cuobjdump wheel (unpacked into workdir)."""
-    from cuda.pathfinder import find_nvidia_binary_utility
-
-    found = find_nvidia_binary_utility("cuobjdump")
-    if found:
-        return Path(found)
-    exe = workdir / "bin" / "cuobjdump"
-    if exe.exists():
-        return exe
-    wheel = _pip_download("nvidia-cuda-cuobjdump", workdir / "tools")
-    with zipfile.ZipFile(wheel) as z:
-        member = next((n for n in z.namelist() if n.endswith("/bin/cuobjdump")), None)
-        if member is None:
-            raise RuntimeError(f"{wheel.name} holds no bin/cuobjdump")
-        exe.parent.mkdir(parents=True, exist_ok=True)
-        exe.write_bytes(z.read(member))
-    exe.chmod(exe.stat().st_mode | stat.S_IXUSR | stat.S_IXGRP | stat.S_IXOTH)
-    return exe
-
-
-def nvdisasm_version() -> str:
-    out = subprocess.run([sass.nvdisasm(), "--version"], capture_output=True, text=True, check=True).stdout
-    m = re.search(r"V(\d+\.\d+\.\d+)", out)
-    return m.group(1) if m else out.strip().splitlines()[-1]
-
 
 @dataclasses.dataclass(frozen=True)
 class TorchLibrary:
@@ -443,41 +404,6 @@ HELPER_COLUMNS = (("config", "config"), ("kernel", "kernel"), ("regs", "register
                   ("warp-insns/row", "warp-insns/row"))
 
 
-def _cell(v) -> str:
-    if isinstance(v, float):
-        return "-" if v != v else (f"{v:.0f}" if v == int(v) and abs(v) >= 10 else f"{v:.3g}" if v < 10 else f"{v:.1f}")
-    return str(v)
-
-
-def table(rows: list[dict], columns) -> str:
-    """Rows as a text table: numbers right-aligned, words left-aligned."""
-    cells = [[h for h, _ in columns]] + [[_cell(r.get(key, "")) for _, key in columns] for r in rows]
-    widths = [max(len(row[i]) for row in cells) for i in range(len(columns))]
-    numeric = [all(isinstance(r.get(key), (int, float)) for r in rows) for _, key in columns]
-    lines = [" | ".join(c.rjust(w) if num else c.ljust(w) for c, w, num in zip(row, widths, numeric)).rstrip()
-             for row in cells]
-    lines.insert(1, "-+-".join("-" * w for w in widths))
-    return "\n".join(lines)
-
-
-def source() -> str:
-    """autoflash's version, and the git commit of its checkout when it is one, with the tracked files
-    that differ from it (the figures are of the files on disk)."""
-    import autoflash
-
-    here = Path(autoflash.__file__).resolve().parent.parent
-    try:
-        git = lambda *a: subprocess.run(["git", *a], cwd=here, capture_output=True, text=True,  # noqa: E731
-                                        check=True).stdout
-        commit, changed = git("rev-parse", "--short", "HEAD").strip(), git("diff", "--name-only", "HEAD").split()
-    except (OSError, subprocess.CalledProcessError):  # an installed package: no checkout to name
-        return autoflash.__version__
-    if not changed:
-        return f"{autoflash.__version__}, git {commit}"
-    more = f" and {len(changed) - 6} more" if len(changed) > 6 else ""
-    return f"{autoflash.__version__}, git {commit} with uncommitted changes to {', '.join(changed[:6])}{more}"
-
-
 def collect(workdir: Path, requirement: str, log=print) -> dict:
     """Every row of the report, with the versions that made it."""
     from autoflash.kernels.compiler import nvrtc_version
@@ -546,15 +472,6 @@ path (loops once); warp-insns/row = path x warps per block / query rows per bloc
 zeroes dQaccum, kBlockM rows per block of kNWarps warps; dQaccum -> dQ; autoflash: delta = rowsum(dO * O),
 KernelConfig.delta_rows rows per 4-warp block; autoflash zeroes dq_accum and converts dQ with torch ops)
 """
-
-
-def provenance(command: str, date: str, peer: str, report: dict, caveat: str, legend: str) -> list[str]:
-    """The lines a static report gives below its title: the command, the date, the peer's line and
-    autoflash's versions, then the caveat and the legend."""
-    return [f"command:    {command}", f"date:       {date}", peer,
-            f"autoflash:  {report['autoflash']}    template hash: {report['template_hash']}",
-            f"NVRTC:      {report['nvrtc']}    nvdisasm: {report['nvdisasm']}", "", textwrap.fill(caveat, 115), "",
-            legend]
 
 
 def render(report: dict, command: str, date: str) -> str:

@@ -23,7 +23,8 @@ import time
 import zipfile
 from pathlib import Path
 
-from autoflash.bench.sass import _pip_download, cuobjdump, nvdisasm_version, provenance, source, table
+from autoflash.bench.sass_tools import _demangle, _pip_download, _registers, _row, cuobjdump, nvdisasm_version, \
+    provenance, source, table
 from autoflash.kernels import sass
 
 FA3_WHEEL = "fa3-fwd==0.0.3"  # FlashAttention-3 forward (hopper/), sm_90a cubins; ../shared/docs/hopper.md 6
@@ -73,11 +74,6 @@ def fa3_cubins(workdir: Path) -> Path:
     return cubins
 
 
-def _demangle(symbols: list[str]) -> list[str]:
-    out = subprocess.run(["c++filt"], input="\n".join(symbols), capture_output=True, text=True, check=True).stdout
-    return out.splitlines()
-
-
 def fa3_index(cubins: Path) -> list[Fa3Kernel]:
     """Every FlashAttnFwdSm90 kernel of the cubins, with its template arguments (cached in index.json)."""
     cached = cubins / "index.json"
@@ -110,34 +106,6 @@ def pick_fa3(index: list[Fa3Kernel], d: int, causal: bool) -> Fa3Kernel:
     if len(plain) != 1:
         raise RuntimeError(f"FA3 index: {len(plain)} bf16 kernels for d={d} causal={causal}, expected 1")
     return plain[0]
-
-
-def _registers(tool: Path, cubin: Path, symbol: str) -> tuple[int, int]:
-    """(registers, local-memory bytes) of one function, from cuobjdump -res-usage."""
-    out = subprocess.run([str(tool), "-res-usage", str(cubin)], capture_output=True, text=True, check=True).stdout
-    lines = out.splitlines()
-    for i, line in enumerate(lines):
-        if [w.rstrip(":") for w in line.split()[-1:]] == [symbol] and i + 1 < len(lines):
-            regs = re.search(r"REG:(\d+)", lines[i + 1])
-            local = re.search(r"LOCAL:(\d+)", lines[i + 1])
-            return int(regs.group(1)) if regs else -1, int(local.group(1)) if local else -1
-    return -1, -1
-
-
-def _row(side: str, kernel: str, tile: str, text: str, registers: int, spill: int) -> dict:
-    loops = sass.hgmma_loops(text)
-    if not loops:
-        raise RuntimeError(f"{kernel}: no loop holding HGMMA")
-    steady = min(loops, key=lambda loop: loop.total)
-    masked = max(loops, key=lambda loop: loop.total) if len(loops) > 1 else None
-    shapes = " + ".join(f"{n} x {s}" for s, n in sorted(steady.shapes.items()))
-    return {"side": side, "kernel": kernel, "tile": tile, "registers": registers, "spill bytes": spill,
-            "HGMMA/tile": sum(steady.shapes.values()), "shapes": shapes, "m16n8k16-eq/warp": steady.mma_equivalents,
-            "insns/tile": steady.total, "insns/eq": round(steady.per_equivalent, 3),
-            "masked insns/eq": round(masked.per_equivalent, 3) if masked else float("nan"),
-            "MUFU": steady.counts.get("MUFU", 0), "FP": sum(steady.counts.get(k, 0) for k in sass._FP),
-            "uniform": sum(v for k, v in steady.counts.items() if k.startswith("U") or k == "R2UR"),
-            "SYNCS+BAR": steady.counts.get("SYNCS", 0) + steady.counts.get("BAR", 0)}
 
 
 def collect(workdir: Path, log=print) -> dict:

@@ -42,8 +42,8 @@ import textwrap
 import zipfile
 from pathlib import Path
 
-from autoflash.bench.sass import _pip_download, cuobjdump, nvdisasm_version, table
-from autoflash.bench.sass_fa3 import _demangle, _registers, _row
+from autoflash.bench.sass_tools import _demangle, _pip_download, _registers, _row, cuobjdump, nvdisasm_version, \
+    table
 from autoflash.kernels import sass
 
 FA3_BWD_WHEEL = "dew-flash-attn-cu13==0.3.6"  # FA3 hopper/ fwd+bwd, sm_90a, CUDA 13.0; ../shared/docs/hopper.md 6

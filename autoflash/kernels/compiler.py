@@ -234,8 +234,8 @@ def upgrade_hint() -> str:
         stack = _nvrtc_stack()
     except RuntimeError as e:
         return str(e)
-    return (f"NVRTC {nvrtc_version()} ({stack.nvrtc_wheel}) compiled it; a newer release of the stack may not refuse it: "
-            f"`pip install -U \"{stack.nvrtc_wheel}<{stack.major + 1}\"`")
+    return (f"NVRTC {nvrtc_version()} ({stack.nvrtc_wheel}) compiled it; a newer release of the stack may not "
+            f"refuse it: `pip install -U \"{stack.nvrtc_wheel}<{stack.major + 1}\"`")
 
 
 def _nvrtc_stack() -> CudaStack:
