@@ -1,11 +1,12 @@
 #!/usr/bin/env bash
 # The compile tier under every NVRTC our users get besides the one the main run has (the newest 13.x,
 # beside CPU torch): the oldest and newest each extra admits, and the one pip resolves beside torch's
-# newest CUDA build (13.0.88: CUDA torch 2.14.1 pins it; cu12's newest torch pins 12.8.93-12.9).
+# newest CUDA build of each major (.ci/check_cuda_deps.py: 13.0.88 beside CUDA torch 2.14.1, which
+# pins it; 12.8.93 beside torch 2.10's CUDA 12 build).
 # Each is a small venv over the main environment that holds only that NVRTC, the CUDA headers of its
 # release and cuda-bindings of its major. Every sm90-family default compiles through its gate and
 # every other default's key at least once (tests/test_compile.py stack_defaults; AUTOFLASH_SWEEP=full
-# for all 416), with zero spills and no C75xx notice; and the launch arguments of every kernel kind
+# for all 448), with zero spills and no C75xx notice; and the launch arguments of every kernel kind
 # match its cubin's parameter table (tests/test_driver_seams.py).
 #   bash .ci/nvrtc_stacks.sh            # every stack below
 #   bash .ci/nvrtc_stacks.sh 13.0.88    # one
@@ -13,11 +14,12 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 declare -A STACKS=(
   [12.1.105]="nvidia-cuda-nvrtc-cu12==12.1.105 nvidia-cuda-runtime-cu12==12.1.105 cuda-bindings==12.9.10"
+  [12.8.93]="nvidia-cuda-nvrtc-cu12==12.8.93 nvidia-cuda-runtime-cu12==12.8.90 cuda-bindings==12.9.4"
   [12.9.86]="nvidia-cuda-nvrtc-cu12==12.9.86 nvidia-cuda-runtime-cu12==12.9.79 cuda-bindings==12.9.10"
   [13.0.48]="nvidia-cuda-nvrtc==13.0.48 nvidia-cuda-runtime==13.0.48"
   [13.0.88]="nvidia-cuda-nvrtc==13.0.88 nvidia-cuda-runtime==13.0.88"
 )
-ORDER=(13.0.88 12.9.86 12.1.105 13.0.48)
+ORDER=(13.0.88 12.8.93 12.9.86 12.1.105 13.0.48)
 [ $# -gt 0 ] && ORDER=("$@")
 ROOT="${AUTOFLASH_NVRTC_VENVS:-${TMPDIR:-/tmp}/autoflash-nvrtc}"
 status=0
