@@ -24,6 +24,10 @@ _ARCH_RE = re.compile(r"^sm_\d{2,3}[af]?$")
 BASE_OPTIONS = ("-std=c++17", "-default-device", "--ptxas-options=-v", "-lineinfo")
 
 
+# The first line of the log a refusal by sm90_gate carries; its findings follow, one a line.
+GATE_REFUSED = "the sm90 family's ptxas gate refused it:"
+
+
 class CompileError(RuntimeError):
     """NVRTC rejected a kernel; carries the kernel name, its config and the full compiler log."""
 
@@ -37,7 +41,7 @@ class CompileError(RuntimeError):
         """The line that refused the kernel: the gate's first finding (a ptxas notice, the spill), else
         NVRTC's first error, else the log's last line (never ptxas's closing "Compile time")."""
         lines = [line.strip() for line in self.log.strip().splitlines() if line.strip()]
-        if lines and lines[0].startswith("the sm90 family's ptxas gate refused it"):
+        if lines and lines[0] == GATE_REFUSED:
             return lines[1] if len(lines) > 1 else lines[0]
         errors = [line for line in lines if re.search(r"\berror\b|catastrophic|C75\d\d", line)]
         if errors:
@@ -220,10 +224,11 @@ def nvrtc_version() -> str:
 
 
 def installed_nvrtc() -> tuple[int, int] | None:
-    """(major, minor) of the NVRTC the kernels compile with; None where no CUDA stack is installed."""
+    """(major, minor) of the NVRTC the kernels compile with; None where no CUDA stack is installed or
+    its libraries do not load (the defaults then take the newest stack's choices; a compile says why)."""
     try:
         return tuple(int(x) for x in nvrtc_version().split("."))[:2]
-    except RuntimeError:
+    except (RuntimeError, OSError):
         return None
 
 
@@ -392,7 +397,7 @@ def sm90_gate(compiled: Compiled, config: KernelConfig) -> None:
         bad.append(f"{compiled.resources.spill_stores} bytes of spill stores, {compiled.resources.spill_loads} of "
                    f"spill loads")
     if bad:
-        raise CompileError(compiled.name, compiled.arch, "the sm90 family's ptxas gate refused it:\n" + "\n".join(bad)
+        raise CompileError(compiled.name, compiled.arch, GATE_REFUSED + "\n" + "\n".join(bad)
                            + "\n--- full log ---\n" + compiled.log, config)
 
 

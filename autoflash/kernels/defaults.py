@@ -29,6 +29,12 @@ class StackSpill:
     clean_from: tuple[int, int]  # the first NVRTC seen clean
     seen: str  # where it spilled
 
+    def applies(self, arch: str, direction: str, dtype: str, head_dim: int, causal: bool,
+                nvrtc: tuple[int, int]) -> bool:
+        """Whether this entry rules its kernel out for such a problem under `nvrtc`."""
+        return (arch in self.archs and direction == self.direction and dtype in self.dtypes
+                and head_dim in self.head_dims and causal in self.causal and nvrtc < self.clean_from)
+
     def note(self, nvrtc: tuple[int, int]) -> str:
         first = f"{self.tile[0]} x {self.tile[1]} with {self.tile[2]} warps" if self.tile else f"the {self.family} family"
         return (f"NVRTC {nvrtc[0]}.{nvrtc[1]} picked it: ptxas there spills the first choice, {first} ({self.seen}; "
@@ -59,9 +65,8 @@ def stack_spill(arch: str, family: str, direction: str, dtype: str, head_dim: in
         nvrtc = installed_nvrtc()
         if nvrtc is None:
             return None
-    return next((s for s in STACK_SPILLS if arch in s.archs and (s.family, s.direction) == (family, direction)
-                 and dtype in s.dtypes and head_dim in s.head_dims and causal in s.causal and s.tile == tile
-                 and nvrtc < s.clean_from), None)
+    return next((s for s in STACK_SPILLS if (s.family, s.tile) == (family, tile)
+                 and s.applies(arch, direction, dtype, head_dim, causal, nvrtc)), None)
 
 
 def stack_note(config: KernelConfig, profile: GpuProfile) -> str | None:
@@ -71,10 +76,10 @@ def stack_note(config: KernelConfig, profile: GpuProfile) -> str | None:
     nvrtc = installed_nvrtc()
     if nvrtc is None:
         return None
+    tile = (config.block_m, config.block_n, config.num_warps)
     for s in STACK_SPILLS:
-        if stack_spill(profile.arch, s.family, config.direction, config.dtype, config.head_dim, config.causal, s.tile,
-                       nvrtc) is s and (s.family != config.family or (s.tile is not None and s.tile != (
-                           config.block_m, config.block_n, config.num_warps))):
+        replaced = s.family != config.family or (s.tile is not None and s.tile != tile)
+        if replaced and s.applies(profile.arch, config.direction, config.dtype, config.head_dim, config.causal, nvrtc):
             return s.note(nvrtc)
     return None
 
