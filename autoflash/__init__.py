@@ -36,6 +36,12 @@ _EXPORTS = {
 }
 __all__ = sorted(_EXPORTS) + ["__version__"]
 
+# CPU tensors run on the emulator: the launchers ask autoflash.kernels.backend, which imports it on first use.
+from autoflash.kernels.backend import register_host  # noqa: E402 -- nothing but the standard library
+
+register_host("autoflash.emulation.backend")
+del register_host
+
 def __getattr__(name: str):
     if name in _EXPORTS:
         value = getattr(importlib.import_module(_EXPORTS[name]), name)

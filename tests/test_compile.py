@@ -16,6 +16,7 @@ from autoflash.kernels.compiler import Resources, compile_config, disassemble, s
 from autoflash.kernels.config import KernelConfig
 from autoflash.kernels.defaults import default_backward_config, default_config, default_decode_config
 from autoflash.kernels.gpus import get_profile
+from autoflash.kernels.launch import check_shared_memory
 
 HEAD_DIMS = (32, 40, 64, 96, 128, 160, 192, 256)
 DTYPES = ("fp16", "bf16", "fp32")
@@ -167,6 +168,8 @@ def test_default_configs_have_no_spills(compiled, cfg, arch):
     assert isinstance(res, Resources), res
     assert not res.spills and res.stack_bytes == 0, f"{cfg.name} on {arch}: {res}"
     assert res.registers * cfg.threads <= ARCH_PROFILES[arch].regs_per_sm
+    # what cuFuncSetAttribute accepts as the dynamic size: with the static, the opt-in limit per block
+    check_shared_memory(cfg, res.static_smem_bytes, ARCH_PROFILES[arch])
 
 
 @pytest.mark.parametrize("dtype", ["fp16", "bf16"])

@@ -252,8 +252,18 @@ def test_module_load_reaches_the_driver():
 
     config = default_config(64, "bf16", True, H100)
     load_functions.cache_clear()
-    reaches_the_driver(lambda: load_functions(config, "sm_90", 0))
+    reaches_the_driver(lambda: load_functions(config, H100, 0))
     load_functions.cache_clear()
+
+
+def test_shared_memory_past_the_opt_in_limit_is_refused_before_the_driver():
+    from autoflash.kernels.launch import check_shared_memory
+
+    config = default_config(128, "bf16", False, H100)
+    room = H100.smem_per_block_optin - config.smem_bytes
+    check_shared_memory(config, room, H100)  # exactly the limit: what cuFuncSetAttribute accepts
+    with pytest.raises(ValueError, match=f"{config.smem_bytes} bytes of dynamic and {room + 16} of static"):
+        check_shared_memory(config, room + 16, H100)
 
 
 def test_the_stream_wraps_torchs_handle_without_a_driver():

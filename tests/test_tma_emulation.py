@@ -137,6 +137,7 @@ MISUSES = {
     "bytes short": ("mbarrier", "bytes completed beyond the transaction bytes"),
     "generic write": ("async", "through the async proxy, which thread"),
     "source written": ("async", "an in-flight cp.async.bulk.tensor store reads was written"),
+    "source written before read wait": ("async", "an in-flight cp.async.bulk.tensor store reads was written"),
     "no store wait": ("async", "exited with bulk stores or reductions in flight"),
     "no init": ("mbarrier", "before any mbarrier.init there"),
 }
@@ -152,6 +153,17 @@ def test_each_misuse_is_a_finding(case):
 
 def test_a_fenced_generic_write_is_no_finding():
     module, *_ = roundtrip(2, 128, torch.bfloat16, case="generic write fenced", sanitize=True)
+    assert module.findings() == []
+
+
+def test_a_read_wait_frees_the_source_and_the_store_still_lands():
+    """cp.async.bulk.wait_group.read (CUTLASS's tma_store_wait): the source may be written once the
+    store has read it; the store writes what it read (by the thread's exit at the latest)."""
+    module, src, dst, before, box, at, to, _ = roundtrip(2, 128, torch.bfloat16, case="read wait", sanitize=True)
+    expect = before.clone()
+    region = tuple(slice(a, min(a + b, n)) for a, b, n in zip(to, box, dst.shape))
+    expect[region] = box_of(src, box, at)[tuple(slice(0, s.stop - s.start) for s in region)]
+    assert torch.equal(dst, expect)
     assert module.findings() == []
 
 

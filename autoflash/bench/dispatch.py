@@ -15,6 +15,12 @@ On any machine:
   select_config       the config lookup the op does on a GPU (tuned table or heuristic), cached
   custom op (meta)    torch.ops.autoflash.attention_fwd on meta tensors: the op's dispatch and its fake
                       implementation's two allocations (no data, no kernel)
+  sm90 maps (new)     the four TMA maps of an sm90 forward (Q, K, V, O of (2, 16, 4096, 128) bf16, the
+                      H100 default's boxes) built and checked from the tensors: what every launch paid
+                      before the cache, and what a call on tensors not seen before pays
+  sm90 maps (cached)  the same four served by the cache keyed by what they encode (address, shape,
+                      strides, dtype, box, swizzle), as a launch on CUDA tensors looks them up (the
+                      driver's encoding of each is cached beside it: tensor_map.py)
 On a CUDA GPU, also, synchronised once per round:
   sdpa (cuda)         torch SDPA, whichever backend it picks
   autoflash (cuda)    autoflash.attention, through to the kernel launch
@@ -75,6 +81,7 @@ def measure(gpu: str, calls: int, rounds: int) -> list[dict]:
         lambda: torch.ops.autoflash.attention_fwd(qm, km, vm, True, 0.125), calls, rounds)})
     meta_alloc = _per_call_us(lambda: torch.empty_like(qm), calls, rounds)
     rows[-1]["note"] = f"of which allocating on meta ~{2 * meta_alloc:.1f} us (2 x torch.empty_like)"
+    rows += _map_rows(calls, rounds)
 
     if torch.cuda.is_available():
         sync = torch.cuda.synchronize
@@ -87,6 +94,26 @@ def measure(gpu: str, calls: int, rounds: int) -> list[dict]:
                 lambda: dispatch.attention(q, k, v, is_causal=True), calls, rounds, sync)})
         rows[-1]["note"] = rows[-2]["note"] = f"{torch.cuda.get_device_name()}, (1, 1, 128, 64) bf16 causal"
     return rows
+
+
+def _map_rows(calls: int, rounds: int) -> list[dict]:
+    import torch
+
+    from autoflash.kernels import tensor_map
+    from autoflash.kernels.defaults import default_config
+    from autoflash.kernels.gpus import get_profile
+
+    config = default_config(128, "bf16", False, get_profile("h100"), family="sm90")
+    span = config.swizzle_span
+    tiles = [(torch.empty(2, 16, 4096, 128, dtype=torch.bfloat16), rows) for rows in (64, config.block_n, config.block_n, 64)]
+    fields = [(t.dtype, t.data_ptr(), tuple(t.shape), t.stride(), (1, 1, rows, span // 2), span) for t, rows in tiles]
+    new = _per_call_us(lambda: [tensor_map._map(*f, None) for f in fields], calls, rounds)
+    cached = _per_call_us(lambda: [tensor_map.cached_map(t.dtype, t.data_ptr(), tuple(t.shape), t.stride(),
+                                                         (1, 1, rows, span // 2), span) for t, rows in tiles],
+                          calls, rounds)
+    note = f"{config.name}: 4 maps"
+    return [{"what": "sm90 maps (new)", "us": new, "note": note},
+            {"what": "sm90 maps (cached)", "us": cached, "note": note + ", a repeated call's"}]
 
 
 def overhead_us(rows: list[dict]) -> tuple[float, str, bool]:

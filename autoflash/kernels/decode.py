@@ -14,12 +14,11 @@ import math
 
 import torch
 
-from autoflash.emulation import guards  # the sanitizer's guard bands; torch.empty elsewhere
 from autoflash.kernels.checks import DTYPE_NAMES, GRID_YZ_MAX, check_chunked_layout, check_scale
 from autoflash.kernels.config import HEAD_DIM_MAX, HEAD_DIM_MIN, HEAD_DIM_STEP, KernelConfig
 from autoflash.kernels.defaults import default_decode_config
 from autoflash.kernels.gpus import GpuProfile
-from autoflash.kernels.variants import resolve, with_variant
+from autoflash.kernels.variants import LOG2E, resolve, with_variant
 
 MAX_SPLITS = 128  # FlashAttention-2's cap on num_splits (flash_api.cpp, set_params_splitkv)
 PAGE_MULTIPLE = 16  # page sizes the kernels take: multiples of the smallest key tile
@@ -256,9 +255,8 @@ def flash_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, 
     MAX_SPLITS and the key tiles). key_bias: fp32 (batch, capacity), added to the scores of each
     sequence's key j (counted from its first, left padding excluded; -inf masks it): a padding mask
     without reading its values (autoflash.hf). Returns (out like q, lse (batch, heads, seqlen_q) fp32)."""
-    from autoflash.kernels.launch import COMBINE_PARAMS, FWD_NAMES, FWD_PARAMS, _call, kernel_functions, \
-        profile_for
-    from autoflash.reference.forward import LOG2E
+    from autoflash.kernels.launch import COMBINE_PARAMS, FWD_NAMES, FWD_PARAMS, _call, empty, empty_like, \
+        kernel_functions, profile_for
 
     shape = check_kvcache(q, k_cache, v_cache, cache_seqlens=cache_seqlens, cache_batch_idx=cache_batch_idx,
                           cache_leftpad=cache_leftpad, block_table=block_table)
@@ -281,13 +279,13 @@ def flash_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, 
 
     if qpack > 1:  # (B, Lq, Hkv * g, d) -> (B, Hkv, Lq * g, d): row i * g + j is query i of head kv * g + j
         q4 = q.reshape(b, lq, hkv, g, d).permute(0, 2, 1, 3, 4).reshape(b, hkv, rows, d)
-        out4 = guards.empty_like(q4, "bhld", name="out")
+        out4 = empty_like(q4, "bhld", name="out")
     else:
         q4 = q.transpose(1, 2)
-        out = guards.empty_like(q, "blhd", name="out")
+        out = empty_like(q, "blhd", name="out")
         out4 = out.transpose(1, 2)
     k4, v4 = k_cache.transpose(1, 2), v_cache.transpose(1, 2)  # pages: (num_pages, Hkv, page_size, d)
-    lse4 = guards.empty((b, heads, rows), torch.float32, q.device, "bhl", name="lse")
+    lse4 = empty((b, heads, rows), torch.float32, q.device, "bhl", name="lse")
 
     device = q.device
     # Index tensors the call does not have go as null pointers (the template's defaults: every
@@ -296,9 +294,9 @@ def flash_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, 
     seqused = None if isinstance(cache_seqlens, int) else cache_seqlens
     split = num_splits > 1
     # the kernels index the partials as contiguous: guarded after the last split only (emulation/guards.py)
-    o_accum = guards.empty((num_splits, b, heads, rows, d), torch.float32, device, "sbhld", name="o_accum",
+    o_accum = empty((num_splits, b, heads, rows, d), torch.float32, device, "sbhld", name="o_accum",
                            contiguous=True) if split else None
-    lse_accum = guards.empty((num_splits, b, heads, rows), torch.float32, device, "sbhl", name="lse_accum",
+    lse_accum = empty((num_splits, b, heads, rows), torch.float32, device, "sbhl", name="lse_accum",
                              contiguous=True) if split else None
 
     fns = kernel_functions(config, profile, q)

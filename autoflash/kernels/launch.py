@@ -11,7 +11,7 @@ import threading
 
 import torch
 
-from autoflash.emulation import guards  # the sanitizer's guard bands; torch.empty & co. elsewhere
+from autoflash.kernels import backend
 from autoflash.kernels.checks import DTYPE_NAMES, check_config, check_like, check_qkv, check_scale, device_index
 from autoflash.kernels.compiler import compile_config
 from autoflash.kernels.config import VARIANTS, KernelConfig
@@ -19,8 +19,7 @@ from autoflash.kernels.defaults import default_backward_config, default_config
 from autoflash.kernels.driver import check_driver
 from autoflash.kernels.gpus import GpuProfile, detect
 from autoflash.kernels.tensor_map import for_tensor
-from autoflash.kernels.variants import empty_forward, heads_view, resolve, views, with_variant
-from autoflash.reference.forward import LOG2E  # the kernels run the softmax in base 2
+from autoflash.kernels.variants import LOG2E, empty_forward, heads_view, resolve, views, with_variant
 
 
 __all__ = ["DTYPE_NAMES", "device_profile", "flash_backward", "flash_forward", "kernel_functions", "load_functions",
@@ -36,13 +35,14 @@ def device_profile(index: int) -> GpuProfile:
 
 
 @functools.lru_cache(maxsize=None)
-def load_functions(config: KernelConfig, arch: str, device_index: int) -> dict:
+def load_functions(config: KernelConfig, profile: GpuProfile, device_index: int) -> dict:
     """Compiles (disk-cached) and loads a config's kernels once per device: {symbol: cupy Function},
     the main kernel's dynamic shared-memory limit raised to what the config needs."""
     import cupy
 
-    compiled = compile_config(config, arch)
+    compiled = compile_config(config, profile.arch)
     check_params(config, compiled.cubin)  # what the driver will read is what _call packs
+    check_shared_memory(config, compiled.resources.static_smem_bytes, profile)
     with cupy.cuda.Device(device_index):
         module = cupy.RawModule(path=str(compiled.cubin_path))
         fns = {n: module.get_function(n) for n in config.symbols}
@@ -53,29 +53,55 @@ def load_functions(config: KernelConfig, arch: str, device_index: int) -> dict:
     return fns
 
 
+def check_shared_memory(config: KernelConfig, static_bytes: int, profile: GpuProfile) -> None:
+    """cuFuncSetAttribute(CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES) refuses a size that, with the
+    kernel's static shared memory, exceeds the device's opt-in limit per block (CUDA Driver API
+    reference): a ValueError naming the three before the driver is asked."""
+    if config.smem_bytes + static_bytes > profile.smem_per_block_optin:
+        raise ValueError(f"{config.name}: got {config.smem_bytes} bytes of dynamic and {static_bytes} of static shared "
+                         f"memory, expected at most {profile.smem_per_block_optin} bytes in all on {profile.name} "
+                         f"(its opt-in limit per block)")
+
+
 def profile_for(t: torch.Tensor, what: str) -> GpuProfile:
-    """The GPU whose kernels a call on `t` runs: its CUDA device, or on the CPU the emulated GPU
-    (autoflash.emulate / AUTOFLASH_EMULATE). Anything else is refused with what would work."""
+    """The GPU whose kernels a call on `t` runs: its CUDA device, or on the CPU the one the host
+    backend runs as (the emulator: autoflash.emulate / AUTOFLASH_EMULATE). Anything else is refused
+    with what would work."""
     if t.is_cuda:
         return device_profile(device_index(t))
-    from autoflash.emulation import ENV, active
-
-    emulation = active() if t.device.type == "cpu" else None
-    if emulation is None:
-        raise ValueError(f"{what} runs on CUDA tensors; got tensors on {t.device} (on the CPU, run it inside "
-                         f"`with autoflash.emulate(gpu=...)` or with {ENV}=<gpu> to emulate a GPU)")
-    return emulation.profile
+    if t.device.type == "cpu":
+        return backend.host_profile(what)
+    raise ValueError(f"{what} runs on CUDA tensors; got tensors on {t.device}")
 
 
 def kernel_functions(config: KernelConfig, profile: GpuProfile, t: torch.Tensor) -> dict:
     """{symbol: callable} of a config's kernels for tensors like `t`: cupy functions on a GPU, the
-    emulator's on the CPU (its sanitizing build inside emulate(sanitize=True))."""
+    host backend's on the CPU (the emulator's; its sanitizing build inside emulate(sanitize=True))."""
     if t.is_cuda:
-        return load_functions(config, profile.arch, device_index(t))
-    from autoflash.emulation import active
-    from autoflash.emulation.module import load_functions as load_emulated
+        return load_functions(config, profile, device_index(t))
+    return backend.host().functions(config)
 
-    return load_emulated(config, active().sanitize)
+
+# The launchers' buffers: torch's on a GPU (one device check), the host backend's on the CPU (the
+# emulator surrounds them with guard bands when sanitizing: emulation/guards.py).
+def empty(shape, dtype: torch.dtype, device: torch.device, dims: str, *, name: str = "", rows: str | None = None,
+          contiguous: bool = False) -> torch.Tensor:
+    if device.type != "cpu":
+        return torch.empty(shape, dtype=dtype, device=device)
+    return backend.host().empty(shape, dtype, device, dims, name=name, rows=rows, contiguous=contiguous)
+
+
+def zeros(shape, dtype: torch.dtype, device: torch.device, dims: str, *, name: str = "", rows: str | None = None,
+          contiguous: bool = False) -> torch.Tensor:
+    if device.type != "cpu":
+        return torch.zeros(shape, dtype=dtype, device=device)
+    return backend.host().zeros(shape, dtype, device, dims, name=name, rows=rows, contiguous=contiguous)
+
+
+def empty_like(t: torch.Tensor, dims: str, *, name: str = "", rows: str | None = None) -> torch.Tensor:
+    if t.device.type != "cpu":
+        return torch.empty_like(t)
+    return backend.host().empty_like(t, dims, name=name, rows=rows)
 
 
 def _prepare(q, k, v, causal, scale, what: str):
@@ -338,8 +364,8 @@ def flash_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: 
     config = variant_config(config, "fwd", d, dtype, causal, variant, profile)
     check_config(config, d, dtype, causal, profile, "fwd")
 
-    out = guards.empty_like(q, "lhd" if varlen else "bhld", name="out", rows="q")
-    lse = guards.empty((hq, q.shape[0]) if varlen else (b, hq, lq), torch.float32, q.device, "hl" if varlen else "bhl",
+    out = empty_like(q, "lhd" if varlen else "bhld", name="out", rows="q")
+    lse = empty((hq, q.shape[0]) if varlen else (b, hq, lq), torch.float32, q.device, "hl" if varlen else "bhl",
                        name="lse", rows="q")
     out4 = heads_view(out) if varlen else out
     if lq == 0:
@@ -377,9 +403,9 @@ def kv_grad_buffers(k: torch.Tensor, v: torch.Tensor, heads_q: int, varlen: bool
     where query heads share a K/V head (GQA/MQA), for summed_kv_heads to sum."""
     dims = "lhd" if varlen else "bhld"
     if heads_q == k.shape[1]:
-        return (guards.empty_like(k, dims, name="dk", rows="k"), guards.empty_like(v, dims, name="dv", rows="k"))
+        return (empty_like(k, dims, name="dk", rows="k"), empty_like(v, dims, name="dv", rows="k"))
     shape = (k.shape[0], heads_q, *k.shape[2:])
-    return tuple(guards.empty(shape, k.dtype, k.device, dims, name=n, rows="k") for n in ("dk", "dv"))
+    return tuple(empty(shape, k.dtype, k.device, dims, name=n, rows="k") for n in ("dk", "dv"))
 
 
 def summed_kv_heads(dk_x: torch.Tensor, dv_x: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> tuple:
@@ -403,13 +429,13 @@ def sm90_backward(config: KernelConfig, fns: dict, dout: torch.Tensor, q: torch.
     hkv, lk = k.shape[1], k.shape[2]
     group = hq // hkv
     padded = -(-lq // config.block_m) * config.block_m
-    delta = guards.empty((b, hq, padded), torch.float32, q.device, "bhl", name="delta", contiguous=True)
-    lse2 = guards.empty((b, hq, padded), torch.float32, q.device, "bhl", name="lse2", contiguous=True)
+    delta = empty((b, hq, padded), torch.float32, q.device, "bhl", name="delta", contiguous=True)
+    lse2 = empty((b, hq, padded), torch.float32, q.device, "bhl", name="lse2", contiguous=True)
     _call(fns[f"{config.name}_delta"], (-(-padded // 128), hq, b), 128, 0, q.device, SM90_DELTA_PARAMS,
           (out, dout, lse, delta, lse2), (*_strides(out), *_strides(dout), lse.stride(0), lse.stride(1), lq, padded),
           SM90_DELTA_NAMES)
     rows = config.head_rows  # the head dim rounded up to 64: the kernel's dQ^T tiles have that many rows
-    dq_accum = guards.zeros((b, hq, padded, rows), torch.float32, q.device, "bhld", name="dq_accum", contiguous=True)
+    dq_accum = zeros((b, hq, padded, rows), torch.float32, q.device, "bhld", name="dq_accum", contiguous=True)
     dk_x, dv_x = kv_grad_buffers(k, v, hq, varlen=False)
     if dout.stride(-1) != 1 or any(s % 8 for s in dout.stride()[:-1]) or 0 in dout.stride():
         dout = dout.contiguous()  # TMA reads rows 16-byte aligned and apart (autograd may pass expanded zeros)
@@ -479,7 +505,7 @@ def flash_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torc
         return sm90_backward(config, fns, dout4, q4, k4, v4, out4, lse, scale, deterministic)
 
     # delta per query row; packed rows are one long sequence to it, (H, total_q) like the LSE
-    delta = guards.empty(lse_shape, torch.float32, q.device, "hl" if varlen else "bhl", name="delta", rows="q",
+    delta = empty(lse_shape, torch.float32, q.device, "hl" if varlen else "bhl", name="delta", rows="q",
                          contiguous=True)
     _call(fns[f"{config.name}_delta"], (math.ceil(total_q / config.delta_rows), hq, 1 if varlen else b),
           config.delta_rows * config.delta_lanes, 0, q.device, DELTA_PARAMS, (out4, dout4, delta),
@@ -488,7 +514,7 @@ def flash_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torc
     dq_pass = config.dq == "pass"
     # With the dQ pass the dK/dV kernel never touches dq_accum: a null pointer takes its place.
     # dq_accum's rows are the LSE's, (B, H, L) or (H, total_q), each of d floats.
-    dq_accum = None if dq_pass else guards.zeros((*lse_shape, d), torch.float32, q.device, "hld" if varlen else "bhld",
+    dq_accum = None if dq_pass else zeros((*lse_shape, d), torch.float32, q.device, "hld" if varlen else "bhld",
                                                  name="dq_accum", rows="q", contiguous=True)
     dk_x, dv_x = kv_grad_buffers(k, v, hq, varlen)
     dk4, dv4 = (heads_view(dk_x), heads_view(dv_x)) if varlen else (dk_x, dv_x)
@@ -506,7 +532,7 @@ def flash_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torc
                   ("q", "k", "v", "dout", "lse", "delta", "dq_accum", "dk", "dv", *_VARIANT_POINTERS))
 
     if dq_pass:
-        dq = guards.empty_like(q, "lhd" if varlen else "bhld", name="dq", rows="q")
+        dq = empty_like(q, "lhd" if varlen else "bhld", name="dq", rows="q")
         dq4 = heads_view(dq) if varlen else dq
         for sequences, pointers in variant.runs(b) if lq else ():
             _call(fns[f"{config.name}_dq"], (math.ceil(lq / config.block_m), hq, sequences), config.threads,

@@ -146,14 +146,29 @@ def check(m: TiledMap) -> None:
 
 def for_tensor(t: torch.Tensor, box: tuple[int, ...], swizzle: int = 0) -> TiledMap:
     """The map of tensor `t` (its last dim contiguous) copied in boxes of `box`, given in the tensor's
-    own dim order (outermost first, as its shape)."""
-    if t.dtype not in DATA_TYPES:
-        raise TypeError(f"tensor map of a {t.dtype} tensor: expected one of {sorted(map(str, DATA_TYPES))}")
-    if len(box) != t.dim():
-        raise ValueError(f"tensor map box: got {len(box)} dims {tuple(box)}, expected one per dim of shape "
-                         f"{tuple(t.shape)}")
-    if t.dim() and t.stride(-1) != 1 and t.shape[-1] > 1:
-        raise ValueError(f"tensor map of a tensor with strides {t.stride()}: expected its last dim contiguous")
-    return TiledMap(DATA_TYPES[t.dtype], t.data_ptr(), tuple(reversed(t.shape)),
-                    tuple(s * t.element_size() for s in reversed(t.stride()[:-1])), tuple(reversed(box)),
-                    swizzle=swizzle, tensor=t)
+    own dim order (outermost first, as its shape). On a GPU the map is one of a cache keyed by what
+    it encodes (address, shape, strides, dtype, box, swizzle): a launch on the same tensors as an
+    earlier one pays a dict lookup, not the checks (~20 us for an sm90 forward's four maps); on the
+    CPU it holds `t` for the emulator's sanitizer."""
+    if t.is_cuda:
+        return cached_map(t.dtype, t.data_ptr(), tuple(t.shape), t.stride(), tuple(box), swizzle)
+    return _map(t.dtype, t.data_ptr(), tuple(t.shape), t.stride(), tuple(box), swizzle, t)
+
+
+@functools.lru_cache(maxsize=4096)
+def cached_map(dtype: torch.dtype, address: int, shape: tuple, strides: tuple, box: tuple, swizzle: int) -> TiledMap:
+    """for_tensor's map of a CUDA tensor, by its fields (the cache holds no tensor)."""
+    return _map(dtype, address, shape, strides, box, swizzle, None)
+
+
+def _map(dtype: torch.dtype, address: int, shape: tuple, strides: tuple, box: tuple, swizzle: int,
+         tensor: torch.Tensor | None) -> TiledMap:
+    if dtype not in DATA_TYPES:
+        raise TypeError(f"tensor map of a {dtype} tensor: expected one of {sorted(map(str, DATA_TYPES))}")
+    if len(box) != len(shape):
+        raise ValueError(f"tensor map box: got {len(box)} dims {box}, expected one per dim of shape {shape}")
+    if shape and strides[-1] != 1 and shape[-1] > 1:
+        raise ValueError(f"tensor map of a tensor with strides {strides}: expected its last dim contiguous")
+    size = _SIZES[DATA_TYPES[dtype]]
+    return TiledMap(DATA_TYPES[dtype], address, tuple(reversed(shape)), tuple(s * size for s in reversed(strides[:-1])),
+                    tuple(reversed(box)), swizzle=swizzle, tensor=tensor)

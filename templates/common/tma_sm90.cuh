@@ -59,12 +59,17 @@ __device__ __forceinline__ void bulk_load(uint32_t dst, const void* src, uint32_
   asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];\n"
                ::"r"(dst), "l"(src), "r"(bytes), "r"(bar) : "memory");
 }
+// L2 cache policies as a 64-bit cache-hint operand (CUTLASS's CacheHintSm90 encodings of createpolicy).
+constexpr unsigned long long L2_EVICT_LAST = 0x14F0000000000000ull;  // keep the lines in L2 ahead of others
+
 // Adds the bytes / 4 floats at shared `src` into global `dst`, element by element (fp32, rounded to
-// nearest): FA3's dQ accumulation. Joins the thread's bulk group as a store does; the adds are done
-// and visible once a tma_store_wait covers it, and `src` may not be written before then.
-__device__ __forceinline__ void bulk_reduce_add(float* dst, uint32_t src, uint32_t bytes) {
-  asm volatile("cp.reduce.async.bulk.global.shared::cta.bulk_group.add.f32 [%0], [%1], %2;\n"
-               ::"l"(dst), "r"(src), "r"(bytes) : "memory");
+// nearest): FA3's dQ accumulation, with its L2 hint (EVICT_LAST: every key block adds into the same
+// dQ rows, so they should stay in L2). Joins the thread's bulk group as a store does; the adds are done
+// and visible once a tma_store_wait covers it, and `src` may not be written before a wait (.read or
+// not) covers it.
+__device__ __forceinline__ void bulk_reduce_add(float* dst, uint32_t src, uint32_t bytes, unsigned long long cache_hint) {
+  asm volatile("cp.reduce.async.bulk.global.shared::cta.bulk_group.L2::cache_hint.add.f32 [%0], [%1], %2, %3;\n"
+               ::"l"(dst), "r"(src), "r"(bytes), "l"(cache_hint) : "memory");
 }
 
 // Closes the thread's stores (and reductions) since the last commit into one bulk group.
@@ -72,3 +77,10 @@ __device__ __forceinline__ void tma_store_commit() { asm volatile("cp.async.bulk
 // Waits until at most N of the thread's bulk groups are in flight (their writes done and visible).
 template <int N>
 __device__ __forceinline__ void tma_store_wait() { asm volatile("cp.async.bulk.wait_group %0;\n" ::"n"(N) : "memory"); }
+// Waits until at most N of the thread's bulk groups still read their shared-memory sources (which may
+// then be written again): their global writes may still be in flight. CUTLASS's tma_store_wait. Enough
+// before reusing a source, and at exit (the grid's end completes the writes).
+template <int N>
+__device__ __forceinline__ void tma_store_wait_read() {
+  asm volatile("cp.async.bulk.wait_group.read %0;\n" ::"n"(N) : "memory");
+}

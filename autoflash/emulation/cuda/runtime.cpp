@@ -327,6 +327,7 @@ void run_block(Worker& w, dim3 block) {
     f.groups.clear();
     f.stores_open.clear();
     f.store_groups.clear();
+    f.stores_read.clear();
     f.named = -1;
     f.proxy_fences = 0;
     ctx_init(f.ctx, w.stacks + size_t(t) * kStack, kStack, fiber_entry);

@@ -50,6 +50,7 @@ void bulk_load(uint32_t dst, const void* src, uint32_t bytes, uint32_t bar);
 void bulk_reduce_add_f32(float* dst, uint32_t src, uint32_t bytes);
 void bulk_commit();
 void bulk_wait(int pending);
+void bulk_wait_read(int pending);
 }  // namespace emu
 
 // The launch ABI (one entry per kernel, generated at build time by EMU_KERNEL in register.h):

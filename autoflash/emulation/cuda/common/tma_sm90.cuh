@@ -21,9 +21,14 @@ __forceinline__ void tma_store(const TmaDesc& map, uint32_t src, C... coords) {
 __forceinline__ void bulk_load(uint32_t dst, const void* src, uint32_t bytes, uint32_t bar) {
   emu::bulk_load(dst, src, bytes, bar);
 }
-__forceinline__ void bulk_reduce_add(float* dst, uint32_t src, uint32_t bytes) {
+constexpr unsigned long long L2_EVICT_LAST = 0x14F0000000000000ull;
+// The L2 cache hint changes where lines live, not what is added: the emulator has no L2.
+__forceinline__ void bulk_reduce_add(float* dst, uint32_t src, uint32_t bytes, unsigned long long cache_hint) {
+  (void)cache_hint;
   emu::bulk_reduce_add_f32(dst, src, bytes);
 }
 __forceinline__ void tma_store_commit() { emu::bulk_commit(); }
 template <int N>
 __forceinline__ void tma_store_wait() { emu::bulk_wait(N); }
+template <int N>
+__forceinline__ void tma_store_wait_read() { emu::bulk_wait_read(N); }

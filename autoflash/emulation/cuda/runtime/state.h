@@ -139,6 +139,9 @@ struct Fiber {
   uint32_t spin_parity = 0;
   std::vector<TmaStore> stores_open;               // TMA stores since its last cp.async.bulk.commit_group
   std::vector<std::vector<TmaStore>> store_groups;  // committed, oldest first
+  // committed groups a cp.async.bulk.wait_group.read covered: their sources read, their writes still
+  // pending (they land at a full wait_group or when the thread exits); all older than store_groups
+  std::vector<std::vector<TmaStore>> stores_read;
 };
 
 struct Warp {

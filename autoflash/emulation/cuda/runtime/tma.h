@@ -25,7 +25,8 @@
 // [4, 4 + B) XORed with bits [7, 7 + B), B = 1, 2, 3 for the 32, 64 and 128-byte spans); elements
 // outside the tensor are zero and count toward the transaction bytes (the full box).
 // A store reads the box from shared memory at issue and writes the elements inside the tensor when a
-// wait_group covers its bulk group; elements outside are not written. Its start coordinates must not
+// wait_group covers its bulk group (a wait_group.read only ends its reads: the writes land at a later
+// full wait, or when the thread exits); elements outside are not written. Its start coordinates must not
 // be negative.
 //
 // Non-tensor bulk copies (PTX ISA 9.7.9.25.4.1 cp.async.bulk, 9.7.9.25.4.2 cp.reduce.async.bulk) are the
@@ -371,11 +372,11 @@ void bulk_commit() {
 }
 
 namespace {
-// A store whose bulk group a wait covers: (sanitizing) its source unchanged since issue, then the
-// elements inside the tensor written.
-void finish_store(Worker& w, Fiber& f, const TmaStore& s) {
-  const TensorMap& m = s.map;
+// (sanitizing) A store's source unchanged since issue: the bytes it read then are what shared memory
+// holds when a wait_group (.read or not) covers it.
+void check_source(Worker& w, Fiber& f, const TmaStore& s) {
 #if EMU_SANITIZE
+  const TensorMap& m = s.map;
   bool changed = false;
   for_box(m, s.c, [&](uint64_t i, uint64_t) {
     for (int b = 0; b < m.esize; ++b)
@@ -386,8 +387,13 @@ void finish_store(Worker& w, Fiber& f, const TmaStore& s) {
                               "cp.async.bulk.wait_group that covers it", f.tid,
                               s.add_f32 ? "cp.reduce.async.bulk" : "cp.async.bulk.tensor store"), &s.issued);
 #else
-  (void)w; (void)f;
+  (void)w; (void)f; (void)s;
 #endif
+}
+
+// A store's writes: the elements inside the tensor, as read at issue.
+void write_store(const TmaStore& s) {
+  const TensorMap& m = s.map;
   for_box(m, s.c, [&](uint64_t i, uint64_t addr) {
     if (!addr) return;
 #if EMU_SANITIZE
@@ -404,11 +410,34 @@ void finish_store(Worker& w, Fiber& f, const TmaStore& s) {
 }
 }  // namespace
 
+// cp.async.bulk.wait_group N: every group but the newest N done, writes included (oldest first: the
+// groups a .read wait already covered, then the rest).
 void bulk_wait(int pending) {
   Worker& w = *tw;
   Fiber& f = *w.cur;
+  const size_t keep = size_t(std::max(pending, 0));
+  while (f.stores_read.size() + f.store_groups.size() > keep) {
+    if (!f.stores_read.empty()) {
+      for (const TmaStore& s : f.stores_read.front()) write_store(s);
+      f.stores_read.erase(f.stores_read.begin());
+    } else {
+      for (const TmaStore& s : f.store_groups.front()) {
+        check_source(w, f, s);
+        write_store(s);
+      }
+      f.store_groups.erase(f.store_groups.begin());
+    }
+  }
+}
+
+// cp.async.bulk.wait_group.read N: every group but the newest N has read its source (shared memory
+// may be written again); the writes stay pending, landing as late as the hardware may land them.
+void bulk_wait_read(int pending) {
+  Worker& w = *tw;
+  Fiber& f = *w.cur;
   while (f.store_groups.size() > size_t(std::max(pending, 0))) {
-    for (const TmaStore& s : f.store_groups.front()) finish_store(w, f, s);
+    for (const TmaStore& s : f.store_groups.front()) check_source(w, f, s);
+    f.stores_read.push_back(std::move(f.store_groups.front()));
     f.store_groups.erase(f.store_groups.begin());
   }
 }
@@ -417,6 +446,9 @@ namespace {
 // A thread leaving the kernel with stores in flight: they complete, but the block's shared memory
 // they read is gone once the block ends (sanitizing, a finding).
 void stores_at_exit(Worker& w, Fiber& f) {
+  for (const auto& g : f.stores_read)  // sources read (a .read wait covered them): the writes complete
+    for (const TmaStore& s : g) write_store(s);
+  f.stores_read.clear();
   if (f.store_groups.empty() && f.stores_open.empty()) return;
   const TmaStore& first = f.store_groups.empty() ? f.stores_open.front() : f.store_groups.front().front();
   if (EMU_SANITIZE)
@@ -425,7 +457,7 @@ void stores_at_exit(Worker& w, Fiber& f) {
   if (!f.stores_open.empty()) f.store_groups.push_back(std::move(f.stores_open));
   f.stores_open.clear();
   for (const auto& g : f.store_groups)
-    for (const TmaStore& s : g) finish_store(w, f, s);
+    for (const TmaStore& s : g) write_store(s);
   f.store_groups.clear();
 }
 
