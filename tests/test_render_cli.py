@@ -292,3 +292,28 @@ def test_the_h100s_sm90_backward_default_compiles_with_its_printed_command(tmp_p
     assert name in capsys.readouterr().out
     assert _note_command(path.read_text())[:2] == ["nvcc", "-arch=sm_90a"]
     _run_printed_nvcc(path, name)
+
+
+@pytest.mark.parametrize("backward", [False, True])
+def test_sass_counts_the_sm90_familys_wgmma_loops(backward, tmp_path, capsys):
+    """render --sass on an sm90 default: its HGMMA loops, per m16n8k16-equivalent (the unit of
+    bench sass --fa3), the steady loop the shortest."""
+    from autoflash.kernels.sass import nvdisasm
+
+    try:
+        nvdisasm()
+    except RuntimeError as e:
+        pytest.skip(str(e))
+    argv = ["--default", "--head-dim", "64", "--dtype", "bf16", "--gpu", "h100", "--sass", "-o", str(tmp_path / "k.cu")]
+    assert main(argv + (["--backward"] if backward else [])) == 0
+    out = capsys.readouterr().out
+    loops = re.findall(r"(steady loop|masked or other loop) @0x[0-9a-f]+: (\d+) instructions, HGMMA ([^:]+): "
+                       r"(\d+) m16n8k16-equivalents, ([\d.]+) instructions each", out)
+    assert loops and sum(role == "steady loop" for role, *_ in loops) == 1, out
+    for role, total, shapes, equivalents, each in loops:
+        # 64xNx16 is N / 8 m16n8k16s of one warp's share
+        assert int(equivalents) == sum(int(n) * (int(s.split("x")[1]) // 8)
+                                       for n, s in re.findall(r"(\d+) x (\d+x\d+x\d+)", shapes))
+        assert abs(float(each) - int(total) / int(equivalents)) < 0.01
+    steady = [int(t) for role, t, *_ in loops if role == "steady loop"][0]
+    assert steady == min(int(t) for _, t, *_ in loops)

@@ -535,11 +535,28 @@ def loop_row(loop: Loop) -> dict[str, float]:
     }
 
 
+def wgmma_report(text: str) -> str:
+    """The sm90 family's loops holding HGMMA, per consumer warp and trip, per m16n8k16-equivalent of
+    tensor-core work (the unit `bench sass --fa3` compares with FlashAttention-3's in)."""
+    loops = hgmma_loops(text)
+    if not loops:
+        return "no loop with tensor-core MMAs (HMMA or HGMMA): nothing to count per MMA"
+    steady = min(loops, key=lambda lp: lp.total)
+    out = ["wgmma loops (static SASS, per consumer warp and trip; a proxy, not a timing):"]
+    for lp in loops:
+        role = "steady loop" if lp is steady else "masked or other loop"
+        shapes = ", ".join(f"{n} x {s}" for s, n in sorted(lp.shapes.items()))
+        out.append(f"  {role} @0x{lp.header_addr:04x}: {lp.total} instructions, HGMMA {shapes}: "
+                   f"{lp.mma_equivalents} m16n8k16-equivalents, {lp.per_equivalent:.3g} instructions each")
+        out.append("    " + "  ".join(f"{op} {n}" for op, n in sorted(lp.counts.items(), key=lambda x: -x[1])[:12]))
+    return "\n".join(out)
+
+
 def report(text: str) -> str:
     """The instruction mix of a kernel's loops, as `python -m autoflash.render --sass` prints it."""
     loops = hmma_loops(text)
     if not loops:
-        return "no loop with tensor-core MMAs (HMMA): nothing to count per HMMA"
+        return wgmma_report(text)
     main = main_loop(loops)
     out = ["main-loop instruction mix (static SASS, per warp and iteration; a proxy, not a timing):"]
     for lp in loops:
