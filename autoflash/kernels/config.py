@@ -507,10 +507,14 @@ class KernelConfig:
 
     @property
     def delta_lanes(self) -> int:
-        """The backward's delta kernel (rowsum(dO * O), 128 threads): lanes per query row, each
-        taking 16-byte chunks of it; 4 where a row has that many chunks, else the power of two that
-        covers them. Few lanes per row: the row's address arithmetic and its sum across lanes are
-        shared by fewer rows' worth of loads (d = 128 bf16: 4 chunks a lane, 32 rows a block)."""
+        """The backward's delta kernel (rowsum(dO * O), 128 threads): lanes per query row. On the
+        tensor cores 2: a warp computes 16 rows' dO O^T by mma.sync, as dP = dO V^T is computed (a
+        query that sees one key then gets dS = 0 exactly). On the SIMT path, each lane takes 16-byte
+        chunks of the row: 4 where a row has that many chunks, else the power of two that covers them
+        (few lanes per row: the row's address arithmetic and its sum across lanes are shared by fewer
+        rows' worth of loads)."""
+        if self.tensor_cores:
+            return 2
         chunks = self.head_dim * self.elem_bytes // 16
         return min(4, 1 << max(0, chunks - 1).bit_length())
 
