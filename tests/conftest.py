@@ -2,9 +2,10 @@
 
 The GPU tier also runs on the host emulator: a test that takes the `target` fixture runs once with
 target "gpu" (marked `gpu`) and once with "emulated" (CPU tensors inside autoflash.emulate). Tests
-marked `sweep` are grids: on the emulator each run keeps every (head dim, dtype, causal) key once
-plus a random share of the rest, drawn from a seed printed in the header
-(AUTOFLASH_SWEEP_SEED=N replays a run, AUTOFLASH_SWEEP=full runs the whole grid)."""
+marked `sweep` are grids: on the emulator each run keeps sampling.CASES cases of each, one per key
+((head dim, dtype, causal, variant)) for that many keys, drawn from a seed printed in the summary
+with each sweep's count (AUTOFLASH_SWEEP_SEED=N replays a run, AUTOFLASH_SWEEP=full runs the whole
+grid, AUTOFLASH_SWEEP_CASES=N changes the budget)."""
 import os
 import time
 
@@ -18,9 +19,9 @@ os.environ.setdefault("AUTOFLASH_FUZZ_SEED", str(time.time_ns() % 2**31))
 
 
 def pytest_report_header(config):
-    mode = "full grid" if sampling.FULL else f"one case per key + {sampling.SHARE:.0%} of the rest"
-    return (f"autoflash emulated sweep and compile grid: seed {sampling.SEED} ({mode}; "
-            f"AUTOFLASH_SWEEP_SEED={sampling.SEED} replays it)")
+    mode = "full grids" if sampling.FULL else f"{sampling.CASES} cases per sweep, over its keys"
+    return (f"autoflash emulated sweeps and compile grid: seed {sampling.SEED} ({mode}; "
+            f"AUTOFLASH_SWEEP_SEED={sampling.SEED} replays it, AUTOFLASH_SWEEP=full runs them whole)")
 
 
 def pytest_generate_tests(metafunc):
@@ -143,18 +144,54 @@ def pytest_collection_modifyitems(config, items):
         for item in items:
             if "gpu" in item.keywords:
                 item.add_marker(skip)
-    swept = [item for item in items if "sweep" in item.keywords and getattr(item, "callspec", None)
-             and item.callspec.params.get("target") == "emulated"]
+    swept: dict[str, list] = {}
+    for item in items:
+        if "sweep" in item.keywords and getattr(item, "callspec", None) \
+                and item.callspec.params.get("target") == "emulated":
+            swept.setdefault(item.originalname, []).append(item)
     skip = pytest.mark.skip(reason=f"not in this run's sample of the emulated sweep (seed {sampling.SEED}; "
                                    "AUTOFLASH_SWEEP=full)")
-    for item, kept in zip(swept, sampling.keep(swept, _sweep_key)):
-        if not kept:
-            item.add_marker(skip)
+    for name, cases in swept.items():
+        kept = sampling.keep(cases, _sweep_key, None if sampling.FULL else sampling.CASES, salt=name)
+        for item, k in zip(cases, kept):
+            if not k:
+                item.add_marker(skip)
+        _SAMPLED[name] = (sum(kept), len(cases), len({_sweep_key(i) for i in cases}))
+    # Emulators broken on purpose (the broken_runtime fixture: each case rebuilds the runtime, ~15-35 s):
+    # MUTATIONS of each such test per run, all under AUTOFLASH_SWEEP=full.
+    broken: dict[str, list] = {}
+    for item in items:
+        if "broken_runtime" in getattr(item, "fixturenames", ()) and getattr(item, "callspec", None):
+            broken.setdefault(item.originalname, []).append(item)
+    skip = pytest.mark.skip(reason=f"not in this run's sample of planted emulator bugs (seed {sampling.SEED}; "
+                                   "AUTOFLASH_SWEEP=full)")
+    for name, cases in broken.items():
+        kept = sampling.keep(cases, lambda item: item.callspec.id, MUTATIONS, salt=name)
+        for item, k in zip(cases, kept):
+            if not k:
+                item.add_marker(skip)
+        _SAMPLED[name] = (sum(kept), len(cases), len(cases))
+
+
+_SAMPLED: dict[str, tuple[int, int, int]] = {}  # sweep -> (kept, cases, keys)
+MUTATIONS = 1
+
+
+def pytest_sessionfinish(session):
+    if hasattr(session.config, "workeroutput"):  # a pytest-xdist worker: the counts go to the controller
+        session.config.workeroutput["autoflash_sampled"] = dict(_SAMPLED)
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_testnodedown(node, error):
+    _SAMPLED.update(getattr(node, "workeroutput", {}).get("autoflash_sampled", {}))
 
 
 def pytest_terminal_summary(terminalreporter):
     # Also under -q (which hides the header): the seeds replay this run's emulated sample and fuzz.
     terminalreporter.write_line(pytest_report_header(None))
+    for name, (kept, cases, keys) in sorted(_SAMPLED.items()):
+        terminalreporter.write_line(f"  {name}: {kept} of {cases} cases ({keys} keys)")
     fuzz = __import__("sys").modules.get("test_emulated_fuzz")
     if fuzz is not None:
         terminalreporter.write_line(f"autoflash emulated fuzz: seed {fuzz.SEED} "

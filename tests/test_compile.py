@@ -95,18 +95,33 @@ def defaults():
 
 
 # Under an NVRTC besides the main one (.ci/nvrtc_stacks.sh sets AUTOFLASH_NVRTC_STACK), a run compiles
-# every sm90-family default (where ptxas notices differ between releases) and one default per (family,
-# arch, direction, dtype) of the rest plus the sampled share: all 448 take ~10 minutes a release on 2
-# cores, four releases a run. AUTOFLASH_SWEEP=full compiles all of them (bench/results/compile/).
+# one default per (family, arch, direction, dtype, decode) and the defaults whose choice depends on the
+# release (kernels/defaults.py STACK_SPILLS: the fallbacks that stack picks, and what it picks
+# instead elsewhere), drawn from the seed salted by the release: all 448 take ~10 minutes a release
+# on 2 cores, five releases a run. AUTOFLASH_SWEEP=full compiles all of them (bench/results/compile/).
 EXTRA_STACK = os.environ.get("AUTOFLASH_NVRTC_STACK")
+
+
+def _stack_key(job) -> tuple:
+    """What the sample under another NVRTC keeps one of: a STACK_SPILLS entry that a plain default
+    falls under (what that release picks, or picks instead elsewhere), else (family, arch, direction,
+    dtype, decode)."""
+    from autoflash.kernels.defaults import STACK_SPILLS
+
+    cfg, arch = job
+    if not (cfg.kvcache or cfg.window or cfg.softcap or cfg.alibi or cfg.key_bias or cfg.varlen):
+        for i, s in enumerate(STACK_SPILLS):
+            if arch in s.archs and cfg.head_dim in s.head_dims and cfg.dtype in s.dtypes \
+                    and cfg.direction == s.direction and cfg.causal in s.causal:
+                return ("STACK_SPILLS", i)
+    return cfg.family, arch, cfg.direction, cfg.dtype, cfg.kvcache
 
 
 def stack_defaults():
     jobs = defaults()
     if not EXTRA_STACK:
         return jobs
-    kept = sampling.keep(jobs, lambda j: (j[0].family, j[1], j[0].direction, j[0].dtype))
-    return [j for j, k in zip(jobs, kept) if k or j[0].family == "sm90"]
+    return [j for j, k in zip(jobs, sampling.keep(jobs, _stack_key, salt=EXTRA_STACK)) if k]
 
 
 def _compile(job):
@@ -120,7 +135,7 @@ def _compile(job):
 def sampled_grid():
     """This run's share of grid() (every config under AUTOFLASH_SWEEP=full)."""
     g = grid()
-    return [job for job, kept in zip(g, sampling.keep(g, _grid_key)) if kept]
+    return [job for job, kept in zip(g, sampling.keep(g, _grid_key, salt="compile grid")) if kept]
 
 
 def _grid_key(job) -> tuple:

@@ -9,6 +9,8 @@ import types
 from pathlib import Path
 
 import pytest
+
+import sampling
 from packaging.requirements import Requirement
 
 from autoflash.kernels import compiler
@@ -240,11 +242,19 @@ def test_installed_nvrtc_and_headers_are_one_major():
     assert compiler._cudart_major(compiler.cuda_include_dir()) == int(major)
 
 
+def _sampled_archs() -> list[str]:
+    """One arch per generation (sm_8x, sm_90, sm_10x, sm_11x, sm_12x) per run, drawn from the seed;
+    every one under AUTOFLASH_SWEEP=full."""
+    generation = lambda arch: int(re.sub(r"\D", "", arch)) // 10  # noqa: E731
+    return [a for a, k in zip(NVRTC_ARCHS, sampling.keep(list(NVRTC_ARCHS), generation, salt="archs")) if k]
+
+
 @pytest.mark.slow
-@pytest.mark.parametrize("arch", NVRTC_ARCHS)
+@pytest.mark.parametrize("arch", _sampled_archs())
 def test_every_arch_compiles_or_names_the_install(arch):
     """The d=64 bf16 forward and backward defaults compile for every arch autoflash targets that the
-    installed NVRTC lists; the others raise the ValueError (NVRTC 12.x: sm_110 and sm_110a)."""
+    installed NVRTC lists; the others raise the ValueError (NVRTC 12.x: sm_110 and sm_110a). Per run
+    one arch of each generation (_sampled_archs)."""
     from autoflash.kernels.defaults import default_backward_config, default_config
     from autoflash.kernels.gpus import get_profile
 

@@ -43,7 +43,7 @@ from autoflash.reference.backward import attention_backward_ref, delta_rounding_
 from autoflash.reference.forward import attention_ref, within_tolerance
 
 SEED = int(os.environ.get("AUTOFLASH_FUZZ_SEED") or time.time_ns() % 2**31)
-CASES = 10
+CASES = 5  # random draws per run (each a fresh kernel build and run, ~12 s)
 LENGTHS = (1, 2, 3, 7, 16, 31, 64, 65, 113, 127, 128, 129, 203, 239)
 DIMS = (32, 40, 48, 64, 72, 80, 96, 104, 112, 128, 160, 192, 224, 256)
 
