@@ -95,7 +95,7 @@ def defaults():
 
 
 # Under an NVRTC besides the main one (.ci/nvrtc_stacks.sh sets AUTOFLASH_NVRTC_STACK), a run compiles
-# one default per (family, arch, direction, dtype, decode) and the defaults whose choice depends on the
+# one default per (family, arch, direction, decode) and the defaults whose choice depends on the
 # release (kernels/defaults.py STACK_SPILLS: the fallbacks that stack picks, and what it picks
 # instead elsewhere), drawn from the seed salted by the release: all 448 take ~10 minutes a release
 # on 2 cores, five releases a run. AUTOFLASH_SWEEP=full compiles all of them (bench/results/compile/).
@@ -105,7 +105,7 @@ EXTRA_STACK = os.environ.get("AUTOFLASH_NVRTC_STACK")
 def _stack_key(job) -> tuple:
     """What the sample under another NVRTC keeps one of: a STACK_SPILLS entry that a plain default
     falls under (what that release picks, or picks instead elsewhere), else (family, arch, direction,
-    dtype, decode)."""
+    decode): the dtype and head dim drawn per release and run."""
     from autoflash.kernels.defaults import STACK_SPILLS
 
     cfg, arch = job
@@ -114,7 +114,7 @@ def _stack_key(job) -> tuple:
             if arch in s.archs and cfg.head_dim in s.head_dims and cfg.dtype in s.dtypes \
                     and cfg.direction == s.direction and cfg.causal in s.causal:
                 return ("STACK_SPILLS", i)
-    return cfg.family, arch, cfg.direction, cfg.dtype, cfg.kvcache
+    return cfg.family, arch, cfg.direction, cfg.kvcache
 
 
 def stack_defaults():

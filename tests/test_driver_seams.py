@@ -201,8 +201,7 @@ def _every_default_kernel():
     configs.add((default_config(64, "fp32", False, a100), "sm_80"))
     configs = sorted(configs, key=lambda x: (x[0].name, x[1]))
     if os.environ.get("AUTOFLASH_NVRTC_STACK"):  # another release (.ci/nvrtc_stacks.sh): one of each kind
-        kind = lambda job: (job[0].family, job[0].direction, job[0].kvcache, job[0].dq, job[0].dtype,  # noqa: E731
-                            job[0].varlen or job[0].key_bias)
+        kind = lambda job: (job[0].family, job[0].direction, job[0].kvcache)  # noqa: E731
         configs = [j for j, k in zip(configs, sampling.keep(configs, kind, salt="launch " + os.environ[
             "AUTOFLASH_NVRTC_STACK"])) if k]
     return configs

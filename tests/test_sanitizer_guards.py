@@ -61,7 +61,7 @@ MUTATIONS = {
                  "flash_fwd_sm90.cu.j2", "if (t % 4 == 0 && row < seqlen_q) lse[", "write of lse"),
     # the sm90 backward's dQ reduction one query row longer than its tile: past the padded
     # accumulator's end at the last tile of the last head
-    "dq-sm90": ("bwd", "dq_tile, BLOCK_M * D_ROWS * 4);", "dq_tile, (BLOCK_M + 1) * D_ROWS * 4);",
+    "dq-sm90": ("bwd", "dq_tile, BLOCK_M * D_ROWS * 4, L2_EVICT_LAST);", "dq_tile, (BLOCK_M + 1) * D_ROWS * 4, L2_EVICT_LAST);",
                 [*SHAPE, "--backward"], "flash_bwd_sm90.cu.j2", "bulk_reduce_add(dq_first + it * (BLOCK_M",
                 "dq_accum"),
     # a store far past every tensor: memory of no tensor of the launch (the block stops before it)
