@@ -8,13 +8,18 @@ from pathlib import Path
 
 import pytest
 
+import sampling
+
 from autoflash.kernels.resources import templates_dir
 
 HERE = Path(__file__).resolve().parent
 ROWS = (16, 48, 64, 80, 128, 256)
 CHUNKS = tuple(range(4, 66, 2))  # d_pad / 8 for fp16/bf16 (4..32), d / 4 for fp32 (8..64)
 THREADS = (64, 128, 256)
-SHAPES = [(r, c, t) for r in ROWS for c in CHUNKS for t in THREADS]
+ALL_SHAPES = [(r, c, t) for r in ROWS for c in CHUNKS for t in THREADS]
+# Each shape is a template instance of the checker (all 558 take g++ ~110 s): per run one shape per
+# (rows, threads), its chunks drawn from the seed; all of them under AUTOFLASH_SWEEP=full.
+SHAPES = [s for s, k in zip(ALL_SHAPES, sampling.keep(ALL_SHAPES, lambda s: (s[0], s[2]), salt="swizzle")) if k]
 
 pytestmark = pytest.mark.skipif(shutil.which("g++") is None, reason="needs g++")
 

@@ -143,7 +143,7 @@ def _measured_in_storage(out):
 
 def test_sigkill_then_the_same_command_resumes(tmp_path):
     log = tmp_path / "log.jsonl"
-    cmd = [*SMALL, "--causal", "on", "--backend", "simulated", "--out", str(tmp_path), "--budget", "8",
+    cmd = [*SMALL, "--causal", "off", "--backend", "simulated", "--out", str(tmp_path), "--budget", "8",
            "--simulate-delay", "0.4", "--simulate-log", str(log)]
     proc = subprocess.Popen([sys.executable, "-m", "autoflash.tune", *cmd], stdout=subprocess.DEVNULL,
                             stderr=subprocess.PIPE)
@@ -169,7 +169,7 @@ def test_sigkill_then_the_same_command_resumes(tmp_path):
     assert not repeated & recorded  # nothing the storage held as measured was measured again
     started = {e["config"] for e in first if e["event"] == "start"}
     assert started <= set(ends)  # what the kill cut off was measured on resume: nothing lost
-    entry = load_table(tmp_path / "h100.json").get(ProblemKey("h100", "fwd", "fp16", 64, True, "le1k"))
+    entry = load_table(tmp_path / "h100.json").get(ProblemKey("h100", "fwd", "fp16", 64, False, "le1k"))
     assert entry.evaluated == 8
 
 
