@@ -408,6 +408,13 @@ void write_store(const TmaStore& s) {
     }
   });
 }
+
+// A store whose bulk group a full wait covers (or whose thread exits) that no .read wait covered:
+// its source checked, then its writes.
+void finish_store(Worker& w, Fiber& f, const TmaStore& s) {
+  check_source(w, f, s);
+  write_store(s);
+}
 }  // namespace
 
 // cp.async.bulk.wait_group N: every group but the newest N done, writes included (oldest first: the
@@ -421,10 +428,7 @@ void bulk_wait(int pending) {
       for (const TmaStore& s : f.stores_read.front()) write_store(s);
       f.stores_read.erase(f.stores_read.begin());
     } else {
-      for (const TmaStore& s : f.store_groups.front()) {
-        check_source(w, f, s);
-        write_store(s);
-      }
+      for (const TmaStore& s : f.store_groups.front()) finish_store(w, f, s);
       f.store_groups.erase(f.store_groups.begin());
     }
   }
@@ -457,7 +461,7 @@ void stores_at_exit(Worker& w, Fiber& f) {
   if (!f.stores_open.empty()) f.store_groups.push_back(std::move(f.stores_open));
   f.stores_open.clear();
   for (const auto& g : f.store_groups)
-    for (const TmaStore& s : g) write_store(s);
+    for (const TmaStore& s : g) finish_store(w, f, s);
   f.store_groups.clear();
 }
 
