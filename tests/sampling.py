@@ -37,3 +37,9 @@ def keep(items: list, key, budget: int | None = None, salt: str = "") -> list[bo
     for k in keys[:len(keys) if budget is None else budget]:
         kept[rng.choice(groups[k])] = True
     return kept
+
+
+def sample(items, key, budget: int | None = None, salt: str = "") -> list:
+    """The items this run keeps (keep's draw), in order."""
+    items = list(items)
+    return [item for item, kept in zip(items, keep(items, key, budget, salt)) if kept]

@@ -111,8 +111,7 @@ def _stack_key(job) -> tuple:
     cfg, arch = job
     if not (cfg.kvcache or cfg.window or cfg.softcap or cfg.alibi or cfg.key_bias or cfg.varlen):
         for i, s in enumerate(STACK_SPILLS):
-            if arch in s.archs and cfg.head_dim in s.head_dims and cfg.dtype in s.dtypes \
-                    and cfg.direction == s.direction and cfg.causal in s.causal:
+            if s.covers(arch, cfg.direction, cfg.dtype, cfg.head_dim, cfg.causal):
                 return ("STACK_SPILLS", i)
     return cfg.family, arch, cfg.direction, cfg.kvcache
 
@@ -121,7 +120,7 @@ def stack_defaults():
     jobs = defaults()
     if not EXTRA_STACK:
         return jobs
-    return [j for j, k in zip(jobs, sampling.keep(jobs, _stack_key, salt=EXTRA_STACK)) if k]
+    return sampling.sample(jobs, _stack_key, salt=EXTRA_STACK)
 
 
 def _compile(job):
@@ -134,8 +133,7 @@ def _compile(job):
 
 def sampled_grid():
     """This run's share of grid() (every config under AUTOFLASH_SWEEP=full)."""
-    g = grid()
-    return [job for job, kept in zip(g, sampling.keep(g, _grid_key, salt="compile grid")) if kept]
+    return sampling.sample(grid(), _grid_key, salt="compile grid")
 
 
 def _grid_key(job) -> tuple:

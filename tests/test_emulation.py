@@ -298,9 +298,8 @@ def sanitized_defaults(direction: str) -> list:
     bucket), drawn from the run's seed; every one under AUTOFLASH_SWEEP=full (all of them took 12
     minutes of the suite's 42 on 2 cores)."""
     todo = [(cfg, gpu) for cfg, gpu in DEFAULTS if cfg.direction == direction]
-    kept = sampling.keep(todo, lambda item: (item[0].family, item[0].dtype, item[0].causal,
-                                             min(item[0].head_dim, 129) // 65), salt=f"sanitizer {direction}")
-    return [item for item, k in zip(todo, kept) if k]
+    return sampling.sample(todo, lambda item: (item[0].family, item[0].dtype, item[0].causal,
+                                               min(item[0].head_dim, 129) // 65), salt=f"sanitizer {direction}")
 
 
 def _sanitized_run(cfg, gpu):

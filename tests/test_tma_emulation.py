@@ -89,6 +89,14 @@ def roundtrip(rank: int, span: int, dtype: torch.dtype, case: str = "", sanitize
     return module, src, dst, before, box, at, to, dump
 
 
+def stored(before: torch.Tensor, box: torch.Tensor, shape: tuple, to: tuple) -> torch.Tensor:
+    """`before` with a store of `box` (of `shape`) at `to`: only the elements inside the tensor."""
+    expect = before.clone()
+    region = tuple(slice(a, min(a + b, n)) for a, b, n in zip(to, shape, before.shape))
+    expect[region] = box[tuple(slice(0, s.stop - s.start) for s in region)]
+    return expect
+
+
 DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
 
 
@@ -99,10 +107,7 @@ def test_a_box_lands_swizzled_and_stores_back(rank, span, dtype):
     module, src, dst, before, box, at, to, dump = roundtrip(rank, span, DTYPES[dtype])
     want = box_of(src, box, at)
     assert dump.numpy().tobytes() == swizzled(want.contiguous().view(torch.uint8).numpy().tobytes(), span)
-    expect = before.clone()
-    region = tuple(slice(a, min(a + b, n)) for a, b, n in zip(to, box, dst.shape))
-    expect[region] = want[tuple(slice(0, s.stop - s.start) for s in region)]
-    assert torch.equal(dst, expect)  # inside the box written, the rest (past the tensor's end) untouched
+    assert torch.equal(dst, stored(before, want, box, to))  # inside the box written, the rest untouched
     assert module.findings() == []
 
 
@@ -160,10 +165,7 @@ def test_a_read_wait_frees_the_source_and_the_store_still_lands():
     """cp.async.bulk.wait_group.read (CUTLASS's tma_store_wait): the source may be written once the
     store has read it; the store writes what it read (by the thread's exit at the latest)."""
     module, src, dst, before, box, at, to, _ = roundtrip(2, 128, torch.bfloat16, case="read wait", sanitize=True)
-    expect = before.clone()
-    region = tuple(slice(a, min(a + b, n)) for a, b, n in zip(to, box, dst.shape))
-    expect[region] = box_of(src, box, at)[tuple(slice(0, s.stop - s.start) for s in region)]
-    assert torch.equal(dst, expect)
+    assert torch.equal(dst, stored(before, box_of(src, box, at), box, to))
     assert module.findings() == []
 
 

@@ -108,6 +108,7 @@ def _map_rows(calls: int, rounds: int) -> list[dict]:
     tiles = [(torch.empty(2, 16, 4096, 128, dtype=torch.bfloat16), rows) for rows in (64, config.block_n, config.block_n, 64)]
     fields = [(t.dtype, t.data_ptr(), tuple(t.shape), t.stride(), (1, 1, rows, span // 2), span) for t, rows in tiles]
     new = _per_call_us(lambda: [tensor_map._map(*f, None) for f in fields], calls, rounds)
+    # the key built from the tensors on every call, as for_tensor does for CUDA tensors
     cached = _per_call_us(lambda: [tensor_map.cached_map(t.dtype, t.data_ptr(), tuple(t.shape), t.stride(),
                                                          (1, 1, rows, span // 2), span) for t, rows in tiles],
                           calls, rounds)

@@ -51,14 +51,3 @@ def host() -> HostBackend | None:
         _backend = importlib.import_module(_module).HOST_BACKEND
     return _backend
 
-
-def host_profile(what: str):
-    """The GpuProfile a call on CPU tensors runs as; a ValueError naming how to get one when the host
-    backend is not in force."""
-    backend = host()
-    profile = backend.profile() if backend is not None else None
-    if profile is None:
-        hint = f" ({backend.hint})" if backend is not None else ""
-        raise ValueError(f"{what} runs on CUDA tensors; got tensors on cpu{hint}")
-    return profile
-

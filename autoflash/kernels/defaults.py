@@ -29,11 +29,15 @@ class StackSpill:
     clean_from: tuple[int, int]  # the first NVRTC seen clean
     seen: str  # where it spilled
 
+    def covers(self, arch: str, direction: str, dtype: str, head_dim: int, causal: bool) -> bool:
+        """Whether this entry is about such a problem, under whichever NVRTC."""
+        return (arch in self.archs and direction == self.direction and dtype in self.dtypes
+                and head_dim in self.head_dims and causal in self.causal)
+
     def applies(self, arch: str, direction: str, dtype: str, head_dim: int, causal: bool,
                 nvrtc: tuple[int, int]) -> bool:
         """Whether this entry rules its kernel out for such a problem under `nvrtc`."""
-        return (arch in self.archs and direction == self.direction and dtype in self.dtypes
-                and head_dim in self.head_dims and causal in self.causal and nvrtc < self.clean_from)
+        return nvrtc < self.clean_from and self.covers(arch, direction, dtype, head_dim, causal)
 
     def note(self, nvrtc: tuple[int, int]) -> str:
         first = f"{self.tile[0]} x {self.tile[1]} with {self.tile[2]} warps" if self.tile else f"the {self.family} family"

@@ -69,9 +69,12 @@ def profile_for(t: torch.Tensor, what: str) -> GpuProfile:
     with what would work."""
     if t.is_cuda:
         return device_profile(device_index(t))
-    if t.device.type == "cpu":
-        return backend.host_profile(what)
-    raise ValueError(f"{what} runs on CUDA tensors; got tensors on {t.device}")
+    host = backend.host() if t.device.type == "cpu" else None
+    profile = host.profile() if host is not None else None
+    if profile is None:
+        hint = f" ({host.hint})" if host is not None else ""
+        raise ValueError(f"{what} runs on CUDA tensors; got tensors on {t.device}{hint}")
+    return profile
 
 
 def kernel_functions(config: KernelConfig, profile: GpuProfile, t: torch.Tensor) -> dict:
