@@ -4,6 +4,7 @@ injected bug of each kind is caught (with its kind, kernel, template line, block
 built-in default of every GPU profile runs clean under it."""
 import os
 import re
+import subprocess
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
@@ -148,6 +149,22 @@ def test_a_missing_compiler_is_named(monkeypatch):
             build.compiler()
     finally:
         build.compiler.cache_clear()
+
+
+@pytest.mark.parametrize("sanitize", [False, True], ids=["plain", "sanitize"])
+def test_kernels_build_on_the_precompiled_prelude(sanitize):
+    """GCC takes prelude.h.gch only when it was built with the kernel's own flags; a mismatch is
+    silent without -Winvalid-pch and costs a third of every build. -H marks a used PCH with '!'."""
+    if not build._is_gcc():
+        pytest.skip("the precompiled prelude is GCC's")
+    header = build.prelude(sanitize)
+    assert header.read_bytes() == (build.HEADERS / "prelude.h").read_bytes()
+    cxx, _ = build.compiler()
+    r = subprocess.run([cxx, *build._mode_flags(sanitize), *build._KERNEL_FLAGS, "-H", "-x", "c++", "-include",
+                        str(header), "-I", str(build.HEADERS), "-fsyntax-only", "-"],
+                       input="int x;\n", capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr
+    assert f"! {header}.gch" in r.stderr.splitlines()[0], r.stderr[:2000]
 
 
 # ------------------------------------------------------------------ the sanitizer
