@@ -53,7 +53,7 @@ for release in "${ORDER[@]}"; do
   [ "$got" = "${release%.*}" ] || { echo "NVRTC $release: the venv compiles with NVRTC $got"; exit 1; }
   echo "== compile tier under NVRTC $release (venv $venv)"
   AUTOFLASH_NVRTC_STACK="$release" AUTOFLASH_CACHE_DIR="${AUTOFLASH_CACHE_DIR:-$HOME/.cache/autoflash}" \
-    "$venv/bin/python" -m pytest -q -p no:cacheprovider -p no:benchmark tests/test_compile.py tests/test_driver_seams.py \
+    "$venv/bin/python" -m pytest -q -n 0 -p no:cacheprovider -p no:benchmark tests/test_compile.py tests/test_driver_seams.py \
     -k "default_configs or cubins" || status=1
 done
 exit $status

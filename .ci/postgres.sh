@@ -9,11 +9,15 @@ if [[ -n "${AUTOFLASH_TEST_POSTGRES_URL:-}" ]]; then
     return 0
 fi
 
-# 1. Server binaries: Debian's package, installed only if no initdb is there.
+# 1. Server binaries: Debian's package, installed only if no initdb is there. `bash .ci/postgres.sh
+#    --install` does only this (.ci/run runs it while pip installs, then sources this file).
 if ! compgen -G '/usr/lib/postgresql/*/bin/initdb' >/dev/null; then
     _pg_sudo=""; [[ $(id -u) -eq 0 ]] || _pg_sudo="sudo"
     $_pg_sudo env DEBIAN_FRONTEND=noninteractive apt-get update -qq
     $_pg_sudo env DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends postgresql >/dev/null
+fi
+if [[ "${1:-}" == "--install" ]]; then
+    return 0 2>/dev/null || exit 0
 fi
 _pg_bin=$(ls -d /usr/lib/postgresql/*/bin | sort -V | tail -n 1)
 
