@@ -442,7 +442,7 @@ def test_new_profile_tune_dry_run(key, capsys):
 
     assert main(["--gpu", key, "--dry-run", "--head-dims", "64", "--dtypes", "bf16", "--directions", "fwd",
                  "--causal", "off", "--space", "num_stages=2", "--space", "num_warps=4", "--space", "block_m=64",
-                 "--no-progress", "--show-rejected"]) == 0
+                 "--no-progress", "--show-rejected", "--jobs", "1"]) == 0
     out = capsys.readouterr().out
     default = default_config(64, "bf16", False, PROFILES[key]).name
     assert f"{key} fwd bf16 d64 non-causal (default {default})" in out

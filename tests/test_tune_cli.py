@@ -24,8 +24,11 @@ from autoflash.tuning.table import load_table
 
 # One small space: d64 fp16 forward, 4 warps, 2 stages (17 configs and the default, compiled once).
 # Ten candidates a key (nine survive the compile), so that the CLI's own behaviour is what the tests spend on
+# --jobs 1: compiles in the tuner's own process. Its pool spawns a process per core, each importing
+# torch (~4 CPU-s), while pytest-xdist already keeps the cores busy; test_dry_run_prints_the_pruned_space
+# runs the pool.
 SMALL = ["--gpu", "h100", "--head-dims", "64", "--dtypes", "fp16", "--directions", "fwd", "--space", "num_stages=2",
-         "--space", "num_warps=4", "--space", "block_n=64,128", "--seqlen-buckets", "le1k", "--no-progress"]
+         "--space", "num_warps=4", "--space", "block_n=64,128", "--seqlen-buckets", "le1k", "--no-progress", "--jobs", "1"]
 
 
 def _tune(*args, check=True, **kw):
@@ -74,7 +77,7 @@ def test_dry_run_prints_the_pruned_space(gpu, capsys):
 
 def test_dry_run_a100_rejects_what_h100_allows(capsys):
     common = ["--dry-run", "--head-dims", "128", "--dtypes", "bf16", "--directions", "fwd", "--causal", "off",
-              "--space", "num_stages=3", "--space", "num_warps=8", "--no-progress"]
+              "--space", "num_stages=3", "--space", "num_warps=8", "--no-progress", "--jobs", "1"]
     survivors = {}
     for gpu in ("a100", "h100"):
         main(["--gpu", gpu, *common])
@@ -243,7 +246,7 @@ def test_two_processes_share_one_study_through_postgresql(tmp_path):
 # defaults among them, compiled once per variant kernel and cached on disk).
 TINY = ["--head-dims", "64", "--dtypes", "fp16", "--directions", "fwd", "--space", "num_stages=2", "--space",
         "num_warps=4", "--space", "block_m=64,128", "--space", "block_n=64,128", "--seqlen-buckets", "le1k",
-        "--no-progress"]
+        "--no-progress", "--jobs", "1"]
 
 
 def test_dry_run_compiles_and_prunes_the_window_kernels_offline(capsys):
@@ -307,7 +310,7 @@ def test_a_dry_run_where_nothing_survives_fails_and_says_why(monkeypatch, capsys
                                     + "\n--- full log ---\n" + log if config.family == "sm90" else log, config)
 
     monkeypatch.setattr(compiler, "compile_config", refuse)
-    assert main(["--gpu", "h100", "--dry-run", "--show-rejected", "--jobs", "1", *TINY]) == 1
+    assert main(["--gpu", "h100", "--dry-run", "--show-rejected", *TINY]) == 1
     captured = capsys.readouterr()
     assert "0 of" in captured.out and "Compile time" not in captured.out
     assert "(C7519) warpgroup.arrive is injected" in captured.out
@@ -327,6 +330,6 @@ def test_a_dry_run_fails_when_the_default_is_rejected(monkeypatch, capsys):
         return real(config, arch)
 
     monkeypatch.setattr(compiler, "compile_config", refuse_default)
-    assert main(["--gpu", "h100", "--dry-run", "--jobs", "1", "--causal", "on", *TINY]) == 1
+    assert main(["--gpu", "h100", "--dry-run", "--causal", "on", *TINY]) == 1
     err = capsys.readouterr().err
     assert f"the built-in default {default.name} is rejected" in err

@@ -27,7 +27,7 @@ PAGED = ProblemKey.decode("h100", "bf16", 128, "q2-16", "le32k", "b1-4", True)
 # One small space: d64 fp16, 64 x n tiles, 4 warps, 2 stages, three split counts (compiled once, cached on disk).
 SMALL = ["--gpu", "h100", "--decode", "--head-dims", "64", "--dtypes", "fp16", "--q-buckets", "q1", "--cache-buckets",
          "le4k", "--batch-buckets", "b1-4", "--space", "block_m=64", "--space", "num_warps=4", "--space",
-         "num_stages=2", "--space", "num_splits=0,1,4", "--no-progress"]
+         "num_stages=2", "--space", "num_splits=0,1,4", "--no-progress", "--jobs", "1"]
 
 
 # ------------------------------------------------------------------ keys and buckets

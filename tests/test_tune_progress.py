@@ -12,7 +12,7 @@ from autoflash.tuning.progress import Bar, Lines, progress
 # on disk).
 TINY = ["--gpu", "a100", "--head-dims", "64", "--dtypes", "fp16", "--directions", "fwd", "--space", "num_stages=2",
         "--space", "num_warps=4", "--space", "block_m=64,128", "--space", "block_n=64,128", "--seqlen-buckets",
-        "le1k", "--causal", "both"]
+        "le1k", "--causal", "both", "--jobs", "1"]
 
 
 class Terminal(io.StringIO):
