@@ -12,7 +12,7 @@ import time
 
 # Emulated cases per sweep and run: one per key for this many keys, drawn in a seeded order
 # (AUTOFLASH_SWEEP_CASES=N changes it; at 8 the nine sweeps took ~360 of the suite's 2,330 core-seconds).
-CASES = int(os.environ.get("AUTOFLASH_SWEEP_CASES") or 5)
+CASES = int(os.environ.get("AUTOFLASH_SWEEP_CASES") or 4)
 SEED = int(os.environ.get("AUTOFLASH_SWEEP_SEED") or time.time_ns() % 2**31)
 # pytest-xdist's workers inherit it (conftest imports this module before they start): every worker
 # must collect the same sampled cases.
