@@ -11,7 +11,8 @@ import random
 import time
 
 # Emulated cases per sweep and run: one per key for this many keys, drawn in a seeded order
-# (AUTOFLASH_SWEEP_CASES=N changes it; at 8 the nine sweeps took ~360 of the suite's 2,330 core-seconds).
+# (AUTOFLASH_SWEEP_CASES=N changes it; at 8 the nine sweeps' tests took ~290 s, summed over both
+# workers, of a 20-minute run).
 CASES = int(os.environ.get("AUTOFLASH_SWEEP_CASES") or 4)
 SEED = int(os.environ.get("AUTOFLASH_SWEEP_SEED") or time.time_ns() % 2**31)
 # pytest-xdist's workers inherit it (conftest imports this module before they start): every worker

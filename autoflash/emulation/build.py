@@ -148,6 +148,13 @@ def prelude(sanitize: bool) -> Path:
     return header
 
 
+def kernel_command(sanitize: bool) -> list[str]:
+    """The compiler command a kernel source is built with, up to its `-c SRC -o OBJ`: the mode's
+    flags, the prelude force-included (precompiled with GCC), the emulator's and the templates' headers."""
+    return [compiler()[0], *_mode_flags(sanitize), *_KERNEL_FLAGS, "-x", "c++", "-include", str(prelude(sanitize)),
+            "-I", str(HEADERS), "-I", str(templates_dir())]
+
+
 def build_library(source: str, name: str, entries: tuple[str, ...], sanitize: bool) -> Path:
     """A shared library running `source` (a rendered kernel) on the emulator, exporting
     emu_entry_<e> for each kernel symbol e in `entries`. Cached by everything that changes it."""
@@ -163,14 +170,13 @@ def build_library(source: str, name: str, entries: tuple[str, ...], sanitize: bo
     target = emu_cache_dir() / f"{name}-{mode}-{key}.so"
     if target.exists():
         return target
-    runtime, header = runtime_object(sanitize), prelude(sanitize)
+    runtime, command = runtime_object(sanitize), kernel_command(sanitize)
 
     def build(out: Path) -> None:
         src, obj = out.with_suffix(".cu"), out.with_suffix(".o")
         src.write_text(text)
         try:
-            _run([cxx, *flags, *_KERNEL_FLAGS, "-x", "c++", "-include", str(header), "-I", str(HEADERS), "-I",
-                  str(templates_dir()), "-c", str(src), "-o", str(obj)], f"kernel {name}")
+            _run([*command, "-c", str(src), "-o", str(obj)], f"kernel {name}")
             # Linked without -fsanitize: the runtime object stands in for the ThreadSanitizer runtime.
             _run([cxx, *LINK_FLAGS, str(obj), str(runtime), "-o", str(out)],
                  f"kernel {name}")
