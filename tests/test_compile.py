@@ -1,7 +1,8 @@
 """CPU tier of the kernels themselves: a representative grid renders and compiles with NVRTC for
 sm_80 and sm_90 (no GPU needed), the built-in defaults compile without register spills (the sm90
 family's through its ptxas gate), and the shared-memory model agrees with ptxas. Every default
-compiles in every run; the grid is sampled as the emulated sweeps are (tests/sampling.py: one config
+compiles in every run, and one of the switch sets it is held to (switched_defaults); the grid is
+sampled as the emulated sweeps are (tests/sampling.py: one config
 per direction, dtype, arch and head-dim range plus a share of the rest; AUTOFLASH_SWEEP=full compiles all)."""
 import collections
 import itertools
@@ -77,21 +78,39 @@ DECODE_SETS = (dict(),
 
 
 def defaults():
+    """Every built-in default under its plain switches (forward, backward, decode, the sm90 family), and
+    this run's draw of the switch sets they are held to (switched_defaults)."""
     fwd = {(default_config(d, dt, c, prof), arch)
            for d in HEAD_DIMS for dt in DTYPES for c in (False, True) for arch, prof in ARCH_PROFILES.items()}
     bwd = {(default_backward_config(d, dt, c, prof), arch)
            for d in HEAD_DIMS for dt in DTYPES for c in (False, True) for arch, prof in ARCH_PROFILES.items()}
-    variants = {(_variant_default(make, d, v, prof), arch) for make in (default_config, default_backward_config)
-                for d in HEAD_DIMS for v in VARIANT_SETS for arch, prof in ARCH_PROFILES.items()}
-    decode = {(default_decode_config(d, dt, prof, 256 if v.get("paged") else None, "window" in v or "key_bias" in v)
-               .replace(**v), arch)
-              for d in HEAD_DIMS for dt in ("fp16", "bf16") for v in DECODE_SETS for arch, prof in ARCH_PROFILES.items()}
+    decode = {(default_decode_config(d, dt, prof, None, False), arch)
+              for d in HEAD_DIMS for dt in ("fp16", "bf16") for arch, prof in ARCH_PROFILES.items()}
     # The sm90 family's defaults at every head dim it takes (multiples of 16): ptxas releases differ at
     # single head dims (12.9 and 13.0.88 spill d = 208's forward and d = 80's backward).
     h100 = ARCH_PROFILES["sm_90"]
     sm90 = {(make(d, "bf16", c, h100), "sm_90") for make in (default_config, default_backward_config)
             for d in range(32, 257, 16) for c in (False, True)}
-    return sorted(fwd | bwd | variants | decode | sm90, key=lambda x: (x[0].name, x[1]))
+    switched = set(sampling.sample(switched_defaults(), _switch_key, salt="compile switch sets"))
+    return sorted(fwd | bwd | decode | sm90 | switched, key=lambda x: (x[0].name, x[1]))
+
+
+def switched_defaults():
+    """The defaults under each variant set (forward and backward) and each decode set besides the
+    plain cache: 224 kernels. A run compiles one set per (direction, head dim, dtype, arch), drawn
+    from the seed (~130 compiles fewer; AUTOFLASH_SWEEP=full compiles them all)."""
+    variants = [(_variant_default(make, d, v, prof), arch) for make in (default_config, default_backward_config)
+                for d in HEAD_DIMS for v in VARIANT_SETS for arch, prof in ARCH_PROFILES.items()]
+    decode = [(default_decode_config(d, dt, prof, 256 if v.get("paged") else None, "window" in v or "key_bias" in v)
+               .replace(**v), arch)
+              for d in HEAD_DIMS for dt in ("fp16", "bf16") for v in DECODE_SETS[1:]
+              for arch, prof in ARCH_PROFILES.items()]
+    return variants + decode
+
+
+def _switch_key(job) -> tuple:
+    cfg, arch = job
+    return cfg.direction, cfg.kvcache, cfg.head_dim, cfg.dtype, arch
 
 
 # Under an NVRTC besides the main one (.ci/nvrtc_stacks.sh sets AUTOFLASH_NVRTC_STACK), a run compiles
@@ -174,6 +193,12 @@ def test_the_sampled_grid_compiles():
     assert not failures, "\n".join(f"{k}: {v[:2000]}" for k, v in failures.items())
 
 
+def test_every_default_is_held_to_one_of_its_switch_sets_each_run():
+    drawn = {_switch_key(j) for j in defaults()}
+    assert {_switch_key(j) for j in switched_defaults()} <= drawn
+    assert len(switched_defaults()) == 3 * len({_switch_key(j) for j in switched_defaults()})
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("cfg, arch", stack_defaults(), ids=lambda x: x.name if isinstance(x, KernelConfig) else x)
 def test_default_configs_have_no_spills(compiled, cfg, arch):
@@ -201,12 +226,15 @@ def test_simt_path_uses_no_tensor_cores():
 
 
 def _smem_jobs():
-    """Configs whose layout fits a static declaration, so ptxas can report its size."""
+    """Configs whose layout fits a static declaration, so ptxas can report its size: one per direction,
+    dtype and head dim that has one (25), of which a run probes one per direction, dtype and head-dim range, drawn
+    from the seed (AUTOFLASH_SWEEP=full probes all)."""
     picks = {}
     for cfg, arch in grid():
         if cfg.smem_bytes <= STATIC_SMEM_LIMIT and arch == "sm_80":
             picks.setdefault((cfg.direction, cfg.dtype, cfg.head_dim), cfg)
-    return sorted(picks.values(), key=lambda c: c.name)
+    jobs = sorted(picks.values(), key=lambda c: c.name)
+    return sampling.sample(jobs, lambda c: _grid_key((c, "sm_80")), salt="smem probe")
 
 
 @pytest.mark.slow
