@@ -16,6 +16,7 @@ for fp32 inputs), ref' = ref rounded to the input dtype, x_torch = PyTorch in th
   python -m autoflash.selfcheck --shape 2,6,2,113,203,96 --dtype bf16 --causal --backward
   python -m autoflash.selfcheck --emulate a100 --sanitize --backward --shape 1,4,2,77,133,96 --causal
   python -m autoflash.selfcheck --emulate h100 --sanitize --config bwd_hd128_bf16_m64n128w8s2
+  python -m autoflash.selfcheck --emulate h100 --sanitize --backward --schedules 4   # 3 fixed orders + 4 random
   python -m autoflash.selfcheck --emulate h100 --sanitize --backward --window 16,0 --softcap 30 --alibi --varlen
   python -m autoflash.selfcheck --emulate h100 --sanitize --kvcache --shape 3,6,2,4,300,128 --causal --new 4 \
       --paged 64 --splits 3 --rotary neox
@@ -63,6 +64,11 @@ def _parser() -> argparse.ArgumentParser:
                    help=f"run on the CPU as this GPU would ({', '.join(sorted(PROFILES))}, or a device name torch "
                    "reports); no GPU needed")
     p.add_argument("--sanitize", action="store_true", help="with --emulate: check every access and barrier")
+    p.add_argument("--schedules", type=int, default=0, metavar="N",
+                   help="with --emulate: run the check under the emulator's default thread order, with an "
+                        "mbarrier's waiters woken as soon as their phase completes (wake), with released threads "
+                        "first (released-first), and under N seeded random orders (random:SEED+i); a finding names "
+                        "the order that exposed it. Default: the default order only")
     v = p.add_argument_group("variants (flash-attn's features, fp16/bf16)")
     v.add_argument("--align", choices=("top_left", "bottom_right"), default="top_left",
                    help="where query i's diagonal sits: key i (SDPA) or key i + Lk - Lq (flash-attn)")
@@ -115,6 +121,10 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if args.sanitize and not args.emulate:
         parser.error("--sanitize checks kernels on the emulator: add --emulate GPU (e.g. --emulate a100)")
+    if args.schedules and not args.emulate:
+        parser.error("--schedules orders the emulator's threads: add --emulate GPU (e.g. --emulate h100)")
+    if args.schedules < 0:
+        parser.error(f"--schedules: got {args.schedules}, expected 0 or more random orders")
     shape, dtype, causal, fwd_cfg, bwd_cfg, backward = _resolve(args, parser)
     variant = args.window != (-1, -1) or args.softcap or args.alibi or args.key_padding or args.varlen \
         or args.align != "top_left"
@@ -140,19 +150,27 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     from autoflash import emulation
 
-    context = emulation.emulate(args.emulate, sanitize=args.sanitize) if args.emulate else contextlib.nullcontext()
-    try:
-        with context:
-            emulation.clear_findings()
-            if args.kvcache:
-                from autoflash.selfcheck_kvcache import check_kvcache
+    from autoflash.emulation.context import SCHEDULES
 
-                results = check_kvcache(args, shape, dtype, causal)
-            elif variant:
-                results = _check_variant(args, shape, dtype, causal, backward)
-            else:
-                results = _check(args, shape, dtype, causal, fwd_cfg, bwd_cfg, backward)
-            findings = emulation.findings() if args.sanitize else []
+    schedules = [*SCHEDULES, *(f"random:{args.seed + i}" for i in range(args.schedules))] if args.schedules \
+        else ["default"]
+    results = []
+    try:
+        emulation.clear_findings()
+        for schedule in schedules:
+            context = emulation.emulate(args.emulate, sanitize=args.sanitize, schedule=schedule) if args.emulate \
+                else contextlib.nullcontext()
+            with context:
+                if args.kvcache:
+                    from autoflash.selfcheck_kvcache import check_kvcache
+
+                    rows = check_kvcache(args, shape, dtype, causal)
+                elif variant:
+                    rows = _check_variant(args, shape, dtype, causal, backward)
+                else:
+                    rows = _check(args, shape, dtype, causal, fwd_cfg, bwd_cfg, backward)
+            results += [(f"{name} [{schedule}]" if len(schedules) > 1 else name, *rest) for name, *rest in rows]
+        findings = emulation.findings() if args.sanitize else []
     except (ValueError, TypeError, emulation.EmulationError) as e:  # e.g. a config that does not fit
         print(f"autoflash.selfcheck: {e}", file=sys.stderr)
         return 2
@@ -165,7 +183,7 @@ def main(argv: list[str] | None = None) -> int:
         failed |= not ok
         print(f"  {name:3s}  err {err:.3e}  bound {bound:.3e}  {'ok' if ok else 'OUTSIDE THE RULE'}")
     if args.sanitize:
-        print(f"sanitizer: {len(findings)} finding{'s' * (len(findings) != 1)}")
+        print(f"sanitizer: {len(findings)} finding{'s' * (len(findings) != 1)} (schedules: {', '.join(schedules)})")
         for f in findings:
             print(f"  {f}")
         failed |= bool(findings)

@@ -59,7 +59,7 @@ def test_the_pipeline_compiles_for_sm_90a():
 
 
 @pytest.mark.parametrize("old, new", [
-    ("if ((m->phase & 1) != (parity & 1)) return true;", "if ((m->phase & 1) == (parity & 1)) return true;"),
+    ("  if ((m->phase & 1) != (parity & 1)) {", "  if ((m->phase & 1) == (parity & 1)) {"),
     ("  if (m.pending == 0 && m.tx == 0) {", "  if (m.pending <= 1 && m.tx == 0) {"),
 ])
 def test_the_pipeline_check_fails_when_the_emulator_is_broken(old, new, broken_runtime):

@@ -371,6 +371,31 @@ def test_every_default_of_every_gpu_is_clean_under_the_sanitizer(direction):
     assert len(results) == len(todo) > 15 and {c.family for c, _ in todo} == {c.family for c in every}
 
 
+# The thread orders the sm90 defaults run under besides the default: the two fixed ones and the run's
+# random one, plus AUTOFLASH_SCHEDULES=N more random orders (seeds after the run's).
+SCHEDULES = ("wake", "released-first", *(f"random:{sampling.SEED + i}"
+                                         for i in range(1 + int(os.environ.get("AUTOFLASH_SCHEDULES") or 0))))
+
+
+@pytest.mark.slow
+def test_sm90_defaults_are_clean_under_the_other_schedules():
+    """The sm90 family's defaults under the emulator's other thread orders (the default order runs in
+    the sweep above): waiters woken at once, released threads first, and a random order from the
+    run's seed. Per run one default per (direction, causal, head-dim bucket); all of them under
+    AUTOFLASH_SWEEP=full."""
+    todo = sampling.sample([(cfg, gpu) for cfg, gpu in DEFAULTS if cfg.family == "sm90"],
+                           lambda item: (item[0].direction, item[0].causal, min(item[0].head_dim, 129) // 65),
+                           salt="sanitizer schedules")
+    bad = []
+    for schedule in SCHEDULES:
+        with autoflash.emulate("h100", sanitize=True, schedule=schedule), \
+                ThreadPoolExecutor(os.cpu_count() or 1) as pool:
+            for (cfg, _), (problems, findings) in zip(todo, pool.map(lambda item: _sanitized_run(*item), todo)):
+                bad += [f"{cfg.name} [{schedule}]: {problems} {[str(f) for f in findings]}"] if problems or findings else []
+    assert not bad, "\n".join(bad)
+    assert {(c.direction, c.causal) for c, _ in todo} == {(d, c) for d in ("fwd", "bwd") for c in (False, True)}
+
+
 def test_sanitizer_guard_bands_are_not_elements():
     g = torch.Generator().manual_seed(0)
     t = guarded_randn(2, 3, 5, 40, torch.bfloat16, g, "bshd")

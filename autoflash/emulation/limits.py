@@ -57,9 +57,11 @@ def kernel_registers(config: KernelConfig, arch: str, name: str) -> int | None:
     return parse_ptxas_report(compiled.log, name).registers
 
 
-def check_launch(name: str, config: KernelConfig | None, grid: tuple, block: tuple, shared_mem: int, profile) -> None:
+def check_launch(name: str, config: KernelConfig | None, grid: tuple, block: tuple, shared_mem: int,
+                 profile) -> int | None:
     """Raises LaunchRefused for a launch the GPU of `profile` (a GpuProfile; None: only the limits
-    every GPU shares) would refuse."""
+    every GPU shares) would refuse; returns the kernel's registers per thread as ptxas gives them
+    (None where not known), which the emulator's setmaxnreg pool starts from."""
     for axis, n, most in zip("xyz", grid, GRID_MAX):
         if not 1 <= n <= most:
             raise LaunchRefused(name, f"gridDim.{axis}", n, most, " (and at least 1)" if n < 1 else "")
@@ -70,7 +72,7 @@ def check_launch(name: str, config: KernelConfig | None, grid: tuple, block: tup
     if threads > THREADS_MAX:
         raise LaunchRefused(name, "threads per block", threads, THREADS_MAX, f" (block {tuple(block)})")
     if profile is None:
-        return
+        return None
     if shared_mem > profile.smem_per_block_optin:
         raise LaunchRefused(name, f"dynamic shared memory per block on the {profile.name} (its opt-in maximum)",
                             shared_mem, profile.smem_per_block_optin, " bytes")
@@ -83,3 +85,4 @@ def check_launch(name: str, config: KernelConfig | None, grid: tuple, block: tup
                                 profile.regs_per_sm,
                                 f" ({registers} registers per thread as ptxas gives it for {profile.arch}, "
                                 f"{per_warp} per warp in units of {REG_UNIT}, x {warps} warps)")
+    return registers

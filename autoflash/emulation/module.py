@@ -9,6 +9,7 @@ import ctypes
 import dataclasses
 import functools
 import os
+import re
 import subprocess
 from pathlib import Path
 
@@ -33,6 +34,7 @@ class Finding:
     thread: int
     detail: str
     frames: tuple[str, ...]  # the kernel-side call chain, innermost first (file:line function)
+    schedule: str = "default"  # the order the emulator ran the threads in when it was found (emulate())
 
     def __str__(self) -> str:
         places = [f.split(" ")[0] for f in self.frames]
@@ -41,8 +43,9 @@ class Finding:
         if places and ".j2:" not in places[0]:
             notes.append(f"in {places[0]}")
         where = f" ({'; '.join(notes)})" if notes else ""
-        return (f"{self.kind}: {self.kernel} at {self.location}{where}, block {self.block}, thread {self.thread}: "
-                f"{self.detail}")
+        schedule = f" (schedule {self.schedule})" if self.schedule != "default" else ""
+        return (f"{self.kind}: {self.kernel} at {self.location}{where}, block {self.block}, thread {self.thread}"
+                f"{schedule}: {self.detail}")
 
 
 def _template_path(path: str) -> str:
@@ -51,6 +54,19 @@ def _template_path(path: str) -> str:
         if marker in path:
             return path[path.index(marker):]
     return os.path.basename(path)
+
+
+_SITE = re.compile(r"\{pc:([0-9a-f]+)\}")
+
+
+def _site_name(chain: list[str]) -> str:
+    """A code address's place as a finding's text names it: its template line (the innermost
+    templates/ frame), else the innermost frame."""
+    places = [f.split(" ")[0] for f in chain]
+    place = next((p for p in places if p.startswith("templates/")), places[0] if places else "?")
+    if not place.startswith(("templates/", "emulation/cuda/")) and ".cu:" in place:  # the rendered file itself
+        return f"line {place.rpartition(':')[2]} of the kernel's generated source"
+    return place
 
 
 def symbolize(library: Path, offsets: list[int]) -> list[list[str]]:
@@ -91,14 +107,15 @@ class EmulatedFunction:
         bytes, named by `names` in findings. A launch the emulated GPU would refuse raises LaunchRefused
         (and, sanitizing, is also a finding of kind "launch")."""
         from autoflash.emulation import guards
-        from autoflash.emulation.context import active
+        from autoflash.emulation.context import active, schedule_code
 
         lib, sanitize = self.module.lib, self.module.sanitize
         grid, block = (tuple(grid) + (1, 1))[:3], (tuple(block) + (1, 1))[:3]
         emulation = active()
+        schedule = emulation.schedule if emulation else "default"
         try:
-            check_launch(self.name, self.module.config, grid, block, shared_mem,
-                         emulation.profile if emulation else None)
+            registers = check_launch(self.name, self.module.config, grid, block, shared_mem,
+                                     emulation.profile if emulation else None)
         except LaunchRefused as e:
             if sanitize:
                 self.module.add_finding(Finding("launch", self.name, "?", (0, 0, 0), -1, str(e), ()))
@@ -131,7 +148,7 @@ class EmulatedFunction:
             sizes[i] = ctypes.sizeof(buf)
         try:
             failed = lib.emu_launch(self._entry, self.name.encode(), *grid, *block, shared_mem, ptrs, sizes, len(args),
-                                    os.cpu_count() or 1)
+                                    os.cpu_count() or 1, registers or 0, *schedule_code(schedule), schedule.encode())
         finally:
             if sanitize:
                 lib.emu_clear_regions()
@@ -167,6 +184,17 @@ class EmulatedFunction:
         if (z_dim, y_dim, row_dim) != (-1, -1, -1):
             lib.emu_region_rows(z_dim, y_dim, row_dim, (ctypes.c_longlong * len(bounds))(*bounds), len(bounds),
                                 bounds_name)
+        table, lengths = named.get("block_table"), named.get("cache_seqlens")
+        if name in ("k", "v") and isinstance(table, torch.Tensor) and isinstance(lengths, torch.Tensor) and a.dim() == 4:
+            # a paged cache (num_blocks, page_size, heads_kv, d): block z reads the pages its row names
+            page = a.shape[1]
+            rows = [table[z, :-(-int(n) // page)].tolist() for z, n in enumerate(lengths.tolist()[:grid[2]])]
+            offsets = [0]
+            for r in rows:
+                offsets.append(offsets[-1] + len(r))
+            flat = [p for r in rows for p in r]
+            lib.emu_region_pages(0, (ctypes.c_longlong * max(1, len(flat)))(*flat),
+                                 (ctypes.c_longlong * len(offsets))(*offsets), len(rows), b"block_table")
 
 
 class EmulatedModule:
@@ -179,9 +207,11 @@ class EmulatedModule:
         lib.emu_launch.restype = ctypes.c_int
         lib.emu_launch.argtypes = [ctypes.c_void_p, ctypes.c_char_p, *[ctypes.c_uint] * 6, ctypes.c_ulong,
                                    ctypes.POINTER(ctypes.c_void_p), ctypes.POINTER(ctypes.c_uint), ctypes.c_int,
-                                   ctypes.c_int]
+                                   ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_ulonglong, ctypes.c_char_p]
         lib.emu_add_region.argtypes = [ctypes.c_char_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_ulong, ctypes.c_int,
                                        ctypes.c_int, ctypes.POINTER(ctypes.c_longlong), ctypes.POINTER(ctypes.c_longlong)]
+        lib.emu_region_pages.argtypes = [ctypes.c_int, ctypes.POINTER(ctypes.c_longlong),
+                                         ctypes.POINTER(ctypes.c_longlong), ctypes.c_int, ctypes.c_char_p]
         lib.emu_region_rows.argtypes = [ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.POINTER(ctypes.c_longlong),
                                         ctypes.c_int, ctypes.c_char_p]
         lib.emu_finding.argtypes = [ctypes.c_int, ctypes.c_char_p, ctypes.c_int]
@@ -206,12 +236,16 @@ class EmulatedModule:
         buf = ctypes.create_string_buffer(1 << 14)
         for i in range(self.lib.emu_finding_count()):
             self.lib.emu_finding(i, buf, len(buf))
-            kind, kernel, block, thread, detail, pcs = buf.value.decode(errors="replace").split("\t")
-            raw.append((kind, kernel, tuple(int(x) for x in block.split(",")), int(thread), detail,
+            kind, kernel, block, thread, detail, schedule, pcs = buf.value.decode(errors="replace").split("\t")
+            raw.append((kind, kernel, tuple(int(x) for x in block.split(",")), int(thread), detail, schedule,
                         [int(p, 16) for p in pcs.split(",") if p]))
-        chains = symbolize(self.path, [p for *_, pcs in raw for p in pcs])
+        # a detail may name another place in the kernel as {pc:HEX} (the other access of a race)
+        sites = sorted({int(h, 16) for *_, detail, _, _ in raw for h in _SITE.findall(detail)})
+        chains = symbolize(self.path, [p for *_, pcs in raw for p in pcs] + sites)
+        site_names = {pc: _site_name(chain) for pc, chain in zip(sites, chains[len(chains) - len(sites):])}
         out, at = [], 0
-        for kind, kernel, block, thread, detail, pcs in raw:
+        for kind, kernel, block, thread, detail, schedule, pcs in raw:
+            detail = _SITE.sub(lambda m: site_names.get(int(m.group(1), 16), "?"), detail)
             frames = [f for chain in chains[at:at + len(pcs)] for f in chain]
             at += len(pcs)
             # The kernel's own frames: drop the runtime's (and anything below the kernel's entry).
@@ -222,7 +256,7 @@ class EmulatedModule:
                     kernel_frames.append(f)
             location = next((f.split(" ")[0] for f in kernel_frames if ".j2:" in f),
                             kernel_frames[0].split(" ")[0] if kernel_frames else "?")
-            out.append(Finding(kind, kernel, location, block, thread, detail, tuple(kernel_frames)))
+            out.append(Finding(kind, kernel, location, block, thread, detail, tuple(kernel_frames), schedule))
         return out + self._extra
 
     def clear_findings(self) -> None:

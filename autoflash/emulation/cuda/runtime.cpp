@@ -15,8 +15,9 @@
 //   wgmma.wait_group (runtime/wgmma.h, which lists its own checks: kinds "async" and "wgmma").
 //
 // Built with EMU_SANITIZE=1 it also checks every access (kinds as compute-sanitizer names them):
-//   race           shared-memory bytes touched by two threads, one of them writing, with no
-//                  __syncthreads between (or, within one warp, no __syncwarp);
+//   race           shared-memory bytes touched by two agents (threads, a warpgroup's wgmma, a TMA
+//                  load), one of them writing, that no synchronisation orders (vector clocks,
+//                  runtime/order.h); a write while a wgmma or bulk store reads the byte is "async";
 //   out-of-bounds  shared memory past the launch's dynamic size; global memory of a registered tensor
 //                  (emu_add_region) that is not one of its elements (a row past seqlen, a column
 //                  past head_dim: guard bands, autoflash/emulation/guards.py), whether or not memory
@@ -40,8 +41,8 @@
 // runtime/sanitizer.h defines the __tsan_* and __ubsan_handle_* hooks in place of their runtimes. Without EMU_SANITIZE only the checks that keep the emulator itself safe run
 // (shared addresses inside the window, barrier errors); they fail the launch.
 // The parts: runtime/fiber.h (stack switching), runtime/state.h (fibers, warps, blocks, findings),
-// runtime/sanitizer.h (the checks and the ThreadSanitizer hooks), runtime/wgmma.h (warpgroup
-// operations); this file runs warps, blocks and
+// runtime/sanitizer.h (the checks and the ThreadSanitizer hooks), runtime/order.h (happens-before),
+// runtime/wgmma.h (warpgroup operations, setmaxnreg's register pool); this file runs warps, blocks and
 // launches, and holds what the kernel calls and the library's C interface.
 #include "runtime.h"
 
@@ -193,9 +194,15 @@ void run_warp_op(Worker& w, Warp& wp) {
       }
       break;
     }
-    case Op::Syncwarp:
-      ++wp.epoch;
+    case Op::Syncwarp: {
+#if EMU_SANITIZE
+      std::vector<Fiber*> live;
+      for (int l = 0; l < n; ++l)
+        if (lanes[l].st != St::Done) live.push_back(&lanes[l]);
+      order_all(live);
+#endif
       break;
+    }
     case Op::Elect: {  // the lowest live lane
       int chosen = -1;
       for (int l = 0; l < n; ++l) {
@@ -231,7 +238,7 @@ void warp_op(Op op, const void* pc) {
     run_warp_op(w, wp);
     wp.arrived = 0;
     for (int l = 0; l < wp.lanes; ++l)
-      if (w.fibers[wp.first + l].st == St::Warp) w.fibers[wp.first + l].st = St::Run;
+      if (w.fibers[wp.first + l].st == St::Warp) wake(w, w.fibers[wp.first + l]);
     if (w.abandon) yield(w, f);
     return;
   }
@@ -240,11 +247,19 @@ void warp_op(Op op, const void* pc) {
 }
 
 // ------------------------------------------------------------------ blocks
-void release_barrier(Worker& w) {
+// Releases a __syncthreads: `last` (the thread that completed it, if any) and every waiting thread go on.
+void release_barrier(Worker& w, Fiber* last) {
+#if EMU_SANITIZE
+  std::vector<Fiber*> all;
   for (Fiber& f : w.fibers)
-    if (f.st == St::Bar) f.st = St::Run;
+    if (f.st == St::Bar || &f == last) all.push_back(&f);
+  order_all(all);
+#else
+  (void)last;
+#endif
+  for (Fiber& f : w.fibers)
+    if (f.st == St::Bar) wake(w, f);
   w.bar_arrived = 0;
-  ++w.bar_epoch;
 }
 
 void land(Worker& w, Fiber& f, std::vector<Copy>& group) {
@@ -252,7 +267,7 @@ void land(Worker& w, Fiber& f, std::vector<Copy>& group) {
     if (c.valid) std::memcpy(c.dst, c.src, c.bytes);
     else std::memset(c.dst, 0, c.bytes);
 #if EMU_SANITIZE
-    mark_landed(size_t(c.dst - w.window), c.bytes, f);
+    mark_landed(size_t(c.dst - w.window), c.bytes, f, c.pc);
 #else
     (void)w; (void)f;
 #endif
@@ -275,7 +290,7 @@ void fiber_main() {
   }
   if (w.bar_arrived > 0) {  // the hardware lets such a barrier go; the sanitizer reports it
     if (EMU_SANITIZE) report("barrier", w.bar_pc, fmt("thread %d exited while %d threads wait at this __syncthreads", f.tid, w.bar_arrived));
-    if (w.bar_arrived == w.live) release_barrier(w);
+    if (w.bar_arrived == w.live) release_barrier(w, nullptr);
   }
   if (wp.arrived > 0) {
     report("barrier", wp.pc, fmt("warp %d: lane %d exited while %d lanes wait in %s", f.warp, f.lane, wp.arrived, op_name(wp.op)));
@@ -290,12 +305,31 @@ void fiber_entry() {
   __builtin_unreachable();
 }
 
+// The next thread to run under the launch's schedule (Sched), or null when none can.
+Fiber* next_fiber(Worker& w, size_t& cursor) {
+  const size_t n = w.fibers.size();
+  if (w.launch->sched == Sched::ReleasedFirst)
+    while (!w.released.empty()) {
+      Fiber& f = w.fibers[size_t(w.released.front())];
+      w.released.pop_front();
+      if (f.st == St::Run) return &f;
+    }
+  if (w.launch->sched == Sched::Random) cursor = size_t(next_random(w) % n);
+  for (size_t k = 0; k < n; ++k) {
+    Fiber& f = w.fibers[(cursor + k) % n];
+    if (f.st == St::Run) {
+      cursor = (cursor + k + 1) % n;
+      return &f;
+    }
+  }
+  return nullptr;
+}
+
 void run_block(Worker& w, dim3 block) {
   Launch& L = *w.launch;
   w.block = block;
   w.live = L.threads;
   w.bar_arrived = 0;
-  w.bar_epoch = 0;
   w.abandon = false;
   const int nwarps = (L.threads + 31) / 32;
   w.warps.assign(nwarps, Warp{});
@@ -307,6 +341,7 @@ void run_block(Worker& w, dim3 block) {
   w.tma_loads.clear();
   for (NamedBar& b : w.named) b = NamedBar{};
   w.phases = w.phases_seen = 0;
+  w.reg_pool = 0;
   w.wgroups.assign((L.threads + 127) / 128, Group{});
   for (size_t i = 0; i < w.wgroups.size(); ++i) {
     w.wgroups[i].first = 128 * int(i);
@@ -314,7 +349,7 @@ void run_block(Worker& w, dim3 block) {
   }
   std::memset(w.window, 0xff, L.smem);
 #if EMU_SANITIZE
-  for (size_t i = 0; i < L.smem; ++i) w.shadow[i] = Shadow{-1, 0, -1, 0, -1, -1, -1, 0, 0};
+  std::fill(w.shadow.begin(), w.shadow.begin() + std::ptrdiff_t(L.smem), Shadow{});
 #endif
   for (int t = 0; t < L.threads; ++t) {
     Fiber& f = w.fibers[t];
@@ -332,24 +367,30 @@ void run_block(Worker& w, dim3 block) {
     f.proxy_fences = 0;
     ctx_init(f.ctx, w.stacks + size_t(t) * kStack, kStack, fiber_entry);
   }
+#if EMU_SANITIZE
+  order_block_start(w);
+#endif
+  w.released.clear();
+  w.rng = L.seed ^ (uint64_t(block.x) << 40 | uint64_t(block.y) << 20 | block.z);
+  size_t cursor = 0;
   while (w.live > 0 && !w.abandon) {
-    bool ran = false;
-    for (Fiber& f : w.fibers) {
-      if (f.st != St::Run) continue;
-      ran = true;
-      w.cur = &f;
-      ctx_switch(w.sched, f.ctx);
+    if (Fiber* f = next_fiber(w, cursor)) {
+      w.cur = f;
+      ctx_switch(w.sched, f->ctx);
       w.cur = nullptr;
-      if (w.abandon) break;
-    }
-    if (!ran && !w.abandon && w.phases != w.phases_seen) {  // a phase completed: its spinners look again
-      w.phases_seen = w.phases;
-      for (Fiber& f : w.fibers)
-        if (f.st == St::Spin) f.st = St::Run;
+      if (!w.abandon && !w.tma_loads.empty() &&
+          (L.sched == Sched::Wake || (L.sched == Sched::Random && next_random(w) % 4 == 0)))
+        land_tma_loads(w, true);  // as soon as the hardware could
       continue;
     }
-    if (!ran && !w.abandon && land_tma_loads(w)) continue;  // none can go on without its TMA loads: they land
-    if (!ran && !w.abandon) {  // every live thread waits for one that will never come
+    if (!w.abandon && w.phases != w.phases_seen) {  // a phase completed: its spinners look again
+      w.phases_seen = w.phases;
+      for (Fiber& f : w.fibers)
+        if (f.st == St::Spin) wake(w, f);
+      continue;
+    }
+    if (!w.abandon && land_tma_loads(w, false)) continue;  // none can go on without its TMA loads: they land
+    if (!w.abandon) {  // every live thread waits for one that will never come
       std::string where;
       int at_bar = 0;
       for (const Fiber& f : w.fibers) at_bar += f.st == St::Bar;
@@ -359,6 +400,12 @@ void run_block(Worker& w, dim3 block) {
         if (g.arrived) where += fmt("; warpgroup %d: %d of %d threads in %s", g.first / 128, g.arrived, g.live, wg_name(g.op));
       for (int id = 0; id < 16; ++id)
         if (w.named[id].arrived) where += fmt("; named barrier %d: %d of %d threads", id, w.named[id].arrived, w.named[id].count);
+      for (const Group& g : w.wgroups)
+        if (g.want)
+          where += fmt("; warpgroup %d waits in setmaxnreg.inc %d holding %d registers per thread: it needs %d from the "
+                       "block's register pool, which holds %d (ptxas gives each thread %d at entry; only "
+                       "setmaxnreg.dec fills the pool)", g.first / 128, g.want, held_registers(w, g),
+                       (g.want - held_registers(w, g)) * g.threads, w.reg_pool, w.launch->registers);
       std::map<std::pair<uint32_t, uint32_t>, int> spins;  // (mbarrier, parity) -> threads spinning on it
       for (const Fiber& f : w.fibers)
         if (f.st == St::Spin) ++spins[{f.spin_bar, f.spin_parity}];
@@ -369,6 +416,7 @@ void run_block(Worker& w, dim3 block) {
                      key.second, m.phase, m.pending, m.expected, m.tx);
       }
       const void* pc = at_bar ? w.bar_pc : nullptr;
+      for (const Group& g : w.wgroups) if (!pc && g.want) pc = g.pc;
       for (const Warp& wp : w.warps) if (!pc && wp.arrived) pc = wp.pc;
       for (const Group& g : w.wgroups) if (!pc && g.arrived) pc = g.pc;
       for (int id = 0; id < 16; ++id) if (!pc && w.named[id].arrived) pc = w.named[id].pc;
@@ -427,7 +475,7 @@ void syncthreads() {
   else if (EMU_SANITIZE && pc != w.bar_pc)
     report("barrier", pc, fmt("thread %d reached a different __syncthreads than the threads waiting", f.tid));
   if (++w.bar_arrived == w.live) {
-    release_barrier(w);
+    release_barrier(w, &f);
     return;
   }
   f.st = St::Bar;
@@ -481,7 +529,7 @@ void cp_async(void* dst, const void* src, int bytes, bool valid) {
   shared_access(off, bytes, true, pc, "cp.async");
   mark_pending(off, bytes);
 #endif
-  w.cur->open.push_back({w.window + off, static_cast<const unsigned char*>(src), valid, static_cast<unsigned char>(bytes)});
+  w.cur->open.push_back({w.window + off, static_cast<const unsigned char*>(src), valid, static_cast<unsigned char>(bytes), pc});
 }
 
 void cp_async_commit() {
@@ -519,10 +567,11 @@ uint32_t cvta_shared(const void* p) {
 // Runs `entry` over the grid; returns the number of findings (sanitizing) or 0 / 1 (ok / failed).
 // args[i] points at the i-th argument's sizes[i] bytes; they are copied first, as cuLaunchKernel copies
 // kernelParams, so the kernel reads its arguments from the launch's own memory. The launch limits of the
-// emulated GPU (grid, block, shared memory, registers) are checked by the caller (module.py).
+// emulated GPU (grid, block, shared memory, registers) are checked by the caller (module.py), which passes
+// ptxas's registers per thread (0: unknown), the start of setmaxnreg's pool (runtime/wgmma.h).
 EMU_EXPORT int emu_launch(emu_entry_t entry, const char* kernel, unsigned gx, unsigned gy, unsigned gz, unsigned bx,
                           unsigned by, unsigned bz, unsigned long smem, void** args, const unsigned* sizes, int nargs,
-                          int workers) {
+                          int workers, int registers, int schedule, unsigned long long seed, const char* schedule_name) {
   using namespace emu;
   if (smem > kWindow) {
     report("launch", nullptr, fmt("%lu bytes of dynamic shared memory requested; the emulator holds %zu", smem, kWindow));
@@ -554,6 +603,10 @@ EMU_EXPORT int emu_launch(emu_entry_t entry, const char* kernel, unsigned gx, un
   L.block = {bx, by, bz};
   L.smem = smem;
   L.threads = int(bx * by * bz);
+  L.registers = registers;
+  L.sched = Sched(std::clamp(schedule, 0, 3));
+  L.seed = seed;
+  L.schedule = schedule_name ? schedule_name : "default";
   const long blocks = long(gx) * gy * gz;
   int n = EMU_SANITIZE ? 1 : std::max(1, std::min<int>(workers, int(std::min<long>(blocks, 1 << 20))));
   if (n == 1) {
@@ -610,6 +663,24 @@ EMU_EXPORT void emu_add_region(const char* name, const void* origin, const void*
 // layout it knows): along dim z_dim only index blockIdx.z, along y_dim only blockIdx.y, along row_dim
 // (packed sequences) only rows [bounds[z], bounds[z + 1]) of sequence z = blockIdx.z, `bounds` being
 // the launch's cu_seqlens (named bounds_name). -1: no rule for that dim.
+// The last region is a paged KV cache: along its own dim `dim`, block z may reach only pages
+// flat[offsets[z] .. offsets[z + 1]) (the block table's row z, as far as sequence z's length reaches).
+EMU_EXPORT void emu_region_pages(int dim, const long long* flat, const long long* offsets, int n_z, const char* name) {
+#if EMU_SANITIZE
+  using namespace emu;
+  std::lock_guard<std::mutex> lock(g_mu);
+  if (g_regions.empty()) return;
+  Region& r = g_regions.back();
+  for (int d = 0; d < r.ndim; ++d)
+    if (r.dim[d] == dim) r.page_dim = d;
+  r.pages.assign(size_t(n_z), {});
+  for (int z = 0; z < n_z; ++z) r.pages[size_t(z)].assign(flat + offsets[z], flat + offsets[z + 1]);
+  r.pages_name = name;
+#else
+  (void)dim; (void)flat; (void)offsets; (void)n_z; (void)name;
+#endif
+}
+
 EMU_EXPORT void emu_region_rows(int z_dim, int y_dim, int row_dim, const long long* bounds, int n_bounds,
                                 const char* bounds_name) {
 #if EMU_SANITIZE
@@ -640,14 +711,14 @@ EMU_EXPORT void emu_clear_regions() {
 
 EMU_EXPORT int emu_finding_count() { return int(emu::g_findings.size()); }
 
-// Finding i as one line: kind \t kernel \t block x,y,z \t thread \t detail \t pc offsets (hex, comma-separated).
+// Finding i as one line: kind \t kernel \t block x,y,z \t thread \t detail \t schedule \t pc offsets (hex, comma-separated).
 EMU_EXPORT int emu_finding(int i, char* out, int size) {
   using namespace emu;
   std::lock_guard<std::mutex> lock(g_mu);
   if (i < 0 || i >= int(g_findings.size())) return -1;
   const Finding& f = g_findings[i];
   std::string s = f.kind + "\t" + f.kernel + "\t" + fmt("%u,%u,%u", f.block.x, f.block.y, f.block.z) + "\t" + std::to_string(f.thread) +
-                  "\t" + f.detail + "\t";
+                  "\t" + f.detail + "\t" + f.schedule + "\t";
   for (size_t k = 0; k < f.pcs.size(); ++k) s += fmt("%s%" PRIxPTR, k ? "," : "", f.pcs[k]);
   std::snprintf(out, size_t(size), "%s", s.c_str());
   return int(s.size());

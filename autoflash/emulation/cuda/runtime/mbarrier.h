@@ -14,11 +14,14 @@
 // (named with the barrier's pending arrivals and bytes); a block that ends with a phase part-way
 // (arrivals or transaction bytes that do not balance). Named barriers: a thread count that is not
 // whole warps or differs among the arrivals (kind "barrier"). setmaxnreg: a count outside 24..256
-// or not a multiple of 8, or differing across the warpgroup.
+// or not a multiple of 8, or differing across the warpgroup; an .inc the block's register pool can
+// never serve is a deadlock (runtime/wgmma.h set_registers).
 //
-// For the race check (sanitizing), a completed mbarrier phase and a released named barrier order every
-// thread's earlier shared-memory accesses before every later one, as __syncthreads does: coarser than
-// the hardware (threads the barrier does not connect are ordered too), so such races go unreported.
+// For the race check (sanitizing), arrivals release into the phase and a wait that passes acquires
+// what the completed phase released; a named barrier's waiters acquire what that generation's
+// arrivals released (runtime/order.h): only the threads a barrier connects are ordered. A named
+// barrier id used with different thread counts in one block is a finding (kind "barrier"), even
+// where the generations never overlap.
 #pragma once
 
 namespace emu {
@@ -45,12 +48,20 @@ Mbar* find_mbar(Worker& w, uint32_t bar, const void* pc, const char* what) {
 
 void complete_phase_if_done(Worker& w, Mbar& m) {
   if (m.pending == 0 && m.tx == 0) {
+#if EMU_SANITIZE
+    m.done[m.phase & 1] = m.vc;  // what a wait for this phase's parity acquires
+    std::fill(m.vc.begin(), m.vc.end(), 0u);
+#endif
     ++m.phase;
     m.pending = m.expected;
     ++w.phases;
-#if EMU_SANITIZE
-    ++w.bar_epoch;  // orders every earlier shared access before every later one (coarse; see above)
-#endif
+    if (w.launch->sched == Sched::Wake || (w.launch->sched == Sched::Random && next_random(w) % 2)) {
+      for (Fiber& f : w.fibers)  // its waiters look again at once
+        if (f.st == St::Spin) {
+          auto it = w.mbars.find(f.spin_bar);
+          if (it != w.mbars.end() && &it->second == &m) wake(w, f);
+        }
+    }
   }
 }
 
@@ -95,6 +106,10 @@ void mbarrier_init(uint32_t bar, uint32_t count) {
   }
   Mbar m;
   m.pending = m.expected = int(count);
+#if EMU_SANITIZE
+  m.vc.assign(size_t(w.agents), 0);
+  m.done[0] = m.done[1] = m.vc;
+#endif
   w.mbars[bar] = m;
 }
 
@@ -110,6 +125,10 @@ void mbarrier_arrive(uint32_t bar, uint32_t expect_tx_bytes) {
     m->pending = 0;
     return;
   }
+#if EMU_SANITIZE
+  vc_join(m->vc, w.cur->vc);
+  tick(*w.cur);
+#endif
   complete_phase_if_done(w, *m);
 }
 
@@ -118,7 +137,12 @@ bool mbarrier_try_wait(uint32_t bar, uint32_t parity) {
   Fiber& f = *w.cur;
   Mbar* m = find_mbar(w, bar, __builtin_return_address(0), "mbarrier.try_wait");
   if (!m) { yield(w, f); return false; }
-  if ((m->phase & 1) != (parity & 1)) return true;
+  if ((m->phase & 1) != (parity & 1)) {
+#if EMU_SANITIZE
+    vc_join(f.vc, m->done[parity & 1]);
+#endif
+    return true;
+  }
   f.st = St::Spin;
   f.spin_bar = bar;
   f.spin_parity = parity & 1;
@@ -137,17 +161,32 @@ void named_barrier(int id, int threads, bool wait) {
     yield(w, f);
   }
   NamedBar& b = w.named[id];
+  if (b.first_count == 0) { b.first_count = threads; b.first_pc = pc; }
   if (b.arrived == 0) { b.count = threads; b.pc = pc; }
   else if (b.count != threads)
     report("barrier", pc, fmt("named barrier %d: thread %d arrives for %d threads, the threads before it for %d", id,
                               f.tid, threads, b.count));
+#if EMU_SANITIZE
+  if (threads != b.first_count)
+    report("barrier", pc, fmt("named barrier %d used for %d threads here and for %d at %s: every use of one id in a "
+                              "block must give the same count", id, threads, b.first_count,
+                              site(code_offset(b.first_pc)).c_str()));
+  vc_join(b.vc, f.vc);  // this arrival releases into the generation
+  tick(f);
+#endif
   if (++b.arrived >= b.count) {
     for (Fiber& o : w.fibers)
-      if (o.st == St::Named && o.named == id) o.st = St::Run;
-    b.arrived = 0;
+      if (o.st == St::Named && o.named == id) {
+        wake(w, o);
 #if EMU_SANITIZE
-    ++w.bar_epoch;
+        vc_join(o.vc, b.vc);
 #endif
+      }
+#if EMU_SANITIZE
+    if (wait) vc_join(f.vc, b.vc);
+    std::fill(b.vc.begin(), b.vc.end(), 0u);
+#endif
+    b.arrived = 0;
     return;
   }
   if (wait) {
@@ -167,7 +206,7 @@ void setmaxnreg(int regs, bool inc) {
   const void* pc = __builtin_return_address(0);
   if (regs < 24 || regs > 256 || regs % 8)
     report("wgmma", pc, fmt("setmaxnreg.%s %d: expected 24 .. 256, a multiple of 8", inc ? "inc" : "dec", regs));
-  group_op(WgOp::Setmaxnreg, pc, regs);
+  group_op(WgOp::Setmaxnreg, pc, inc ? regs : -regs);
 }
 
 }  // namespace emu

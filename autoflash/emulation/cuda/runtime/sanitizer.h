@@ -11,6 +11,7 @@
 #include <cstring>
 
 #include "runtime/state.h"
+#include "runtime/order.h"
 
 #if EMU_SANITIZE
 namespace emu {
@@ -120,6 +121,19 @@ void owner_check(const Region& r, const long long* idx, bool write, long long el
                                     z.empty() || y.empty() ? "" : "; ", y.c_str()));
     return;
   }
+  if (r.page_dim >= 0 && b.z < r.pages.size()) {
+    const auto& own = r.pages[b.z];
+    const long long page = idx[r.page_dim];
+    if (std::find(own.begin(), own.end(), page) == own.end()) {
+      std::string list;
+      for (size_t i = 0; i < own.size() && i < 8; ++i) list += fmt("%s%lld", i ? ", " : "", own[i]);
+      report("out-of-bounds", pc, fmt("global %s of %s at element %s by block (%u, %u, %u): page %lld is not one of "
+                                      "the %zu pages %s names for sequence %u's length (%s%s)", what, r.name.c_str(),
+                                      coords(r, elem).c_str(), b.x, b.y, b.z, page, own.size(), r.pages_name.c_str(),
+                                      b.z, list.c_str(), own.size() > 8 ? ", ..." : ""));
+      return;
+    }
+  }
   if (r.seg_dim >= 0 && b.z + 1 < r.seg.size()) {
     const long long row = idx[r.seg_dim], lo = r.seg[b.z], hi = r.seg[b.z + 1];
     if (row < lo || row >= hi)
@@ -155,11 +169,9 @@ void global_access(const void* addr, size_t size, bool write, const void* pc) {
   }
 }
 
-bool ordered_in_warp(const Worker& w, int other_tid, int32_t other_wepoch, const Fiber& f) {
-  return other_tid >= 0 && other_tid / 32 == f.warp && other_wepoch < w.warps[f.warp].epoch;
-}
-
-// A shared-memory access of `size` bytes at window offset `off` by the running thread.
+// A shared-memory access of `size` bytes at window offset `off` by the running thread: inside the
+// block's shared memory, aligned, initialized (reads), not into a copy in flight (writes), and ordered
+// after every access it conflicts with (runtime/order.h).
 void shared_access(size_t off, size_t size, bool write, const void* pc, const char* what) {
   Worker& w = *tw;
   Fiber& f = *w.cur;
@@ -172,60 +184,41 @@ void shared_access(size_t off, size_t size, bool write, const void* pc, const ch
     report("misaligned", pc, fmt("%s of %zu bytes at shared offset %zu (not a multiple of %zu)", what, size, off, size));
     return;
   }
-  const int32_t B = w.bar_epoch, W = w.warps[f.warp].epoch;
-  const int16_t T = int16_t(f.tid);
   for (size_t i = off; i < off + size; ++i) {
     Shadow& s = w.shadow[i];
-    const bool raced_write = s.wT >= 0 && s.wT != T && s.wB == B && !ordered_in_warp(w, s.wT, s.wW, f);
-    if (!write) {
-      if (s.st != 2) {
-        report("uninitialized", pc, fmt("%s reads shared offset %zu %s", what, i,
-                                        s.st == 0   ? "before any write in this block"
-                                        : s.st == 1 ? "before its cp.async landed (no cp.async.wait_group yet)"
-                                                    : "before its TMA load landed (no wait on the load's mbarrier)"));
-        return;
-      }
-      if (raced_write) {
-        report("race", pc, fmt("%s reads shared offset %zu that thread %d wrote with no __syncthreads between", what, i, s.wT));
-        return;
-      }
-      if (s.rB != B) { s.rB = B; s.rT = T; s.rWarp = int16_t(f.warp); s.rW = W; }
-      else {
-        if (s.rT != T) s.rT = kMany;
-        if (s.rWarp != f.warp) s.rWarp = -1;
-        s.rW = std::max(s.rW, W);
-      }
-    } else {
-      if (s.st == 1 || s.st == 3) {
-        report(s.st == 3 ? "async" : "race", pc, fmt("%s writes shared offset %zu while a %s into it is in flight", what,
-                                                     i, s.st == 3 ? "TMA load" : "cp.async"));
-        return;
-      }
-      if (raced_write) {
-        report("race", pc, fmt("%s writes shared offset %zu that thread %d wrote with no __syncthreads between", what, i, s.wT));
-        return;
-      }
-      if (s.rB == B && s.rT != T && !(s.rWarp == f.warp && s.rW < W)) {
-        report("race", pc, fmt("%s writes shared offset %zu that %s read with no __syncthreads between", what, i,
-                               s.rT == kMany ? "other threads" : fmt("thread %d", s.rT).c_str()));
-        return;
-      }
-      s.wT = T; s.wB = B; s.wW = W; s.rB = -1;
+    if (!write && s.st != 2) {
+      report("uninitialized", pc, fmt("%s reads shared offset %zu %s", what, i,
+                                      s.st == 0   ? "before any write in this block"
+                                      : s.st == 1 ? "before its cp.async landed (no cp.async.wait_group yet)"
+                                                  : "before its TMA load landed (no wait on the load's mbarrier)"));
+      return;
+    }
+    if (write && (s.st == 1 || s.st == 3)) {
+      report(s.st == 3 ? "async" : "race", pc, fmt("%s writes shared offset %zu while a %s into it is in flight", what,
+                                                   i, s.st == 3 ? "TMA load" : "cp.async"));
+      return;
+    }
+    if (!order_access(w, i, write, f.tid, f.vc, pc, what)) return;
+    if (write) {
       s.st = 2;
       s.wP = f.proxy_fences;
     }
   }
 }
 
+// cp.async: the copy's shared write, checked at issue (shared_access), lands at the thread's wait.
 void mark_pending(size_t off, size_t bytes) {  // a cp.async into [off, off + bytes) is in flight
   Worker& w = *tw;
   for (size_t i = off; i < off + bytes; ++i) w.shadow[i].st = 1;
 }
-void mark_landed(size_t off, size_t bytes, const Fiber& f) {
+void mark_landed(size_t off, size_t bytes, const Fiber& f, const void* pc) {
   Worker& w = *tw;
   for (size_t i = off; i < off + bytes; ++i) {
     Shadow& s = w.shadow[i];
-    s.st = 2; s.wT = int16_t(f.tid); s.wB = w.bar_epoch; s.wW = w.warps[f.warp].epoch; s.rB = -1;
+    s.st = 2;
+    s.w = Epoch{f.vc[size_t(f.tid)], int16_t(f.tid), code_offset(pc)};
+    clear_reads(w, s);
+    s.wP = f.proxy_fences;
   }
 }
 

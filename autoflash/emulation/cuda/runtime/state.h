@@ -23,8 +23,9 @@ constexpr size_t kStack = 256 * 1024;
 constexpr int kMaxFindings = 200;
 
 // Bar: __syncthreads; Warp / Group: a warp or warpgroup operation; Named: bar.sync; Spin: an mbarrier
-// try_wait that found its phase incomplete (run again once some phase completes).
-enum class St : uint8_t { Run, Bar, Warp, Group, Named, Spin, Done };
+// try_wait that found its phase incomplete (run again once some phase completes); Pool: a warpgroup's
+// setmaxnreg.inc waiting for the block's register pool to hold what it asks.
+enum class St : uint8_t { Run, Bar, Warp, Group, Named, Spin, Pool, Done };
 enum class Op : uint8_t { None, Shfl, Ldmatrix, LdmatrixT, MmaF16, MmaBF16, Syncwarp, Elect, Stmatrix, StmatrixT };
 const char* op_name(Op op) {
   switch (op) {
@@ -40,7 +41,7 @@ const char* op_name(Op op) {
   }
 }
 
-struct Copy { unsigned char* dst; const unsigned char* src; bool valid; unsigned char bytes; };
+struct Copy { unsigned char* dst; const unsigned char* src; bool valid; unsigned char bytes; const void* pc; };
 
 // wgmma (runtime/wgmma.h). A thread's operands of a warpgroup operation:
 enum class WgOp : uint8_t { None, Fence, Mma, Commit, Wait, Setmaxnreg };
@@ -61,12 +62,18 @@ struct WgMma {
   uint32_t a[128][4] = {};         // RS: the A registers as issued (the hardware reads them then)
   std::vector<float> expect;       // each thread's accumulators as this wgmma must find them at completion
   std::vector<float> a_issue, b_issue;  // sanitizing: the shared operands as they were at issue
+  std::vector<uint32_t> vc;        // sanitizing: the join of the issuing threads' clocks (runtime/order.h)
 };
 // mbarrier state (runtime/mbarrier.h), by shared offset: the PTX ISA's phase state machine.
 struct Mbar {
   uint32_t phase = 0;  // phases completed
   int pending = 0, expected = 0;
   long long tx = 0;    // transaction bytes still to land in the current phase
+  // Sanitizing (runtime/order.h): what the current phase's arrivals and completed transactions
+  // release, what each parity's last completed phase released (a wait that passes acquires it), and
+  // the agent that the bytes of TMA loads completing on this barrier are written by.
+  std::vector<uint32_t> vc, done[2];
+  int unit = -1;
 };
 // A call stack, kept for a finding made later than its cause (report()).
 struct Stack {
@@ -98,6 +105,7 @@ struct TmaLoad {
   int tid = 0;
   const void* pc = nullptr;
   Stack issued;  // where the kernel issued it: the place of findings made when it lands
+  std::vector<uint32_t> vc;  // sanitizing: the issuing thread's clocks at issue (released when it lands)
 };
 struct TmaStore {
   TensorMap map;
@@ -108,13 +116,23 @@ struct TmaStore {
   Stack issued;
   std::vector<unsigned char> bytes;  // the box as read at issue
 };
-struct NamedBar { int arrived = 0, count = 0; const void* pc = nullptr; };
+// A named barrier (bar.sync / bar.arrive id, count): this generation's arrivals, and (sanitizing) the
+// join of their clocks, which the generation's waiters acquire; the count and place of the id's first
+// use in the block (every use of one id must give the same count).
+struct NamedBar {
+  int arrived = 0, count = 0;
+  const void* pc = nullptr;
+  int first_count = 0;
+  const void* first_pc = nullptr;
+  std::vector<uint32_t> vc;
+};
 // A warpgroup: 4 consecutive warps, 128 threads from a multiple of 128.
 struct Group {
   int arrived = 0, live = 0, first = 0, threads = 0;
   WgOp op = WgOp::None;
-  int arg = 0;                      // wait_group's N, setmaxnreg's count
-  int regs = 0;                     // setmaxnreg's last count (0: none)
+  int arg = 0;                      // wait_group's N, setmaxnreg's count (negative: .dec)
+  int regs = 0;                     // registers per thread it holds after setmaxnreg (0: ptxas's count at entry)
+  int want = 0;                     // a setmaxnreg.inc count the pool could not serve yet (0: none)
   const void* pc = nullptr;
   bool fenced = false;              // a wgmma.fence since the accumulators were last the threads' (a wait)
   std::vector<WgMma> open;          // issued since the last commit_group
@@ -142,17 +160,17 @@ struct Fiber {
   // committed groups a cp.async.bulk.wait_group.read covered: their sources read, their writes still
   // pending (they land at a full wait_group or when the thread exits); all older than store_groups
   std::vector<std::vector<TmaStore>> stores_read;
+  std::vector<uint32_t> vc;  // sanitizing: its vector clock (runtime/order.h)
 };
 
 struct Warp {
   int arrived = 0, live = 0, first = 0, lanes = 0;
   Op op = Op::None;
   const void* pc = nullptr;
-  int32_t epoch = 0;  // __syncwarp generation (race rule within a warp)
 };
 
 struct Finding {
-  std::string kind, kernel, detail;
+  std::string kind, kernel, detail, schedule;
   dim3 block;
   int thread;
   std::vector<uintptr_t> pcs;  // offsets into this library
@@ -176,7 +194,20 @@ struct Region {
   int own_z = -1, own_y = -1, seg_dim = -1;
   std::vector<long long> seg;
   std::string seg_name;
+  // A paged KV cache (emu_region_pages): the index along page_dim must be one of the pages block z's
+  // row of the block table names for its length, pages[z].
+  int page_dim = -1;
+  std::vector<std::vector<long long>> pages;
+  std::string pages_name;
 };
+
+// The order the scheduler runs a block's threads in (selfcheck --schedules): Default, each runnable
+// thread in turn in thread order, an mbarrier's waiters retrying only once no thread can run and TMA
+// loads landing as late as they may; Wake, waiters woken as soon as their phase completes and loads
+// landing as soon as they are issued; ReleasedFirst, threads a barrier, phase or warp(group) operation
+// released run before the others; Random, the next thread, the waiters' wake and the loads' landing
+// drawn from a seed (per block: reproducible).
+enum class Sched : uint8_t { Default, Wake, ReleasedFirst, Random };
 
 struct Launch {
   emu_entry_t entry;
@@ -187,19 +218,33 @@ struct Launch {
   dim3 grid, block;
   size_t smem;
   int threads;
+  int registers = 0;  // per thread, as ptxas gives them (0: not known; setmaxnreg's pool is then not tracked)
+  Sched sched = Sched::Default;
+  uint64_t seed = 0;
+  std::string schedule = "default";  // its name, as findings give it
   std::atomic<long> next{0};
   std::atomic<bool> failed{false};
 };
 
 #if EMU_SANITIZE
-struct Shadow {
-  int32_t wB, wW, rB, rW;
-  int16_t wT, rT, rWarp;
-  uint8_t st;  // 0 never written, 1 cp.async in flight, 2 written, 3 a TMA load in flight
-  int32_t wP;  // the writer's fence.proxy.async count when it wrote (runtime/wgmma.h's proxy check); -1: the
-               // async proxy wrote it (a TMA load)
+// One shared-memory access as the race rule keeps it (runtime/order.h): the agent that made it (a
+// thread, or an asynchronous unit), that agent's clock then, and the kernel's code address (an offset
+// into the library) that made it.
+struct Epoch {
+  uint32_t clock = 0;
+  int16_t agent = -1;  // -1: none
+  uint32_t pc = 0;
 };
-constexpr int16_t kMany = -2;
+constexpr int kReads = 4;  // reads kept in place per byte; a byte more agents read at once gets a row of Worker::many
+struct Shadow {
+  Epoch w;           // the last write
+  Epoch r[kReads];   // the reads since, none ordered before another (agent -1: a free slot)
+  uint8_t st = 0;    // 0 never written, 1 cp.async in flight, 2 written, 3 a TMA load in flight
+  uint8_t async_reads = 0;  // asynchronous reads of the byte in flight (wgmma operands, bulk stores' sources)
+  int32_t many = 0;  // its reads are row many - 1 of Worker::many instead (0: they are r[])
+  int32_t wP = 0;    // the writer's fence.proxy.async count when it wrote (runtime/wgmma.h's proxy check); -1: the
+                     // async proxy wrote it (a TMA load)
+};
 #endif
 
 struct Worker {
@@ -212,16 +257,26 @@ struct Worker {
   std::vector<TmaLoad> tma_loads;  // issued, not yet landed
   NamedBar named[16];
   uint64_t phases = 0, phases_seen = 0;  // mbarrier phases completed; as many when spinners last woke
+  int reg_pool = 0;  // registers the block holds and no warpgroup has taken (setmaxnreg; 0: not tracked)
   unsigned char* stacks = nullptr;
   Fiber* cur = nullptr;
+  std::deque<int> released;  // Sched::ReleasedFirst: threads released, to run before the others
+  uint64_t rng = 0;          // Sched::Random's state
   dim3 block;
   int live = 0, bar_arrived = 0;
-  int32_t bar_epoch = 0;
   const void* bar_pc = nullptr;
   bool abandon = false;
   unsigned char* window = nullptr;
 #if EMU_SANITIZE
   std::vector<Shadow> shadow;
+  std::vector<uint32_t> many;    // rows of `agents` clocks: each agent's latest read of a byte read by more than kReads at once
+  std::vector<uint32_t> many_pc; // per row: the code offset of its latest read
+  std::vector<uint32_t> many_gen;  // per row: the __syncthreads completed before its latest read (bar_gen)
+  uint32_t bar_gen = 0;          // __syncthreads completed in the block
+  std::vector<int32_t> many_free;  // rows to reuse
+  int agents = 0;                                       // threads, then warpgroups' wgmma units, then TMA units
+  std::vector<uint32_t> unit_clock;                     // each asynchronous unit's clock
+  int units_used = 0;                                   // TMA units handed to mbarriers
   // Memory the kernel reaches that is the runtime's, not a tensor's: the worker, its fibers (threadIdx),
   // the launch (gridDim, blockDim) and its parameter copies (the entry reads its arguments there).
   std::vector<std::pair<uintptr_t, uintptr_t>> owned;
@@ -261,6 +316,7 @@ void report(const char* kind, const void* pc, std::string detail, const Stack* a
   Finding f;
   f.kind = kind;
   f.kernel = w ? w->launch->kernel : "";
+  f.schedule = w ? w->launch->schedule : "default";
   f.detail = std::move(detail);
   f.block = w ? w->block : dim3{};
   f.thread = w && w->cur ? w->cur->tid : -1;
@@ -290,6 +346,19 @@ float half_to_float(uint16_t h, bool bf16) {
 
 // Back to the scheduler; a fiber of a block that was given up (w.abandon) is never resumed.
 void yield(Worker& w, Fiber& f) { ctx_switch(f.ctx, w.sched); }
+
+// A waiting thread may go on (released by a barrier, a phase, a warp or warpgroup operation).
+void wake(Worker& w, Fiber& f) {
+  f.st = St::Run;
+  if (w.launch->sched == Sched::ReleasedFirst) w.released.push_back(f.tid);
+}
+
+uint64_t next_random(Worker& w) {  // splitmix64
+  uint64_t z = (w.rng += 0x9e3779b97f4a7c15ull);
+  z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ull;
+  z = (z ^ (z >> 27)) * 0x94d049bb133111ebull;
+  return z ^ (z >> 31);
+}
 
 }  // namespace
 }  // namespace emu

@@ -229,6 +229,10 @@ void issue_load(Worker& w, Fiber& f, TmaLoad& l, const void* pc, const char* wha
 #endif
     }
   });
+#if EMU_SANITIZE
+  l.vc = f.vc;  // what the load releases when it lands (runtime/order.h)
+  tick(f);
+#endif
   w.tma_loads.push_back(l);
 }
 
@@ -273,32 +277,43 @@ namespace {
 // Lands a load: its bytes, then its complete_tx (the full box) on its mbarrier.
 void land_load(Worker& w, const TmaLoad& l) {
   const TensorMap& m = l.map;
+  auto it = w.mbars.find(l.bar);
+#if EMU_SANITIZE
+  // the bytes are the mbarrier's TMA unit's write, at its new clock, which the phase releases
+  const int unit = it == w.mbars.end() ? -1 : mbar_unit(w, it->second);
+  const uint32_t clock = unit < 0 ? 0 : ++w.unit_clock[size_t(unit)];
+#endif
   for_box(m, l.c, [&](uint64_t i, uint64_t addr) {
     for (int b = 0; b < m.esize; ++b) {
       const uint32_t off = box_byte(m, l.dst, uint32_t(i) * m.esize + b);
       w.window[off] = addr ? *reinterpret_cast<const unsigned char*>(addr + b) : 0;
 #if EMU_SANITIZE
       Shadow& s = w.shadow[off];
-      s.st = 2; s.wT = int16_t(l.tid); s.wB = w.bar_epoch; s.wW = w.warps[l.tid / 32].epoch; s.rB = -1;
+      s.st = 2;
+      if (unit >= 0) s.w = Epoch{clock, int16_t(unit), code_offset(l.pc)};
+      clear_reads(w, s);
       s.wP = -1;  // written through the async proxy
 #endif
     }
   });
-  auto it = w.mbars.find(l.bar);
   if (it == w.mbars.end()) return;  // checked at issue
+#if EMU_SANITIZE
+  vc_join(it->second.vc, l.vc);
+  it->second.vc[size_t(unit)] = std::max(it->second.vc[size_t(unit)], clock);
+#endif
   complete_tx(w, it->second, l.bar, uint32_t(m.elements() * uint64_t(m.esize)), l.pc, &l.issued);
 }
 
 // The scheduler, when no thread can run: lands the loads in flight whose mbarrier a thread waits on
-// (the latest moment the hardware could have delivered them), or, if none is waited on, all of them;
-// false if there was none.
-bool land_tma_loads(Worker& w) {
+// (the latest moment the hardware could have delivered them), or, if none is waited on or `all`
+// (Sched::Wake and Random land them early), all of them; false if there was none.
+bool land_tma_loads(Worker& w, bool all) {
   if (w.tma_loads.empty()) return false;
   std::set<uint32_t> waited;
   for (const Fiber& f : w.fibers)
     if (f.st == St::Spin) waited.insert(f.spin_bar);
   std::vector<TmaLoad> now, later;
-  for (TmaLoad& l : w.tma_loads) (waited.count(l.bar) ? now : later).push_back(std::move(l));
+  for (TmaLoad& l : w.tma_loads) (all || waited.count(l.bar) ? now : later).push_back(std::move(l));
   if (now.empty()) now.swap(later);
   w.tma_loads.swap(later);
   Fiber* saved = w.cur;
@@ -329,6 +344,7 @@ void bulk_reduce_add_f32(float* dst, uint32_t src, uint32_t bytes) {
   s.issued.capture();
 #if EMU_SANITIZE
   for (uint32_t o = 0; o < bytes; o += 16) async_proxy_read(w, src + o, 16, pc, "cp.reduce.async.bulk (source)");
+  for (uint32_t o = 0; o < bytes; ++o) ++w.shadow[src + o].async_reads;  // until a wait_group covers it
 #endif
   s.bytes.assign(w.window + src, w.window + src + bytes);
   f.stores_open.push_back(std::move(s));
@@ -359,6 +375,7 @@ void tma_store(const void* tmap, int rank, const int32_t* coords, uint32_t src) 
   for_box(m, s.c, [&](uint64_t i, uint64_t) {
 #if EMU_SANITIZE
     async_proxy_read(w, box_byte(m, src, uint32_t(i) * m.esize), m.esize, pc, "cp.async.bulk.tensor (store)");
+    for (int b = 0; b < m.esize; ++b) ++w.shadow[box_byte(m, src, uint32_t(i) * m.esize + b)].async_reads;
 #endif
     for (int b = 0; b < m.esize; ++b) s.bytes[i * m.esize + b] = w.window[box_byte(m, src, uint32_t(i) * m.esize + b)];
   });
@@ -379,8 +396,13 @@ void check_source(Worker& w, Fiber& f, const TmaStore& s) {
   const TensorMap& m = s.map;
   bool changed = false;
   for_box(m, s.c, [&](uint64_t i, uint64_t) {
-    for (int b = 0; b < m.esize; ++b)
-      changed |= s.bytes[i * m.esize + b] != w.window[box_byte(m, s.src, uint32_t(i) * m.esize + b)];
+    for (int b = 0; b < m.esize; ++b) {
+      const uint32_t off = box_byte(m, s.src, uint32_t(i) * m.esize + b);
+      changed |= s.bytes[i * m.esize + b] != w.window[off];
+      // the read ends here: kept as the thread's, at this wait (runtime/order.h)
+      if (w.shadow[off].async_reads) --w.shadow[off].async_reads;
+      order_access(w, off, false, f.tid, f.vc, s.pc, "a bulk store's source read");
+    }
   });
   if (changed)
     report("async", s.pc, fmt("thread %d: shared memory that an in-flight %s reads was written before the "
@@ -472,7 +494,7 @@ void loads_at_block_end(Worker& w) {
     report("async", w.tma_loads.front().pc, fmt("the block ended with %zu bulk loads in flight (no "
                                                  "thread waited on their mbarrier)", w.tma_loads.size()),
            &w.tma_loads.front().issued);
-  land_tma_loads(w);
+  land_tma_loads(w, true);
 }
 }  // namespace
 

@@ -59,16 +59,62 @@ uint32_t operand_offset(uint64_t desc, int r, int kk, int mn_major) {
 // a thread wrote through the generic proxy (st.shared, stmatrix, cp.async) reach the async proxy only
 // after that thread's fence.proxy.async (PTX 9.7.13.4; then a barrier orders it before the reader,
 // which the race rule sees). Bytes a TMA load wrote are the async proxy's already.
+bool proxy_unfenced(const Worker& w, const Shadow& s) {
+  return s.st == 2 && s.w.agent >= 0 && s.w.agent < w.launch->threads && s.wP >= 0 &&
+         w.fibers[size_t(s.w.agent)].proxy_fences == s.wP;
+}
+
 void async_proxy_read(Worker& w, uint32_t off, int size, const void* pc, const char* which) {
   shared_access(off, size, false, pc, which);
   for (uint32_t i = off; i < off + uint32_t(size); ++i) {
     const Shadow& s = w.shadow[i];
-    if (s.st == 2 && s.wT >= 0 && s.wP >= 0 && w.fibers[s.wT].proxy_fences == s.wP) {
+    if (proxy_unfenced(w, s)) {
       report("async", pc, fmt("%s reads shared offset %u through the async proxy, which thread %d wrote through the "
-                              "generic proxy with no fence.proxy.async since", which, i, s.wT));
+                              "generic proxy with no fence.proxy.async since", which, i, s.w.agent));
       return;
     }
   }
+}
+
+// A wgmma operand byte read from issue to the wait_group that covers it: checked at issue against
+// the join of the issuing threads' clocks (`vc`; uninitialized, ordered after its writes, the proxy
+// rule) and counted in flight; kept as the warpgroup unit's read when the wgmma completes.
+void wgmma_operand_read(Worker& w, uint32_t off, const WgMma& m, int unit, const char* which) {
+  for (uint32_t i = off; i < off + 2; ++i) ++w.shadow[i].async_reads;
+  for (uint32_t i = off; i < off + 2; ++i) {
+    Shadow& s = w.shadow[i];
+    if (s.st != 2) {
+      report("uninitialized", m.pc, fmt("%s reads shared offset %u %s", which, i,
+                                        s.st == 0   ? "before any write in this block"
+                                        : s.st == 1 ? "before its cp.async landed (no cp.async.wait_group yet)"
+                                                    : "before its TMA load landed (no wait on the load's mbarrier)"));
+      return;
+    }
+    if (!order_access(w, i, false, unit, m.vc, m.pc, which, false)) return;
+    if (proxy_unfenced(w, s)) {
+      report("async", m.pc, fmt("%s reads shared offset %u through the async proxy, which thread %d wrote through the "
+                                "generic proxy with no fence.proxy.async since", which, i, s.w.agent));
+      return;
+    }
+  }
+}
+
+// The wgmma `m` of warpgroup unit `unit` has read its operands: each byte leaves flight and is kept as
+// the unit's read at the unit's new clock (which the warpgroup's threads then acquire).
+void end_operand_reads(Worker& w, WgMma& m, int unit) {
+  m.vc[size_t(unit)] = ++w.unit_clock[size_t(unit)];
+  auto end = [&](uint64_t desc, int rows, int mn_major) {
+    for (int r = 0; r < rows; ++r)
+      for (int kk = 0; kk < 16; ++kk) {
+        const uint32_t off = operand_offset(desc, r, kk, mn_major);
+        for (uint32_t i = off; i < off + 2 && i < w.launch->smem; ++i) {
+          if (w.shadow[i].async_reads) --w.shadow[i].async_reads;
+          order_access(w, i, false, unit, m.vc, m.pc, "wgmma.mma_async");
+        }
+      }
+  };
+  if (!m.rs) end(m.da, 64, m.trans_a);
+  end(m.db, m.n, m.trans_b);
 }
 #endif
 
@@ -76,7 +122,7 @@ void async_proxy_read(Worker& w, uint32_t off, int size, const void* pc, const c
 // descriptor cannot be read as the emulator models it, or reaches outside the block's shared memory.
 // `issue`: read as the wgmma is issued (sanitizing: with the async-proxy read checks).
 bool read_operand(Worker& w, uint64_t desc, int rows, int mn_major, bool bf16, std::vector<float>& out,
-                  const void* pc, const char* which, bool issue = false) {
+                  const void* pc, const char* which, const WgMma* issue = nullptr, int unit = -1) {
   const int mode = int(desc >> 62), base = int((desc >> 49) & 7);
   const uint32_t start = uint32_t(desc & 0x3FFF) << 4, W = mode == 1 ? 128 : mode == 2 ? 64 : mode == 3 ? 32 : 16;
   if (base != 0) {
@@ -99,9 +145,10 @@ bool read_operand(Worker& w, uint64_t desc, int rows, int mn_major, bool bf16, s
         return false;
       }
 #if EMU_SANITIZE
-      if (issue) async_proxy_read(w, off, 2, pc, which[0] == 'A' ? "wgmma.mma_async (A operand)" : "wgmma.mma_async (B operand)");
+      if (issue) wgmma_operand_read(w, off, *issue, unit, which[0] == 'A' ? "wgmma.mma_async (A operand)" : "wgmma.mma_async (B operand)");
 #else
       (void)issue;
+      (void)unit;
 #endif
       uint16_t h;
       std::memcpy(&h, w.window + off, 2);
@@ -150,6 +197,12 @@ void complete(Worker& w, Group& g, WgMma& m) {
   if (a_written || std::memcmp(B.data(), m.b_issue.data(), B.size() * 4))
     report("async", m.pc, fmt("shared memory that an in-flight wgmma.mma_async reads (its %s operand) was written "
                               "before the wgmma.wait_group that covers it", a_written ? "A" : "B"));
+  const int unit = group_unit(w, g.first / 128);
+  end_operand_reads(w, m, unit);
+  for (int t = 0; t < g.threads; ++t) {  // each thread's wait acquires the read's end
+    uint32_t& c = w.fibers[size_t(g.first + t)].vc[size_t(unit)];
+    c = std::max(c, m.vc[size_t(unit)]);
+  }
 #endif
   for (int t = 0; t < 128; ++t) {
     if (!m.d[t]) continue;
@@ -169,6 +222,48 @@ void complete(Worker& w, Group& g, WgMma& m) {
   for (auto& batch : g.committed)
     for (WgMma& later : batch) if (&later != &m) chain(later);
   for (WgMma& later : g.open) chain(later);
+}
+
+// setmaxnreg against the block's register pool (PTX ISA 9.7.19.5): the block starts with ptxas's count
+// per thread in every warp and an empty pool; .dec gives the difference back to the pool, .inc takes it
+// from the pool and blocks until the pool holds it. Only .dec fills the pool (a warp that exits gives
+// nothing back), so an .inc that asks more than the other warpgroups released waits for ever: the
+// block's deadlock finding names the counts.
+int held_registers(const Worker& w, const Group& g) { return g.regs ? g.regs : (w.launch->registers + 7) / 8 * 8; }
+
+bool serve_registers(Worker& w, Group& g) {
+  const int need = (g.want - held_registers(w, g)) * g.threads;
+  if (need > w.reg_pool) return false;
+  w.reg_pool -= need;
+  g.regs = g.want;
+  g.want = 0;
+  return true;
+}
+
+void set_registers(Worker& w, Group& g) {
+  const bool inc = g.arg > 0;
+  const int count = inc ? g.arg : -g.arg, held = held_registers(w, g);
+  if (w.launch->registers <= 0) {  // ptxas's count unknown: the pool is not tracked
+    g.regs = count;
+    return;
+  }
+  if (inc ? count < held : count > held) {
+    report("wgmma", g.pc, fmt("warpgroup %d: setmaxnreg.%s %d while it holds %d registers per thread (.inc must raise "
+                              "the count, .dec lower it)", g.first / 128, inc ? "inc" : "dec", count, held));
+    g.regs = count;
+    return;
+  }
+  if (!inc) {
+    w.reg_pool += (held - count) * g.threads;
+    g.regs = count;
+    for (Group& o : w.wgroups)  // a release may serve a warpgroup waiting in .inc
+      if (o.want && serve_registers(w, o))
+        for (int t = 0; t < o.threads; ++t)
+          if (w.fibers[size_t(o.first + t)].st == St::Pool) wake(w, w.fibers[size_t(o.first + t)]);
+    return;
+  }
+  g.want = count;
+  serve_registers(w, g);  // else the warpgroup waits (group_op)
 }
 
 // The last thread of the warpgroup to arrive carries the operation out for all 128.
@@ -214,8 +309,10 @@ void run_group_op(Worker& w, Group& g) {
         }
       }
 #if EMU_SANITIZE
-      if ((!m.rs && !read_operand(w, m.da, 64, m.trans_a, m.bf16, m.a_issue, m.pc, "A", true)) ||
-          !read_operand(w, m.db, m.n, m.trans_b, m.bf16, m.b_issue, m.pc, "B", true)) {
+      m.vc = th[0].vc;  // the operands are read once all 128 threads have issued
+      for (int t = 1; t < 128; ++t) vc_join(m.vc, th[t].vc);
+      if ((!m.rs && !read_operand(w, m.da, 64, m.trans_a, m.bf16, m.a_issue, m.pc, "A", &m, group_unit(w, g.first / 128))) ||
+          !read_operand(w, m.db, m.n, m.trans_b, m.bf16, m.b_issue, m.pc, "B", &m, group_unit(w, g.first / 128))) {
         w.abandon = true;
         return;
       }
@@ -238,7 +335,7 @@ void run_group_op(Worker& w, Group& g) {
       g.fenced = false;
       break;
     case WgOp::Setmaxnreg:
-      g.regs = g.arg;
+      set_registers(w, g);
       break;
     case WgOp::None:
       break;
@@ -266,8 +363,16 @@ void group_op(WgOp op, const void* pc, int arg = 0) {
   if (++g.arrived == g.live) {
     run_group_op(w, g);
     g.arrived = 0;
-    for (int t = 0; t < 128; ++t)
-      if (w.fibers[g.first + t].st == St::Group) w.fibers[g.first + t].st = St::Run;
+    for (int t = 0; t < 128; ++t) {  // setmaxnreg.inc the pool cannot serve yet: all wait
+      Fiber& o = w.fibers[size_t(g.first + t)];
+      if (o.st != St::Group) continue;
+      if (g.want) o.st = St::Pool;
+      else wake(w, o);
+    }
+    if (g.want) {
+      f.st = St::Pool;
+      yield(w, f);
+    }
     if (w.abandon) yield(w, f);
     return;
   }
