@@ -169,6 +169,13 @@ void global_access(const void* addr, size_t size, bool write, const void* pc) {
   }
 }
 
+// Why a byte a read finds is not yet written (Shadow::st other than 2).
+const char* unwritten(const Shadow& s) {
+  return s.st == 0   ? "before any write in this block"
+         : s.st == 1 ? "before its cp.async landed (no cp.async.wait_group yet)"
+                     : "before its TMA load landed (no wait on the load's mbarrier)";
+}
+
 // A shared-memory access of `size` bytes at window offset `off` by the running thread: inside the
 // block's shared memory, aligned, initialized (reads), not into a copy in flight (writes), and ordered
 // after every access it conflicts with (runtime/order.h).
@@ -187,10 +194,7 @@ void shared_access(size_t off, size_t size, bool write, const void* pc, const ch
   for (size_t i = off; i < off + size; ++i) {
     Shadow& s = w.shadow[i];
     if (!write && s.st != 2) {
-      report("uninitialized", pc, fmt("%s reads shared offset %zu %s", what, i,
-                                      s.st == 0   ? "before any write in this block"
-                                      : s.st == 1 ? "before its cp.async landed (no cp.async.wait_group yet)"
-                                                  : "before its TMA load landed (no wait on the load's mbarrier)"));
+      report("uninitialized", pc, fmt("%s reads shared offset %zu %s", what, i, unwritten(s)));
       return;
     }
     if (write && (s.st == 1 || s.st == 3)) {

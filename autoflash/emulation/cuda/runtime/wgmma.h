@@ -84,10 +84,7 @@ void wgmma_operand_read(Worker& w, uint32_t off, const WgMma& m, int unit, const
   for (uint32_t i = off; i < off + 2; ++i) {
     Shadow& s = w.shadow[i];
     if (s.st != 2) {
-      report("uninitialized", m.pc, fmt("%s reads shared offset %u %s", which, i,
-                                        s.st == 0   ? "before any write in this block"
-                                        : s.st == 1 ? "before its cp.async landed (no cp.async.wait_group yet)"
-                                                    : "before its TMA load landed (no wait on the load's mbarrier)"));
+      report("uninitialized", m.pc, fmt("%s reads shared offset %u %s", which, i, unwritten(s)));
       return;
     }
     if (!order_access(w, i, false, unit, m.vc, m.pc, which, false)) return;
