@@ -65,10 +65,10 @@ def _parser() -> argparse.ArgumentParser:
                    "reports); no GPU needed")
     p.add_argument("--sanitize", action="store_true", help="with --emulate: check every access and barrier")
     p.add_argument("--schedules", type=int, default=0, metavar="N",
-                   help="with --emulate: run the check under the emulator's default thread order, with an "
-                        "mbarrier's waiters woken as soon as their phase completes (wake), with released threads "
-                        "first (released-first), and under N seeded random orders (random:SEED+i); a finding names "
-                        "the order that exposed it. Default: the default order only")
+                   help="with --emulate, N >= 1: run the check under the emulator's default thread order, with "
+                        "an mbarrier's waiters woken as soon as their phase completes (wake), with released threads "
+                        "first (released-first), and under N random orders (random:S for S = --seed, --seed + 1, "
+                        "...); a finding names the order that exposed it. Default 0: the default order only")
     v = p.add_argument_group("variants (flash-attn's features, fp16/bf16)")
     v.add_argument("--align", choices=("top_left", "bottom_right"), default="top_left",
                    help="where query i's diagonal sits: key i (SDPA) or key i + Lk - Lq (flash-attn)")
