@@ -46,7 +46,7 @@ Mbar* find_mbar(Worker& w, uint32_t bar, const void* pc, const char* what) {
   return &it->second;
 }
 
-void complete_phase_if_done(Worker& w, Mbar& m) {
+void complete_phase_if_done(Worker& w, Mbar& m, uint32_t bar) {
   if (m.pending == 0 && m.tx == 0) {
 #if EMU_SANITIZE
     m.done[m.phase & 1] = m.vc;  // what a wait for this phase's parity acquires
@@ -57,10 +57,7 @@ void complete_phase_if_done(Worker& w, Mbar& m) {
     ++w.phases;
     if (w.launch->sched == Sched::Wake || (w.launch->sched == Sched::Random && next_random(w) % 2)) {
       for (Fiber& f : w.fibers)  // its waiters look again at once
-        if (f.st == St::Spin) {
-          auto it = w.mbars.find(f.spin_bar);
-          if (it != w.mbars.end() && &it->second == &m) wake(w, f);
-        }
+        if (f.st == St::Spin && f.spin_bar == bar) wake(w, f);
     }
   }
 }
@@ -73,7 +70,7 @@ void complete_tx(Worker& w, Mbar& m, uint32_t bar, uint32_t bytes, const void* p
                                "expects", bar, bytes, m.phase), at);
     m.tx = 0;
   }
-  complete_phase_if_done(w, m);
+  complete_phase_if_done(w, m, bar);
 }
 
 // A block that ran to its end leaves every mbarrier between phases: arrivals and bytes balanced.
@@ -129,7 +126,7 @@ void mbarrier_arrive(uint32_t bar, uint32_t expect_tx_bytes) {
   vc_join(m->vc, w.cur->vc);
   tick(*w.cur);
 #endif
-  complete_phase_if_done(w, *m);
+  complete_phase_if_done(w, *m, bar);
 }
 
 bool mbarrier_try_wait(uint32_t bar, uint32_t parity) {

@@ -257,7 +257,7 @@ struct Worker {
   std::vector<TmaLoad> tma_loads;  // issued, not yet landed
   NamedBar named[16];
   uint64_t phases = 0, phases_seen = 0;  // mbarrier phases completed; as many when spinners last woke
-  int reg_pool = 0;  // registers the block holds and no warpgroup has taken (setmaxnreg; 0: not tracked)
+  int reg_pool = 0;  // registers setmaxnreg.dec gave back that no .inc has taken (tracked where Launch::registers is known)
   unsigned char* stacks = nullptr;
   Fiber* cur = nullptr;
   std::deque<int> released;  // Sched::ReleasedFirst: threads released, to run before the others

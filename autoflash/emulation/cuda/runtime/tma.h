@@ -375,9 +375,14 @@ void tma_store(const void* tmap, int rank, const int32_t* coords, uint32_t src) 
   for_box(m, s.c, [&](uint64_t i, uint64_t) {
 #if EMU_SANITIZE
     async_proxy_read(w, box_byte(m, src, uint32_t(i) * m.esize), m.esize, pc, "cp.async.bulk.tensor (store)");
-    for (int b = 0; b < m.esize; ++b) ++w.shadow[box_byte(m, src, uint32_t(i) * m.esize + b)].async_reads;
 #endif
-    for (int b = 0; b < m.esize; ++b) s.bytes[i * m.esize + b] = w.window[box_byte(m, src, uint32_t(i) * m.esize + b)];
+    for (int b = 0; b < m.esize; ++b) {
+      const uint32_t off = box_byte(m, src, uint32_t(i) * m.esize + b);
+      s.bytes[i * m.esize + b] = w.window[off];
+#if EMU_SANITIZE
+      ++w.shadow[off].async_reads;  // until a wait_group covers it
+#endif
+    }
   });
   f.stores_open.push_back(std::move(s));
 }

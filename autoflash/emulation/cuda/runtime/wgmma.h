@@ -54,26 +54,26 @@ uint32_t operand_offset(uint64_t desc, int r, int kk, int mn_major) {
 }
 
 #if EMU_SANITIZE
-// Bytes [off, off + size) an async-proxy operation (a wgmma operand, a TMA store's source) reads: the
-// shared-memory checks of a read by the issuing thread (uninitialized, race) and the proxy rule: bytes
-// a thread wrote through the generic proxy (st.shared, stmatrix, cp.async) reach the async proxy only
-// after that thread's fence.proxy.async (PTX 9.7.13.4; then a barrier orders it before the reader,
-// which the race rule sees). Bytes a TMA load wrote are the async proxy's already.
-bool proxy_unfenced(const Worker& w, const Shadow& s) {
-  return s.st == 2 && s.w.agent >= 0 && s.w.agent < w.launch->threads && s.wP >= 0 &&
-         w.fibers[size_t(s.w.agent)].proxy_fences == s.wP;
+// The proxy rule: bytes a thread wrote through the generic proxy (st.shared, stmatrix, cp.async) reach
+// the async proxy only after that thread's fence.proxy.async (PTX 9.7.13.4; then a barrier orders it
+// before the reader, which the race rule sees). Bytes a TMA load wrote are the async proxy's already.
+// True (and a finding) where shared byte i breaks it.
+bool proxy_unfenced(Worker& w, uint32_t i, const void* pc, const char* which) {
+  const Shadow& s = w.shadow[i];
+  if (!(s.st == 2 && s.w.agent >= 0 && s.w.agent < w.launch->threads && s.wP >= 0 &&
+        w.fibers[size_t(s.w.agent)].proxy_fences == s.wP))
+    return false;
+  report("async", pc, fmt("%s reads shared offset %u through the async proxy, which thread %d wrote through the "
+                          "generic proxy with no fence.proxy.async since", which, i, s.w.agent));
+  return true;
 }
 
+// Bytes [off, off + size) an async-proxy operation (a TMA store's or reduction's source) reads: the
+// shared-memory checks of a read by the issuing thread (uninitialized, race) and the proxy rule.
 void async_proxy_read(Worker& w, uint32_t off, int size, const void* pc, const char* which) {
   shared_access(off, size, false, pc, which);
-  for (uint32_t i = off; i < off + uint32_t(size); ++i) {
-    const Shadow& s = w.shadow[i];
-    if (proxy_unfenced(w, s)) {
-      report("async", pc, fmt("%s reads shared offset %u through the async proxy, which thread %d wrote through the "
-                              "generic proxy with no fence.proxy.async since", which, i, s.w.agent));
-      return;
-    }
-  }
+  for (uint32_t i = off; i < off + uint32_t(size); ++i)
+    if (proxy_unfenced(w, i, pc, which)) return;
 }
 
 // A wgmma operand byte read from issue to the wait_group that covers it: checked at issue against
@@ -87,31 +87,36 @@ void wgmma_operand_read(Worker& w, uint32_t off, const WgMma& m, int unit, const
       report("uninitialized", m.pc, fmt("%s reads shared offset %u %s", which, i, unwritten(s)));
       return;
     }
-    if (!order_access(w, i, false, unit, m.vc, m.pc, which, false)) return;
-    if (proxy_unfenced(w, s)) {
-      report("async", m.pc, fmt("%s reads shared offset %u through the async proxy, which thread %d wrote through the "
-                                "generic proxy with no fence.proxy.async since", which, i, s.w.agent));
-      return;
-    }
+    if (!order_access(w, i, false, unit, m.vc, m.pc, which, false) || proxy_unfenced(w, i, m.pc, which)) return;
   }
 }
 
+#endif
+
+// Calls f(r, kk, shared offset) for each element (r, kk) of the rows x 16 operand behind `desc`, in
+// order, until f returns false; false then.
+template <class F>
+bool for_operand(uint64_t desc, int rows, int mn_major, F&& f) {
+  for (int r = 0; r < rows; ++r)
+    for (int kk = 0; kk < 16; ++kk)
+      if (!f(r, kk, operand_offset(desc, r, kk, mn_major))) return false;
+  return true;
+}
+
+#if EMU_SANITIZE
 // The wgmma `m` of warpgroup unit `unit` has read its operands: each byte leaves flight and is kept as
 // the unit's read at the unit's new clock (which the warpgroup's threads then acquire).
 void end_operand_reads(Worker& w, WgMma& m, int unit) {
   m.vc[size_t(unit)] = ++w.unit_clock[size_t(unit)];
-  auto end = [&](uint64_t desc, int rows, int mn_major) {
-    for (int r = 0; r < rows; ++r)
-      for (int kk = 0; kk < 16; ++kk) {
-        const uint32_t off = operand_offset(desc, r, kk, mn_major);
-        for (uint32_t i = off; i < off + 2 && i < w.launch->smem; ++i) {
-          if (w.shadow[i].async_reads) --w.shadow[i].async_reads;
-          order_access(w, i, false, unit, m.vc, m.pc, "wgmma.mma_async");
-        }
-      }
+  auto end = [&](int, int, uint32_t off) {
+    for (uint32_t i = off; i < off + 2 && i < w.launch->smem; ++i) {
+      if (w.shadow[i].async_reads) --w.shadow[i].async_reads;
+      order_access(w, i, false, unit, m.vc, m.pc, "wgmma.mma_async");
+    }
+    return true;
   };
-  if (!m.rs) end(m.da, 64, m.trans_a);
-  end(m.db, m.n, m.trans_b);
+  if (!m.rs) for_operand(m.da, 64, m.trans_a, end);
+  for_operand(m.db, m.n, m.trans_b, end);
 }
 #endif
 
@@ -133,25 +138,23 @@ bool read_operand(Worker& w, uint64_t desc, int rows, int mn_major, bool bf16, s
     return false;
   }
   out.resize(size_t(rows) * 16);
-  for (int r = 0; r < rows; ++r)
-    for (int kk = 0; kk < 16; ++kk) {
-      const uint32_t off = operand_offset(desc, r, kk, mn_major);
-      if (off + 2 > w.launch->smem) {
-        report("wgmma", pc, fmt("%s element (%d, %d) at shared offset %u: past the block's %zu bytes of shared memory",
-                                which, r, kk, off, w.launch->smem));
-        return false;
-      }
-#if EMU_SANITIZE
-      if (issue) wgmma_operand_read(w, off, *issue, unit, which[0] == 'A' ? "wgmma.mma_async (A operand)" : "wgmma.mma_async (B operand)");
-#else
-      (void)issue;
-      (void)unit;
-#endif
-      uint16_t h;
-      std::memcpy(&h, w.window + off, 2);
-      out[size_t(r) * 16 + kk] = half_to_float(h, bf16);
+  return for_operand(desc, rows, mn_major, [&](int r, int kk, uint32_t off) {
+    if (off + 2 > w.launch->smem) {
+      report("wgmma", pc, fmt("%s element (%d, %d) at shared offset %u: past the block's %zu bytes of shared memory",
+                              which, r, kk, off, w.launch->smem));
+      return false;
     }
-  return true;
+#if EMU_SANITIZE
+    if (issue) wgmma_operand_read(w, off, *issue, unit, which[0] == 'A' ? "wgmma.mma_async (A operand)" : "wgmma.mma_async (B operand)");
+#else
+    (void)issue;
+    (void)unit;
+#endif
+    uint16_t h;
+    std::memcpy(&h, w.window + off, 2);
+    out[size_t(r) * 16 + kk] = half_to_float(h, bf16);
+    return true;
+  });
 }
 
 // Accumulator i of thread t: (row, column) of D (64 x n); A's half i of thread t: (row, k).
@@ -308,8 +311,9 @@ void run_group_op(Worker& w, Group& g) {
 #if EMU_SANITIZE
       m.vc = th[0].vc;  // the operands are read once all 128 threads have issued
       for (int t = 1; t < 128; ++t) vc_join(m.vc, th[t].vc);
-      if ((!m.rs && !read_operand(w, m.da, 64, m.trans_a, m.bf16, m.a_issue, m.pc, "A", &m, group_unit(w, g.first / 128))) ||
-          !read_operand(w, m.db, m.n, m.trans_b, m.bf16, m.b_issue, m.pc, "B", &m, group_unit(w, g.first / 128))) {
+      const int unit = group_unit(w, g.first / 128);
+      if ((!m.rs && !read_operand(w, m.da, 64, m.trans_a, m.bf16, m.a_issue, m.pc, "A", &m, unit)) ||
+          !read_operand(w, m.db, m.n, m.trans_b, m.bf16, m.b_issue, m.pc, "B", &m, unit)) {
         w.abandon = true;
         return;
       }
