@@ -176,7 +176,7 @@ def default_for(head_dim: int, dtype: str, direction: str, switches: dict[str, o
     kernels with variant switches where any is on (bottom-right alignment included) and a window's
     as a causal kernel's; then the switches set."""
     from autoflash.kernels.config import VARIANTS
-    from autoflash.kernels.defaults import default_backward_config, default_config, default_decode_config
+    from autoflash.kernels.defaults import call_default, default_decode_config
 
     if switches.get("kvcache"):
         if dtype == "fp32":
@@ -188,12 +188,8 @@ def default_for(head_dim: int, dtype: str, direction: str, switches: dict[str, o
         heavy = any(switches.get(f) for f in ("window", "softcap", "alibi", "key_bias"))
         base = default_decode_config(head_dim, dtype, profile, page_size, heavy)
     else:
-        heavy = switches.get("align", "top_left") != "top_left" or any(switches.get(f) for f in VARIANTS)
-        pick = default_backward_config if direction == "bwd" else default_config
-        base = pick(head_dim, dtype, bool(switches.get("causal") or switches.get("window")), profile, heavy)
-        if not any(switches.get(f) for f in VARIANTS):  # sm90 takes either alignment
-            plain = pick(head_dim, dtype, bool(switches.get("causal")), profile)
-            base = plain if plain.family == "sm90" else base
+        variant = {k: switches[k] for k in ("align", *VARIANTS) if k in switches}
+        base = call_default(direction, head_dim, dtype, bool(switches.get("causal")), variant, profile)
     # A window's base is a causal kernel's; the switches set causal (off unless --causal) as the launcher does.
     return _switched(lambda: base.replace(direction=direction, **{"causal": False, **switches}), switches)
 

@@ -119,6 +119,21 @@ def launches(monkeypatch):
     return seen
 
 
+@pytest.fixture
+def launched(monkeypatch):
+    """The configs the launcher runs, in order; each call goes on to its kernel (unlike launches)."""
+    from autoflash.kernels import launch
+
+    seen, real = [], launch.kernel_functions
+
+    def record(config, profile, t):
+        seen.append(config)
+        return real(config, profile, t)
+
+    monkeypatch.setattr(launch, "kernel_functions", record)
+    return seen
+
+
 class Launched(Exception):
     """Raised by the `launches` spy in place of a launch: the kernel that would run."""
 

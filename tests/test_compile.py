@@ -15,7 +15,7 @@ import pytest
 import sampling
 from autoflash.kernels.compiler import Resources, compile_config, disassemble, static_smem_probe
 from autoflash.kernels.config import KernelConfig
-from autoflash.kernels.defaults import default_backward_config, default_config, default_decode_config
+from autoflash.kernels.defaults import call_default, default_backward_config, default_config, default_decode_config
 from autoflash.kernels.gpus import get_profile
 from autoflash.kernels.launch import check_shared_memory
 
@@ -63,9 +63,19 @@ VARIANT_SETS = (dict(causal=True, align="bottom_right"),
                 dict(key_bias=True))
 
 
-def _variant_default(make, d: int, switches: dict, prof) -> KernelConfig:
-    base = make(d, "bf16", switches.get("causal", False) or switches.get("window", False), prof, True)
-    return base.replace(causal=switches.get("causal", False), **{k: v for k, v in switches.items() if k != "causal"})
+def _variant_default(direction: str, d: int, switches: dict, prof) -> KernelConfig:
+    """The kernel a call with these switches launches (defaults.call_default: on sm_90 the sm90 family's
+    forward with its variants)."""
+    return call_default(direction, d, "bf16", switches.get("causal", False),
+                        {k: v for k, v in switches.items() if k != "causal"}, prof)
+
+
+# The sm90 forward's sets, at every head dim it takes: the heaviest with a window and with causal, and a
+# key bias read beside softcap and ALiBi (kernels/defaults.py _sm90_biased_keys); ptxas leaves their
+# producer and consumers little to spare at single head dims.
+SM90_VARIANT_SETS = (dict(window=True, softcap=True, alibi=True, varlen=True, align="bottom_right"),
+                     dict(causal=True, softcap=True, alibi=True, varlen=True, align="bottom_right"),
+                     dict(softcap=True, alibi=True, key_bias=True))
 
 
 # Decode (KV-cache) switch sets the decode defaults are held to: the cache alone, bottom-right causal
@@ -96,11 +106,15 @@ def defaults():
 
 
 def switched_defaults():
-    """The defaults under each variant set (forward and backward) and each decode set besides the
-    plain cache: 224 kernels. A run compiles one set per (direction, head dim, dtype, arch), drawn
-    from the seed (~130 compiles fewer; AUTOFLASH_SWEEP=full compiles them all)."""
-    variants = [(_variant_default(make, d, v, prof), arch) for make in (default_config, default_backward_config)
-                for d in HEAD_DIMS for v in VARIANT_SETS for arch, prof in ARCH_PROFILES.items()]
+    """The defaults under each variant set (forward and backward; the sm90 forward's under its own
+    sets at every head dim it takes) and each decode set besides the plain cache. A run compiles one
+    set per (direction, head dim, dtype, arch), drawn from the seed (AUTOFLASH_SWEEP=full compiles
+    them all)."""
+    variants = [(_variant_default(direction, d, v, prof), arch) for direction in ("fwd", "bwd")
+                for d in HEAD_DIMS for v in VARIANT_SETS for arch, prof in ARCH_PROFILES.items()
+                if not (direction == "fwd" and arch == "sm_90" and d % 16 == 0)]
+    h100 = ARCH_PROFILES["sm_90"]
+    variants += [(_variant_default("fwd", d, v, h100), "sm_90") for d in range(32, 257, 16) for v in SM90_VARIANT_SETS]
     decode = [(default_decode_config(d, dt, prof, 256 if v.get("paged") else None, "window" in v or "key_bias" in v)
                .replace(**v), arch)
               for d in HEAD_DIMS for dt in ("fp16", "bf16") for v in DECODE_SETS[1:]

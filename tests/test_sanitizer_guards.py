@@ -59,6 +59,11 @@ MUTATIONS = {
     # the sm90 family's LSE rows one past seqlen_q (its O leaves by TMA stores, which skip such rows)
     "lse-sm90": ("fwd", "if (t % 4 == 0 && row < seqlen_q) lse[", "if (t % 4 == 0 && row <= seqlen_q) lse[", SHAPE,
                  "flash_fwd_sm90.cu.j2", "if (t % 4 == 0 && row < seqlen_q) lse[", "write of lse"),
+    # the sm90 forward of packed sequences: O's plain stores one row past the sequence (its next one's)
+    "o-store-varlen-sm90": ("fwd", "if (m_start + g * 64 + r < seqlen_q)", "if (m_start + g * 64 + r <= seqlen_q)",
+                            ["--shape", "4,2,1,40,50,64", "--varlen", "--seed", "3"], "flash_fwd_sm90.cu.j2",
+                            "*reinterpret_cast<const uint4*>(smem_raw + (Tile::element_at(q_tile, BLOCK_M, g * 64 + r",
+                            "cu_seqlens_q"),
     # the sm90 backward's dQ reduction one query row longer than its tile: past the padded
     # accumulator's end at the last tile of the last head
     "dq-sm90": ("bwd", "dq_tile, BLOCK_M * D_ROWS * 4, L2_EVICT_LAST);", "dq_tile, (BLOCK_M + 1) * D_ROWS * 4, L2_EVICT_LAST);",

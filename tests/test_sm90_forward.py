@@ -18,10 +18,11 @@ from autoflash.kernels.checks import TORCH_DTYPES
 from autoflash.kernels.config import KernelConfig
 from autoflash.kernels.defaults import default_config
 from autoflash.kernels.gpus import get_profile
-from autoflash.kernels.launch import flash_forward
-from autoflash.reference.forward import attention_ref, within_tolerance
+from autoflash.kernels.launch import flash_backward, flash_forward
+from autoflash.reference.forward import attention_ref, attention_varlen_ref, within_tolerance
 
 from gpu_inputs import device
+from variant_inputs import VARIANTS, arguments
 
 # (Lq, Lk) from flash-attn's tests (tests/test_flash_attn.py), at sizes the emulator runs quickly;
 # Lq > Lk too (bottom-right: rows that see no key)
@@ -88,6 +89,105 @@ def test_sm90_forward_meets_flashattention_rule(target, d, dtype, causal, schedu
     check(out.cpu(), lse.cpu(), q.cpu(), k.cpu(), v.cpu(), is_causal, align, scale)
 
 
+# The variants (tests/variant_inputs.py) on the family's schedules: every head dim FlashAttention-3
+# tests, the defaults and the three schedules above, dense batches of two (batch 1 of "padding" sees no
+# key at all) and packed sequences.
+VARIANT_PAIRS = ((113, 203), (77, 1), (203, 113))
+
+
+@pytest.mark.sweep
+@pytest.mark.parametrize("pair", VARIANT_PAIRS, ids=lambda p: f"{p[0]}x{p[1]}")
+@pytest.mark.parametrize("schedule", sorted(SCHEDULES))
+@pytest.mark.parametrize("dtype", ["fp16", "bf16"])
+@pytest.mark.parametrize("d", [64, 96, 128, 192, 256])
+@pytest.mark.parametrize("variant", sorted(v for v in VARIANTS if not v.startswith("causal")))  # causal: above
+def test_sm90_variant_forward_meets_flashattention_rule(target, variant, d, dtype, schedule, pair, launched):
+    (lq, lk), spec = pair, VARIANTS[variant]
+    if target == "gpu" and torch.cuda.get_device_capability() != (9, 0):
+        pytest.skip("the sm90 family runs on sm_90 GPUs (H100, H200)")
+    dev, dt = device(target), TORCH_DTYPES[dtype]
+    g = torch.Generator().manual_seed(hash((variant, d, dtype, schedule, pair)) % 2**31)
+    q = torch.randn(2, lq, 4, d, generator=g).to(dev, dt).transpose(1, 2)
+    k, v = (torch.randn(2, lk, 2, d, generator=g).to(dev, dt).transpose(1, 2) for _ in range(2))
+    kw = arguments(spec, 2, 4, lk, dev, g)
+    cfg = sm90_config(d, dtype, bool(spec.get("causal") or spec.get("window")), schedule)  # the call sets the switches
+    scale = 0.9 / math.sqrt(d)
+    out, lse = flash_forward(q, k, v, scale=scale, config=cfg, **kw)
+    # one key: a window reaching past it is no window (kernels.variants.resolve drops the switch)
+    assert launched[-1].family == "sm90" and (launched[-1].variants or lk == 1), launched[-1].name
+    up = [t.float().cpu() for t in (q, k, v)]
+    kw_cpu = {n: t.cpu() if isinstance(t, torch.Tensor) else t for n, t in kw.items()}
+    ref, ref_lse = attention_ref(*up, scale=scale, **kw_cpu)
+    torch_out, _ = attention_ref(q.cpu(), k.cpu(), v.cpu(), scale=scale, upcast=False, **kw_cpu)
+    ok, err, bound = within_tolerance(out.cpu(), ref, torch_out, softcap=kw.get("softcap", 0.0))
+    assert ok, f"out: err {err:.3e} > bound {bound:.3e}"
+    ok, err, _ = within_tolerance(lse.cpu(), ref_lse, ref_lse, atol=1e-3)
+    assert ok, f"lse: err {err:.3e}"
+
+
+@pytest.mark.sweep
+@pytest.mark.parametrize("schedule", sorted(SCHEDULES))
+@pytest.mark.parametrize("d", [64, 128, 256])
+@pytest.mark.parametrize("variant", ["plain", "causal-br", "causal-tl", "window-5-3", "gemma"])
+def test_sm90_varlen_forward_meets_flashattention_rule(target, variant, d, schedule, launched):
+    """Packed sequences of random lengths, 0 and 1 among them and one longer than a tile, each against
+    the reference of its own; what a TMA box reads past a sequence is never stored or seen."""
+    if target == "gpu" and torch.cuda.get_device_capability() != (9, 0):
+        pytest.skip("the sm90 family runs on sm_90 GPUs (H100, H200)")
+    dev, dt, n = device(target), torch.bfloat16, 5
+    g = torch.Generator().manual_seed(hash((variant, d, schedule)) % 2**31)
+    lens_q = [0, 1, 150] + torch.randint(2, 90, (n - 3,), generator=g).tolist()
+    lens_k = [int(x) for x in torch.randint(0, 200, (n,), generator=g)]
+    perm = torch.randperm(n, generator=g).tolist()
+    lens_q, lens_k = [lens_q[i] for i in perm], [lens_k[i] for i in perm]
+    q = torch.randn(sum(lens_q), 4, d, generator=g).to(dev, dt)
+    k, v = (torch.randn(sum(lens_k), 2, d, generator=g).to(dev, dt) for _ in range(2))
+    spec = {} if variant == "plain" else VARIANTS[variant]
+    kw = arguments(spec, n, 4, 1, dev, g)
+    cu = {name: torch.tensor([0] + torch.tensor(lens).cumsum(0).tolist(), dtype=torch.int32, device=dev)
+          for name, lens in (("cu_seqlens_q", lens_q), ("cu_seqlens_k", lens_k))}
+    cfg = sm90_config(d, "bf16", bool(spec.get("causal") or spec.get("window")), schedule)
+    out, lse = flash_forward(q, k, v, config=cfg, max_seqlen_q=max(lens_q), max_seqlen_k=max(lens_k), **cu, **kw)
+    assert launched[-1].family == "sm90" and launched[-1].varlen, launched[-1].name
+    cpu = {name: t.cpu() if isinstance(t, torch.Tensor) else t for name, t in {**cu, **kw}.items()}
+    ref, ref_lse = attention_varlen_ref(*(t.float().cpu() for t in (q, k, v)), **cpu)
+    torch_out, _ = attention_varlen_ref(q.cpu(), k.cpu(), v.cpu(), upcast=False, **cpu)
+    ok, err, bound = within_tolerance(out.cpu(), ref, torch_out, softcap=kw.get("softcap", 0.0))
+    assert ok, f"out: err {err:.3e} > bound {bound:.3e} (lengths q {lens_q}, k {lens_k})"
+    ok, err, _ = within_tolerance(lse.cpu(), ref_lse, ref_lse, atol=1e-3)
+    assert ok, f"lse: err {err:.3e} (lengths q {lens_q}, k {lens_k})"
+
+
+@pytest.mark.parametrize("schedule", ["default", "released-first"])
+def test_sm90_variants_are_clean_under_the_sanitizer(schedule):
+    """The variant kernels on guard-banded inputs at an odd GQA shape: window, softcap and ALiBi at once;
+    a key bias that leaves batch 1 no key; packed sequences (0 and 1 among them) with a window and
+    softcap. No finding under either schedule, and every result within the rule."""
+    from autoflash.emulation.guards import guarded_randn
+
+    g = torch.Generator().manual_seed(5)
+    q = guarded_randn(2, 4, 77, 64, torch.bfloat16, g, "bshd")
+    k, v = (guarded_randn(2, 2, 133, 64, torch.bfloat16, g, "bshd") for _ in range(2))
+    lens_q, lens_k = [0, 1, 70, 33, 90], [5, 1, 0, 80, 64]
+    cu = {name: torch.tensor([0] + torch.tensor(lens).cumsum(0).tolist(), dtype=torch.int32)
+          for name, lens in (("cu_seqlens_q", lens_q), ("cu_seqlens_k", lens_k))}
+    packed = [torch.randn(sum(n), h, 64, generator=g).bfloat16() for n, h in ((lens_q, 4), (lens_k, 2), (lens_k, 2))]
+    calls = [((q, k, v), arguments(VARIANTS["gemma"], 2, 4, 133, "cpu", g), attention_ref),
+             ((q, k, v), arguments(VARIANTS["padding"], 2, 4, 133, "cpu", g), attention_ref),
+             (packed, dict(window=(20, 3), softcap=5.0, align="bottom_right", **cu), attention_varlen_ref)]
+    emulation.clear_findings()
+    with autoflash.emulate("h100", sanitize=True, schedule=schedule):
+        results = [flash_forward(*inputs, max_seqlen_q=90, max_seqlen_k=80, **kw) if "cu_seqlens_q" in kw
+                   else flash_forward(*inputs, **kw) for inputs, kw, _ in calls]
+    assert [str(f) for f in emulation.findings()] == []
+    for (out, lse), (inputs, kw, ref_of) in zip(results, calls):
+        ref, ref_lse = ref_of(*(t.float() for t in inputs), **kw)
+        torch_out, _ = ref_of(*inputs, upcast=False, **kw)
+        ok, err, bound = within_tolerance(out, ref, torch_out, softcap=kw.get("softcap", 0.0))
+        assert ok, f"out: err {err:.3e} > bound {bound:.3e} ({sorted(kw)})"
+        assert within_tolerance(lse, ref_lse, ref_lse, atol=1e-3)[0]
+
+
 def _sm90_defaults():
     return sorted({default_config(d, dt, c, get_profile(gpu))
                    for gpu in ("h100", "h200") for d in (64, 96, 128, 192, 256) for dt in ("bf16",)
@@ -109,17 +209,23 @@ def test_the_entry_points_run_the_sm90_family_on_an_emulated_h100(launches):
     assert launches[1].align == "bottom_right"  # flash-attn's causal
 
 
-def test_variants_and_other_gpus_run_the_sm80_family(launches):
+def test_variant_forwards_run_the_sm90_family_and_their_backwards_the_sm80(launches):
     q = torch.randn(1, 2, 64, 128).bfloat16()
+    bias = torch.zeros(1, 64)
     with autoflash.emulate("h100"):
-        with pytest.raises(Exception):
-            flash_forward(q, q, q, window=(8, 0))
+        for kw in (dict(window=(8, 0)), dict(softcap=5.0), dict(alibi_slopes=torch.rand(2)), dict(key_bias=bias)):
+            with pytest.raises(Exception):
+                flash_forward(q, q, q, **kw)
+            with pytest.raises(Exception):
+                flash_backward(q, q, q, q, q, torch.zeros(1, 2, 64), **kw)
         with pytest.raises(Exception):
             flash_forward(q[..., :72].contiguous(), q[..., :72].contiguous(), q[..., :72].contiguous())
     with autoflash.emulate("a100"):
         with pytest.raises(Exception):
-            flash_forward(q, q, q)
-    assert [c.family for c in launches] == ["sm80"] * 3
+            flash_forward(q, q, q, window=(8, 0))
+    assert [c.family for c in launches] == ["sm90", "sm80"] * 4 + ["sm80"] * 2
+    assert [c.variants for c in launches[:8:2]] == [("window",), ("softcap",), ("alibi",), ("key_bias",)]
+    assert launches[0].name == "fwd_hd128_bf16_win_m128n128w8s2_sm90a_pp_ov"  # a window: the causal tiles
 
 
 def test_explain_names_the_family_and_why_not(launches):
@@ -136,7 +242,13 @@ def test_explain_names_the_family_and_why_not(launches):
     assert d72.count("family sm80 on this sm_90 GPU: head dim 72 is not a multiple of 16") == 2
     softcap = str(autoflash.explain(autoflash.flash_attn_func, q.transpose(1, 2), q.transpose(1, 2),
                                     q.transpose(1, 2), softcap=5.0, gpu="h100"))
-    assert "family sm80 on this sm_90 GPU: softcap run on the sm80 family" in softcap
+    assert "forward: fwd_hd128_bf16_cap_m128n176w8s2_sm90a_pp_ov" in softcap
+    assert "family sm80 on this sm_90 GPU: the backward with softcap runs on the sm80 family" in softcap
+    packed, cu = torch.randn(100, 2, 128).bfloat16(), torch.tensor([0, 40, 100], dtype=torch.int32)
+    varlen = str(autoflash.explain(autoflash.flash_attn_varlen_func, packed, packed, packed, cu, cu, 60, 60,
+                                   window_size=(16, 0), gpu="h100"))
+    assert "forward: fwd_hd128_bf16_br_win_varlen_m128n128w8s2_sm90a_pp_ov" in varlen
+    assert "the backward with window, varlen runs on the sm80 family" in varlen
 
 
 def test_an_sm90_config_is_refused_on_other_gpus():
@@ -154,7 +266,8 @@ def test_an_sm90_config_is_refused_on_other_gpus():
     (dict(direction="bwd", head_dim=64, block_m=48), "block_m a multiple of 32"),
     (dict(dtype="fp32", block_m=128), "is fp16/bf16"),
     (dict(head_dim=72), "multiple of 16"),
-    (dict(window=True), "window"),
+    (dict(direction="bwd", window=True), "its backward plain and causal"),
+    (dict(kvcache=True), "the decode switches"),
     (dict(block_m=96, num_warps=6), "num_warps"),
     (dict(block_m=64, num_warps=4, pingpong=True), "pingpong takes turns"),
 ])

@@ -85,9 +85,9 @@ def test_param_values_come_from_feasible_candidates_only():
 
 
 def test_an_sm_90_forward_space_holds_both_families():
-    """On an H100 a plain forward key's space is the sm80 family's and the sm90 family's (key tiles in
-    steps of 16, one to three consumer warpgroups, pingpong and overlap); an A100's and a variant key's
-    only sm80's."""
+    """On an H100 a forward key's space, plain or variant, is the sm80 family's and the sm90 family's
+    (key tiles in steps of 16, one to three consumer warpgroups, pingpong and overlap); an A100's and
+    an H100 variant backward's only sm80's."""
     h100 = ProblemKey("h100", "fwd", "bf16", 128, True, "le1k")
     space = enumerate_space(h100, default_for(h100, get_profile("h100")))
     sm90 = [c for c in space if c.family == "sm90"]
@@ -95,8 +95,12 @@ def test_an_sm_90_forward_space_holds_both_families():
     assert {c.block_n for c in sm90} >= {64, 80, 176} and {c.num_warps for c in sm90} == {4, 8, 12}
     assert {(c.pingpong, c.overlap) for c in sm90} == {(a, b) for a in (False, True) for b in (False, True)}
     assert all(c.head_dim // 2 + 3 * c.block_n // 4 + 40 <= c.consumer_registers for c in sm90)
+    window = ProblemKey("h100", "fwd", "bf16", 128, True, "le1k", variant="window")
+    space = enumerate_space(window, default_for(window, get_profile("h100")))
+    assert space[0].name == "fwd_hd128_bf16_br_win_m128n128w8s2_sm90a_pp_ov"  # the default, a window's causal tiles
+    assert {c.family for c in space} == {"sm80", "sm90"} and all(c.window for c in space)
     for key in (ProblemKey("a100", "fwd", "bf16", 128, True, "le1k"),
-                ProblemKey("h100", "fwd", "bf16", 128, True, "le1k", variant="window")):
+                ProblemKey("h100", "bwd", "bf16", 128, True, "le1k", variant="window")):
         assert {c.family for c in enumerate_space(key)} == {"sm80"}
 
 

@@ -3,10 +3,10 @@ key bias for padding masks, packed sequences) against the references under Flash
 (hopper/test_flash_attn.py, autoflash.reference.forward.within_tolerance): out, dq, dk and dv within 2x
 (3x with a softcap) of PyTorch's own error in the input dtype, both measured against the fp32
 reference, plus twice the reference's rounding in the input dtype (and 3e-4 on gradients with a
-softcap). Each case runs on a GPU (`gpu` marker) and on the emulator; the emulated
-grid is sampled per run (one case per variant and dtype, plus a share of the rest: conftest.py)."""
-import math
-
+softcap). Each case runs on a GPU (`gpu` marker) and on the emulator (an H100: the forward on the sm90
+family, the backward on the sm80's; tests/test_sm90_forward.py runs the sm90 forward's variants over
+more head dims and schedules); the emulated grid is sampled per run (one case per variant and dtype,
+plus a share of the rest: conftest.py)."""
 import pytest
 import torch
 
@@ -15,24 +15,8 @@ from autoflash.reference.backward import attention_backward_ref
 from autoflash.reference.forward import attention_ref, attention_varlen_ref, within_tolerance
 
 from gpu_inputs import TORCH_DTYPES, device
+from variant_inputs import VARIANTS, arguments as _arguments
 
-# name: the launcher's variant arguments (tensors made per case: "alibi" slopes, "padding" key bias)
-VARIANTS = {
-    "causal-br": dict(causal=True, align="bottom_right"),
-    "causal-tl": dict(causal=True),
-    "window-5-3": dict(window=(5, 3), align="bottom_right"),
-    "window-left": dict(window=(11, -1), align="bottom_right"),   # one-sided: keys up to 11 back, all ahead
-    "window-right": dict(window=(-1, 7), align="bottom_right"),   # all behind, 7 ahead
-    "window-0-0": dict(window=(0, 0), align="bottom_right"),      # the diagonal key only
-    "window-causal": dict(window=(17, 4), causal=True, align="bottom_right"),  # causal makes right 0
-    "window-tl": dict(window=(9, 2)),
-    "softcap-50": dict(softcap=50.0),
-    "softcap-2": dict(softcap=2.0, causal=True, align="bottom_right"),
-    "alibi": dict(alibi="batch"),
-    "alibi-causal": dict(alibi="heads", causal=True, align="bottom_right"),
-    "padding": dict(padding=True),
-    "gemma": dict(softcap=3.0, window=(31, 0), alibi="batch", align="bottom_right"),
-}
 # Where every row sees one key (Lk = 1, the window (0, 0)) softmax rows are exactly 1 and the
 # references' dQ and dK exactly 0; the kernels' delta and dP are two different fp32 sums whose residue
 # reaches ~1e-5 there (see test_emulated_fuzz.py). FA2's rule left them 1e-5 and needed a floor of its
@@ -46,22 +30,6 @@ def _grad_ok(got, ref, yard, kw):
 # (Lq, Lk) pairs from FlashAttention's tests, at sizes the emulator runs quickly; Lq > Lk too
 PAIRS = ((113, 203), (128, 217), (1, 77), (77, 1), (203, 113))
 HEADS = ((4, 2), (3, 1))
-
-
-def _arguments(spec: dict, b: int, hq: int, lk: int, dev: str, g: torch.Generator) -> dict:
-    """The launcher's keyword arguments for a VARIANTS entry; padding: batch 0 keeps a random prefix
-    of the keys, batch 1 (if any) none at all (rows that see no key)."""
-    kw = {k: v for k, v in spec.items() if k not in ("alibi", "padding")}
-    if spec.get("alibi"):  # flash-attn's tests draw slopes as rand * 0.3
-        shape = (b, hq) if spec["alibi"] == "batch" else (hq,)
-        kw["alibi_slopes"] = (torch.rand(shape, generator=g) * 0.3).to(dev)
-    if spec.get("padding"):
-        bias = torch.zeros(b, lk)
-        bias[0, torch.randint(1, lk + 1, (1,), generator=g).item():] = -math.inf
-        if b > 1:
-            bias[1:] = -math.inf
-        kw["key_bias"] = bias.to(dev)
-    return kw
 
 
 @pytest.mark.sweep

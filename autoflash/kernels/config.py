@@ -322,10 +322,11 @@ class KernelConfig:
         if self.head_dim % 16:
             raise ValueError(f"{what}: expected a head dim that is a multiple of 16 (wgmma's k step); others run "
                              f"on family 'sm80', padded")
-        off = [f for f in VARIANTS + DECODE_SWITCHES if getattr(self, f)]
+        off = [f for f in (VARIANTS if self.direction == "bwd" else ()) + DECODE_SWITCHES if getattr(self, f)]
         if off or self.head_split != 1 or self.dq != "atomic" or self.v_in_regs:
-            raise ValueError(f"{what}: got {', '.join(off) or 'backward switches'}; the sm90 family runs plain and "
-                             f"causal attention (either alignment), the variants run on family 'sm80'")
+            raise ValueError(f"{what}: got {', '.join(off) or 'backward switches'}; the sm90 family's forward takes "
+                             f"the variants ({', '.join(VARIANTS)}), its backward plain and causal attention (either "
+                             f"alignment); the decode switches and the backward's variants run on family 'sm80'")
         if self.direction == "bwd":
             return self._validate_sm90_backward(what)
         if self.num_warps not in (4, 8, 12) or self.block_m != 16 * self.num_warps:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 
-from autoflash.kernels.config import KernelConfig
+from autoflash.kernels.config import VARIANTS, KernelConfig
 from autoflash.kernels.gpus import GpuProfile
 
 # A100-class parts let one block use up to 163 KB of shared memory; sm_86/sm_89 parts only 99 KB.
@@ -149,6 +149,14 @@ def _sm90_tiles(head_dim: int, causal: bool) -> tuple[int, int, bool]:
     return 128, 80, False
 
 
+def _sm90_biased_keys(head_dim: int, block_n: int) -> int:
+    """block_n of the sm90 forward when a key bias is read beside softcap or ALiBi: ptxas holds a bias
+    value per key column live through the softmax, and spills 8-84 bytes on the wide non-causal tiles
+    (192 and 176 keys), at d = 192 (NVRTC 13.5) and at d = 256 (13.0.88): the causal tiles' 128 keys up
+    to d = 128, 96 up to d = 192, 64 above."""
+    return min(block_n, 128 if head_dim <= 128 else 96 if head_dim <= 192 else 64)
+
+
 def sm90_applies(head_dim: int, dtype: str, profile: GpuProfile) -> bool:
     """Whether the built-in forward on this GPU is the sm90 family: an sm_90 GPU (H100, H200), 16-bit
     inputs, a head dim wgmma's k steps cover (a multiple of 16)."""
@@ -188,13 +196,14 @@ def _family_wanted(family: str | None, variant: bool, applies: bool, direction: 
     """Whether a default is the sm90 family's: asked for (`family`), or by default where it applies."""
     if family not in (None, "sm80", "sm90"):
         raise ValueError(f"family: got {family!r}, expected 'sm80', 'sm90' or None (the GPU's default)")
-    if family == "sm90" and (variant or not applies):
+    refused = variant and direction == "bwd"  # the sm90 backward runs plain and causal attention only
+    if family == "sm90" and (refused or not applies):
         raise ValueError(f"family 'sm90': no {direction} default for head_dim={head_dim} on {profile.name} "
-                         f"(the family runs plain and causal 16-bit attention at head dims that are multiples of "
-                         f"16 on sm_90 GPUs)")
+                         f"(the family runs 16-bit attention at head dims that are multiples of 16 on sm_90 GPUs, "
+                         f"its backward plain and causal attention only)")
     if family is not None:
         return family == "sm90"
-    return not variant and applies and not stack_spill(profile.arch, "sm90", direction, dtype, head_dim, causal)
+    return not refused and applies and not stack_spill(profile.arch, "sm90", direction, dtype, head_dim, causal)
 
 
 @functools.lru_cache(maxsize=None)
@@ -203,7 +212,7 @@ def default_config(head_dim: int, dtype: str, causal: bool, profile: GpuProfile,
     """The built-in config for one problem on one GPU: the first preferred tile shape that fits the
     profile's shared memory, with two K/V pipeline stages when they fit, else one. `variant`: the
     tiles for a kernel that will carry variant switches (see _candidates); the switches themselves
-    are the caller's to set. On sm_90 GPUs a plain or causal forward (no `variant`) is the sm90
+    are the caller's to set. On sm_90 GPUs the forward (with or without `variant`) is the sm90
     family's where sm90_applies (_sm90_tiles) and the installed NVRTC compiles it clean
     (stack_spill), else the sm80 family's. `family` ("sm80", "sm90") asks for that family's default
     instead (ValueError where it has none for the problem)."""
@@ -331,3 +340,32 @@ def default_decode_config(head_dim: int, dtype: str, profile: GpuProfile, page_s
         (dict(head_dim=head_dim, dtype=dtype, block_m=m, block_n=n, num_warps=w, kvcache=True, stages=stages)
          for m, n, w, stages in _decode_candidates(head_dim, page_size, variant)),
         profile, f"the KV-cache kernel at head_dim={head_dim} {dtype}")
+
+
+def sm90_fallback(switches: dict, direction: str) -> str | None:
+    """Why a call with these variant switches (kernels.variants.Variant.switches) does not run on the
+    sm90 family (None: it may): its forward takes every variant, its backward plain and causal
+    attention only."""
+    on = [f for f in VARIANTS if switches.get(f)]
+    if on and direction == "bwd":
+        return (f"the backward with {', '.join(on)} runs on the sm80 family (the sm90 family's backward has plain "
+                f"and causal attention only)")
+    return None
+
+
+def call_default(direction: str, head_dim: int, dtype: str, causal: bool, switches: dict,
+                 profile: GpuProfile) -> KernelConfig:
+    """The built-in kernel of a call: the direction's default for its problem with the call's variant
+    switches (Variant.switches: align and VARIANTS) turned on. The sm90 family's plain default where
+    sm90_fallback allows it (a window takes the causal tiles, as FlashAttention-3's is_causal or
+    is_local); else the sm80 family's, with the tiles for variant kernels where any switch is on."""
+    default = default_config if direction == "fwd" else default_backward_config
+    banded = causal or bool(switches.get("window"))
+    if not sm90_fallback(switches, direction):
+        plain = default(head_dim, dtype, banded, profile)
+        if plain.family == "sm90":  # the plain tiles take the switches
+            if switches.get("key_bias") and (switches.get("softcap") or switches.get("alibi")):
+                plain = plain.replace(block_n=_sm90_biased_keys(head_dim, plain.block_n))
+            return plain.replace(causal=causal, **switches)
+    heavy = switches.get("align", "top_left") != "top_left" or any(switches.get(f) for f in VARIANTS)
+    return default(head_dim, dtype, banded, profile, heavy).replace(causal=causal, **switches)

@@ -14,8 +14,8 @@ import torch
 from autoflash.kernels import backend
 from autoflash.kernels.checks import DTYPE_NAMES, check_config, check_like, check_qkv, check_scale, device_index
 from autoflash.kernels.compiler import compile_config
-from autoflash.kernels.config import VARIANTS, KernelConfig
-from autoflash.kernels.defaults import default_backward_config, default_config
+from autoflash.kernels.config import KernelConfig
+from autoflash.kernels.defaults import call_default, sm90_fallback
 from autoflash.kernels.driver import check_driver
 from autoflash.kernels.gpus import GpuProfile, detect
 from autoflash.kernels.tensor_map import for_tensor
@@ -188,10 +188,11 @@ COMBINE_PARAMS = KernelParams(4, "q" * 5 + "iiii")  # o_accum lse_accum o lse; o
 DELTA_PARAMS = KernelParams(3, "q" * 6 + "i")  # o dout delta; 2 x 3 strides; seqlen_q
 BWD_PARAMS = KernelParams(13, "q" * 22 + "iiiii" + "ffff" + "i")  # q k v dout lse delta dq_accum dk dv +4;
 #                                       6 x 3 strides +4; seqlen_q seqlen_k group +2; scale scale_log2 +2; n_block0
-# The sm90 family's forward (templates/flash_fwd_sm90.cu.j2): q k v o maps; lse; its two strides,
-# seqlen_q seqlen_k group; scale_log2.
-SM90_FWD_NAMES = ("q", "k", "v", "out", "lse")
-SM90_FWD_PARAMS = KernelParams(1, "qq" + "iii" + "f", maps=4)
+# The sm90 family's forward (templates/flash_fwd_sm90.cu.j2): q k v o maps; o (packed sequences' plain
+# stores) lse +4 variant pointers; o_sm o_sh lse_sb lse_sh alibi_sb bias_sb; seqlen_q seqlen_k group
+# window_left window_right; scale_log2 softcap_in softcap_out.
+SM90_FWD_NAMES = ("q", "k", "v", "out", "out", "lse", *_VARIANT_POINTERS)
+SM90_FWD_PARAMS = KernelParams(6, "q" * 6 + "i" * 5 + "fff", maps=4)
 # The sm90 family's backward (templates/flash_bwd_sm90.cu.j2): its delta kernel, o dout lse delta lse2;
 # o and dout strides, lse's two; seqlen_q padded_q. The main kernel: q k v dout maps; lse2 delta
 # dq_accum dk dv; dk and dv strides; seqlen_q seqlen_k padded_q group; scale scale_log2; n_block0.
@@ -287,20 +288,14 @@ def _strides(t: torch.Tensor, varlen: bool = False) -> tuple[int, ...]:
 
 def variant_config(config: KernelConfig | None, direction: str, d: int, dtype: str, causal: bool, variant,
                    profile: GpuProfile) -> KernelConfig:
-    """The kernel a call launches: `config` (tuned or explicit) or the built-in default for the
-    direction, with the call's variant switches (kernels.variants.resolve) turned on. The sm90 family
-    runs plain and causal forwards and backwards in either alignment; a call with a variant switch
-    (window, softcap, ALiBi, key bias, packed sequences) runs the sm80 family's default instead
-    (sm90_fallback says why)."""
-    if config is not None and config.family == "sm90" and sm90_fallback(variant):
+    """The kernel a call launches: `config` (tuned or explicit) with the call's variant switches
+    (kernels.variants.resolve) turned on, or the built-in one (defaults.call_default). A tuned or
+    explicit sm90 config that cannot take the switches (sm90_fallback: the sm90 backward with a
+    variant) gives way to the built-in one."""
+    if config is not None and config.family == "sm90" and sm90_fallback(variant.switches, direction):
         config = None
     if config is None:
-        default = default_config if direction == "fwd" else default_backward_config
-        if not sm90_fallback(variant):
-            plain = default(d, dtype, causal, profile)
-            if plain.family == "sm90":
-                return with_variant(plain, causal, variant)
-        config = default(d, dtype, causal or variant.switches["window"], profile, variant.needs_registers)
+        return call_default(direction, d, dtype, causal, variant.switches, profile)
     return with_variant(config, causal, variant)
 
 
@@ -309,7 +304,7 @@ def family_reason(config: KernelConfig, variant, profile: GpuProfile) -> str | N
     or the GPU has no sm90 family): what explain() says."""
     if profile.arch != "sm_90" or config.family == "sm90":
         return None
-    if why := sm90_fallback(variant):
+    if why := sm90_fallback(variant.switches, config.direction):
         return why
     if config.dtype == "fp32":
         return "fp32 runs on the SIMT kernels"
@@ -318,15 +313,6 @@ def family_reason(config: KernelConfig, variant, profile: GpuProfile) -> str | N
     from autoflash.kernels.defaults import stack_note
 
     return stack_note(config, profile) or "the tuned table picked it for this GPU"
-
-
-def sm90_fallback(variant) -> str | None:
-    """Why a call with these switches does not run on the sm90 family (None: it may): the family has
-    plain and causal attention only."""
-    on = [f for f in VARIANTS if variant.switches.get(f)]
-    if on:
-        return f"{', '.join(on)} run on the sm80 family (the sm90 family has plain and causal attention only)"
-    return None
 
 
 def flash_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool = False,
@@ -375,9 +361,13 @@ def flash_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: 
         return out, lse
     fn = kernel_functions(config, profile, q)[config.name]
     if config.family == "sm90":
-        _call(fn, (math.ceil(lq / config.block_m), hq, b), config.threads, config.smem_bytes, q.device,
-              SM90_FWD_PARAMS, (lse,), (lse.stride(0), lse.stride(1), lq, lk, hq // hkv, scale * LOG2E),
-              SM90_FWD_NAMES, sm90_maps(config, q4, k4, v4, out4))
+        maps = sm90_maps(config, q4, k4, v4, out4)
+        o_rows = (out, out.stride(0), out.stride(1)) if varlen else (None, 0, 0)  # packed: plain stores
+        scalars = (*o_rows[1:], *variant.scalars(lse), lq, lk, hq // hkv, *variant.window, scale * LOG2E,
+                   *variant.softcap_factors(scale))
+        for sequences, pointers in variant.runs(b):
+            _call(fn, (math.ceil(lq / config.block_m), hq, sequences), config.threads, config.smem_bytes, q.device,
+                  SM90_FWD_PARAMS, (o_rows[0], lse, *pointers), scalars, SM90_FWD_NAMES, maps)
         return out, lse
     scalars = (*_strides(q4, varlen), *_strides(k4, varlen), *_strides(v4, varlen), *_strides(out4, varlen),
                *variant.scalars(lse), 0, lq, lk, hq // hkv, *variant.window, 1, 1, 1,

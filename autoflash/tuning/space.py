@@ -84,7 +84,7 @@ SM90_OVERHEAD_REGISTERS = 40
 
 def knob_sets(key: ProblemKey) -> list[dict[str, tuple]]:
     """The product spaces whose union is the key's space: one per kernel family it may run on (the
-    sm90 family besides sm80 for a plain forward on an sm_90 GPU, where sm90_applies)."""
+    sm90 family besides sm80 for a forward, and a plain backward, on an sm_90 GPU where sm90_applies)."""
     if key.is_decode:
         return [DECODE_KNOBS]
     from autoflash.kernels.defaults import sm90_applies, sm90_backward_applies
@@ -94,7 +94,7 @@ def knob_sets(key: ProblemKey) -> list[dict[str, tuple]]:
         if key.variant == "plain" and sm90_backward_applies(key.head_dim, key.dtype, get_profile(key.gpu)):
             return [BACKWARD_KNOBS, SM90_BACKWARD_KNOBS]
         return [BACKWARD_KNOBS]
-    if key.variant == "plain" and sm90_applies(key.head_dim, key.dtype, get_profile(key.gpu)):
+    if sm90_applies(key.head_dim, key.dtype, get_profile(key.gpu)):  # the sm90 forward takes every variant
         return [FORWARD_KNOBS, SM90_FORWARD_KNOBS]
     return [FORWARD_KNOBS]
 

@@ -37,6 +37,18 @@ __device__ __forceinline__ int floor_div(int a, int b) { return NONNEG || a >= 0
 template <bool NONNEG>
 __device__ __forceinline__ int ceil_div(int a, int b) { return floor_div<NONNEG>(a + b - 1, b); }
 
+// tanh(x) with the hardware's approximation (MUFU.TANH; relative error about 2^-11, PTX ISA "tanh"),
+// as FlashAttention-3's softcap takes it (cutlass::fast_tanh: ScoreMod::capped<true>). The host emulator computes tanhf.
+__device__ __forceinline__ float fast_tanh(float x) {
+#ifdef AUTOFLASH_HOST_EMULATION
+  return tanhf(x);
+#else
+  float y;
+  asm("tanh.approx.f32 %0, %1;\n" : "=f"(y) : "f"(x));
+  return y;
+#endif
+}
+
 // Logits from raw scores s = q . k (fp32 accumulators):
 //   plain    s * scale * log2(e)
 //   softcap  tanh(s * scale / cap) * cap * log2(e)        (cap_in = scale / cap, cap_out = cap log2 e)
@@ -50,8 +62,10 @@ struct ScoreMod {
   const float* bias;  // this batch's row of the key bias (KEY_BIAS)
   int diag;
 
-  // The tanh of a capped score, kept by the backward for the cap's derivative 1 - tanh^2.
-  __device__ __forceinline__ float capped(float s) const { return tanhf(s * cap_in); }
+  // The tanh of a capped score, kept by the backward for the cap's derivative 1 - tanh^2. FAST: the
+  // hardware's approximation (the sm90 forward's, as FlashAttention-3's).
+  template <bool FAST = false>
+  __device__ __forceinline__ float capped(float s) const { return FAST ? fast_tanh(s * cap_in) : tanhf(s * cap_in); }
 
   // Logit of key j for row i given t, the capped score's tanh (SOFTCAP) or the raw score.
   // CHECKED: j may lie past seqlen_k (masked afterwards), so the bias is not read there.
