@@ -1,0 +1,243 @@
+"""FlashAttention-3's Python API (hopper/flash_attn_interface.py) on autoflash's kernels: the same
+function names, argument names, order, defaults, layouts and return values, so that
+`from autoflash.flash_attn_interface import flash_attn_func` replaces
+`from flash_attn_interface import flash_attn_func`.
+
+Each call checks its arguments and runs through flash-attn 2.x's API here (dispatch/flash_api.py,
+dispatch/kvcache.py): the same custom ops, autograd and torch.compile support, the same emulation on
+CPU tensors inside autoflash.emulate() and the same reference fallback outside it.
+
+What FlashAttention-3 has and autoflash does not run raises ValueError naming the argument: fp8
+inputs with descales (q_descale, k_descale, v_descale), qv, attention_chunk, seqused_q / seqused_k,
+and in flash_attn_with_kvcache cu_seqlens_q, cu_seqlens_k_new and rotary_seqlens. num_splits,
+pack_gqa and sm_margin are scheduling choices that do not change the result: they are checked and
+taken as FA3 takes them where autoflash has the same choice (num_splits of the KV-cache kernel), and
+otherwise left to autoflash's own plan (the dense forward never splits; autoflash folds query heads
+into one tile where the KV-cache kernel pays for it; it uses every SM)."""
+from __future__ import annotations
+
+import torch
+
+from autoflash.dispatch import flash_api, kvcache
+
+__all__ = ["flash_attn_combine", "flash_attn_func", "flash_attn_qkvpacked_func", "flash_attn_varlen_func",
+           "flash_attn_with_kvcache", "get_scheduler_metadata"]
+
+
+def _refuse(name: str, value, missing: str) -> None:
+    """ValueError where FA3's argument `name` asks for what autoflash does not run."""
+    if value is None or (name == "attention_chunk" and value == 0):
+        return
+    shown = f"a {type(value).__name__}" if isinstance(value, torch.Tensor) else repr(value)
+    expected = "0" if name == "attention_chunk" else "None"
+    raise ValueError(f"{name}: got {shown}, expected {expected}: autoflash does not run {missing}")
+
+
+def _unsupported(qv=None, q_descale=None, k_descale=None, v_descale=None, attention_chunk=0) -> None:
+    _refuse("qv", qv, "FlashAttention-3's qv (scores with an added q_v . v term)")
+    for name, value in (("q_descale", q_descale), ("k_descale", k_descale), ("v_descale", v_descale)):
+        _refuse(name, value, "fp8 inputs with descales yet")
+    if isinstance(attention_chunk, bool) or not isinstance(attention_chunk, int) or attention_chunk < 0:
+        raise ValueError(f"attention_chunk: got {attention_chunk!r}, expected an int >= 0 (0: no chunking)")
+    _refuse("attention_chunk", attention_chunk, "chunked local attention (attention_chunk) yet")
+
+
+def _check_hints(num_splits, pack_gqa, sm_margin) -> None:
+    """FA3's scheduling arguments: checked, never a reason for a different result."""
+    if isinstance(num_splits, bool) or not isinstance(num_splits, int) or num_splits < 0:
+        raise ValueError(f"num_splits: got {num_splits!r}, expected an int >= 0 (0 chooses)")
+    if pack_gqa is not None and not isinstance(pack_gqa, bool):
+        raise TypeError(f"pack_gqa: got {pack_gqa!r}, expected None or a bool")
+    if isinstance(sm_margin, bool) or not isinstance(sm_margin, int) or sm_margin < 0:
+        raise ValueError(f"sm_margin: got {sm_margin!r}, expected an int >= 0")
+
+
+def flash_attn_func(q, k, v, softmax_scale=None, causal=False, qv=None, q_descale=None, k_descale=None,
+                    v_descale=None, window_size=(-1, -1), attention_chunk=0, softcap=0.0, num_splits=1, pack_gqa=None,
+                    deterministic=False, sm_margin=0, return_attn_probs=False):
+    """FlashAttention-3's flash_attn_func: q (batch, seqlen_q, heads, head_dim), k and v (batch, seqlen_k,
+    heads_k, head_dim), heads_k dividing heads; causal and window_size bottom-right aligned; softcap > 0
+    caps the scores. Returns out (batch, seqlen_q, heads, head_dim), or with return_attn_probs
+    (out, softmax_lse (batch, heads, seqlen_q) fp32). Differentiable in q, k, v."""
+    _unsupported(qv, q_descale, k_descale, v_descale, attention_chunk)
+    _check_hints(num_splits, pack_gqa, sm_margin)
+    out = flash_api.flash_attn_func(q, k, v, 0.0, softmax_scale, causal, window_size, softcap, None, deterministic,
+                                    return_attn_probs)
+    return out[:2] if return_attn_probs else out  # FA3: (out, softmax_lse), flash-attn 2: + None
+
+
+def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, seqused_q=None,
+                           seqused_k=None, softmax_scale=None, causal=False, qv=None, q_descale=None, k_descale=None,
+                           v_descale=None, window_size=(-1, -1), attention_chunk=0, softcap=0.0, num_splits=1,
+                           pack_gqa=None, deterministic=False, sm_margin=0, return_attn_probs=False):
+    """FlashAttention-3's flash_attn_varlen_func: packed sequences q (total_q, heads, head_dim), k and v
+    (total_k, heads_k, head_dim) with int32 cu_seqlens_q / cu_seqlens_k (batch + 1,) and host ints
+    max_seqlen_q / max_seqlen_k. Returns out (total_q, heads, head_dim), or with return_attn_probs
+    (out, softmax_lse (heads, total_q) fp32). seqused_q / seqused_k are not run (they must be None)."""
+    _refuse("seqused_q", seqused_q, "seqused_q (fewer rows used than cu_seqlens_q holds) yet")
+    _refuse("seqused_k", seqused_k, "seqused_k (fewer keys used than cu_seqlens_k holds) yet")
+    _unsupported(qv, q_descale, k_descale, v_descale, attention_chunk)
+    _check_hints(num_splits, pack_gqa, sm_margin)
+    out = flash_api.flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, 0.0,
+                                           softmax_scale, causal, window_size, softcap, None, deterministic,
+                                           return_attn_probs)
+    return out[:2] if return_attn_probs else out  # FA3: (out, softmax_lse), flash-attn 2: + None
+
+
+def flash_attn_qkvpacked_func(qkv, softmax_scale=None, causal=False, q_descale=None, k_descale=None, v_descale=None,
+                              window_size=(-1, -1), attention_chunk=0, softcap=0.0, deterministic=False,
+                              num_heads_q=None, sm_margin=0, return_attn_probs=False):
+    """flash_attn_func on qkv (batch, seqlen, 3, heads, head_dim), or with num_heads_q (batch, seqlen,
+    num_heads_q + 2 heads_k, head_dim): q's heads, then k's, then v's (FA3's packed GQA layout). The
+    gradient comes back packed."""
+    _unsupported(None, q_descale, k_descale, v_descale, attention_chunk)
+    _check_hints(1, None, sm_margin)
+    if not isinstance(qkv, torch.Tensor):
+        raise TypeError(f"qkv: got {type(qkv).__name__}, expected a torch.Tensor")
+    if num_heads_q is None:
+        if qkv.dim() != 5 or qkv.shape[2] != 3:
+            raise ValueError(f"qkv: got shape {tuple(qkv.shape)}, expected (batch, seqlen, 3, heads, head_dim)")
+        q, k, v = qkv.unbind(2)
+    else:
+        heads = qkv.shape[2] if qkv.dim() == 4 else -1
+        if isinstance(num_heads_q, bool) or not isinstance(num_heads_q, int) or qkv.dim() != 4 \
+                or not 0 < num_heads_q < heads or (heads - num_heads_q) % 2:
+            raise ValueError(f"qkv, num_heads_q: got shape {tuple(qkv.shape)} and {num_heads_q!r}, expected (batch, "
+                             f"seqlen, num_heads_q + 2 * heads_k, head_dim) with 0 < num_heads_q")
+        heads_k = (heads - num_heads_q) // 2
+        q, k, v = qkv.split([num_heads_q, heads_k, heads_k], dim=2)
+    out = flash_api.flash_attn_func(q, k, v, 0.0, softmax_scale, causal, window_size, softcap, None, deterministic,
+                                    return_attn_probs)
+    return out[:2] if return_attn_probs else out  # FA3: (out, softmax_lse), flash-attn 2: + None
+
+
+def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, qv=None, rotary_cos=None, rotary_sin=None,
+                            cache_seqlens=None, cache_batch_idx=None, cache_leftpad=None, page_table=None,
+                            cu_seqlens_q=None, cu_seqlens_k_new=None, max_seqlen_q=None, rotary_seqlens=None,
+                            q_descale=None, k_descale=None, v_descale=None, softmax_scale=None, causal=False,
+                            window_size=(-1, -1), attention_chunk=0, softcap=0.0, rotary_interleaved=True,
+                            scheduler_metadata=None, num_splits=0, pack_gqa=None, sm_margin=0,
+                            return_softmax_lse=False):
+    """FlashAttention-3's flash_attn_with_kvcache: flash-attn 2.x's (autoflash.flash_attn_with_kvcache)
+    with page_table for block_table. scheduler_metadata is get_scheduler_metadata's plan (its split
+    count); num_splits 0 chooses, as FA3's. Returns out, or with return_softmax_lse (out,
+    softmax_lse). Varlen queries (cu_seqlens_q, cu_seqlens_k_new) and rotary_seqlens are not run."""
+    _refuse("cu_seqlens_q", cu_seqlens_q, "varlen queries in flash_attn_with_kvcache yet")
+    _refuse("cu_seqlens_k_new", cu_seqlens_k_new, "varlen appended keys in flash_attn_with_kvcache yet")
+    _refuse("max_seqlen_q", max_seqlen_q, "varlen queries in flash_attn_with_kvcache yet")
+    _refuse("rotary_seqlens", rotary_seqlens, "rotary positions apart from cache_seqlens yet")
+    _unsupported(qv, q_descale, k_descale, v_descale, attention_chunk)
+    _check_hints(num_splits, pack_gqa, sm_margin)
+    if scheduler_metadata is not None:
+        num_splits = _planned_splits(scheduler_metadata, num_splits)
+    return kvcache.flash_attn_with_kvcache(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens,
+                                           cache_batch_idx, cache_leftpad, page_table, softmax_scale, causal,
+                                           window_size, softcap, rotary_interleaved, None, num_splits,
+                                           return_softmax_lse)
+
+
+# get_scheduler_metadata's plan: int32 [PLAN_TAG, num_splits] (FA3's own metadata is its scheduler's
+# tile counters, which autoflash's kernels do not take).
+PLAN_TAG = 0x61664C31  # "afL1"
+
+
+def get_scheduler_metadata(batch_size, max_seqlen_q, max_seqlen_k, num_heads_q, num_heads_kv, headdim, cache_seqlens,
+                           qkv_dtype=torch.bfloat16, headdim_v=None, cu_seqlens_q=None, cu_seqlens_k_new=None,
+                           cache_leftpad=None, page_size=None, max_seqlen_k_new=0, causal=False, window_size=(-1, -1),
+                           attention_chunk=0, has_softcap=False, num_splits=0, pack_gqa=None, sm_margin=0):
+    """autoflash's split plan for flash_attn_with_kvcache calls of this shape on the current GPU (the
+    emulated one inside autoflash.emulate()): an int32 tensor on cache_seqlens' device holding the
+    number of key splits, which flash_attn_with_kvcache(scheduler_metadata=...) then runs. num_splits
+    > 0 is taken as given, 0 chooses (kernels.decode.choose_num_splits, FlashAttention-2's heuristic
+    over the SMs)."""
+    from autoflash.kernels.decode import MAX_SPLITS
+
+    _refuse("cu_seqlens_q", cu_seqlens_q, "varlen queries in flash_attn_with_kvcache yet")
+    _refuse("cu_seqlens_k_new", cu_seqlens_k_new, "varlen appended keys in flash_attn_with_kvcache yet")
+    _unsupported(None, None, None, None, attention_chunk)
+    _check_hints(num_splits, pack_gqa, sm_margin)
+    if headdim_v not in (None, headdim):
+        raise ValueError(f"headdim_v: got {headdim_v!r} with headdim {headdim}, expected None or {headdim}: autoflash "
+                         f"does not run a V head dim different from Q's yet")
+    for name, value in (("batch_size", batch_size), ("max_seqlen_q", max_seqlen_q), ("max_seqlen_k", max_seqlen_k),
+                        ("num_heads_q", num_heads_q), ("num_heads_kv", num_heads_kv), ("headdim", headdim)):
+        if isinstance(value, bool) or not isinstance(value, int) or value < (0 if name == "max_seqlen_k" else 1):
+            raise ValueError(f"{name}: got {value!r}, expected a positive int")
+    if num_heads_q % num_heads_kv:
+        raise ValueError(f"num_heads_q, num_heads_kv: got {num_heads_q}, {num_heads_kv}; expected num_heads_kv "
+                         f"dividing num_heads_q")
+    if not isinstance(cache_seqlens, torch.Tensor):
+        raise TypeError(f"cache_seqlens: got {type(cache_seqlens).__name__}, expected an int32 torch.Tensor")
+    if num_splits == 0:
+        num_splits = _choose_splits(batch_size, max_seqlen_q, max_seqlen_k + max_seqlen_k_new, num_heads_q,
+                                    num_heads_kv, headdim, qkv_dtype, page_size, causal, window_size, has_softcap,
+                                    cache_seqlens)
+    num_splits = max(1, min(num_splits, MAX_SPLITS))
+    return torch.tensor([PLAN_TAG, num_splits], dtype=torch.int32, device=cache_seqlens.device)
+
+
+def _choose_splits(batch, seqlen_q, capacity, heads, heads_kv, head_dim, dtype, page_size, causal, window_size,
+                   softcap: bool, like: torch.Tensor) -> int:
+    """The split count flash_attn_with_kvcache(num_splits=0) would choose for such a call on the GPU of
+    `like` (kernels.decode.decode_launch); 1 on CPU tensors outside autoflash.emulate(), where the
+    PyTorch reference runs unsplit."""
+    from autoflash.kernels.checks import DTYPE_NAMES
+    from autoflash.kernels.decode import CacheShape, decode_launch, packed_heads
+    from autoflash.kernels.launch import profile_for
+    from autoflash.kernels.variants import Variant
+
+    try:
+        profile = profile_for(like, "get_scheduler_metadata")
+    except ValueError:
+        return 1
+    if dtype not in (torch.float16, torch.bfloat16):
+        raise TypeError(f"qkv_dtype: got {dtype!r}, expected torch.float16 or torch.bfloat16")
+    window = tuple(window_size) != (-1, -1)
+    switches = {"align": "bottom_right" if causal or window else "top_left", "window": window, "softcap": softcap,
+                "alibi": False, "key_bias": False, "varlen": False}
+    shape = CacheShape(batch, seqlen_q, heads, heads_kv, flash_api.padded_head_dim(head_dim), max(1, capacity),
+                       page_size, 0)
+    variant = Variant(switches, (None,) * 4, (-1, -1), 0, 0, float(softcap))
+    return decode_launch(shape, DTYPE_NAMES[dtype], profile, causal and not window, variant, None, 0,
+                         packed_heads(shape, None))[1]
+
+
+def _planned_splits(plan, num_splits: int) -> int:
+    """The split count of get_scheduler_metadata's plan (num_splits > 0 overrides it, as in FA3)."""
+    if not isinstance(plan, torch.Tensor) or plan.dtype != torch.int32 or plan.shape != (2,) \
+            or int(plan[0]) != PLAN_TAG:
+        got = f"{plan.dtype} {tuple(plan.shape)}" if isinstance(plan, torch.Tensor) else type(plan).__name__
+        raise ValueError(f"scheduler_metadata: got {got}, expected autoflash's get_scheduler_metadata(...) result "
+                         f"(FlashAttention-3's own metadata describes its scheduler, not autoflash's)")
+    return num_splits or int(plan[1])
+
+
+def flash_attn_combine(out_partial, lse_partial, out=None, out_dtype=None):
+    """FlashAttention-3's flash_attn_combine: partial results of num_splits key ranges merged exactly.
+    out_partial (num_splits, batch, seqlen, heads, head_dim) fp32, lse_partial (num_splits, batch, seqlen,
+    heads) fp32 (natural log; -inf for a split that saw no key); out_dtype defaults to out_partial's.
+    Returns (out (batch, seqlen, heads, head_dim), softmax_lse (batch, seqlen, heads) fp32: -inf and
+    out 0 where no split saw a key), into `out` where given. Runs as torch operations (no kernel of its
+    own), in fp32 as FA3's kernel does."""
+    for name, t, dims in (("out_partial", out_partial, 5), ("lse_partial", lse_partial, 4)):
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"{name}: got {type(t).__name__}, expected a torch.Tensor")
+        if t.dtype != torch.float32 or t.dim() != dims:
+            raise ValueError(f"{name}: got {t.dtype} of shape {tuple(t.shape)}, expected float32 with {dims} dims")
+    shape = tuple(out_partial.shape)
+    if tuple(lse_partial.shape) != shape[:4]:
+        raise ValueError(f"lse_partial: got shape {tuple(lse_partial.shape)}, expected (num_splits, batch, seqlen, "
+                         f"heads) = {shape[:4]} for out_partial {shape}")
+    dtype = out_dtype if out_dtype is not None else out_partial.dtype
+    if dtype not in (torch.float32, torch.float16, torch.bfloat16):
+        raise TypeError(f"out_dtype: got {dtype!r}, expected torch.float32, torch.float16 or torch.bfloat16")
+    if out is not None and (not isinstance(out, torch.Tensor) or tuple(out.shape) != shape[1:] or out.dtype != dtype):
+        got = f"{out.dtype} {tuple(out.shape)}" if isinstance(out, torch.Tensor) else type(out).__name__
+        raise ValueError(f"out: got {got}, expected a {dtype} tensor of shape {shape[1:]}")
+    lse = torch.logsumexp(lse_partial, dim=0)  # (batch, seqlen, heads); -inf where no split saw a key
+    weights = torch.exp(lse_partial - lse).nan_to_num(0.0, posinf=0.0)  # 0 for those, not NaN
+    merged = (weights.unsqueeze(-1) * out_partial).sum(0)
+    if out is None:
+        return merged.to(dtype), lse
+    out.copy_(merged)
+    return out, lse

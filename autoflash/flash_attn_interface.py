@@ -1,0 +1,8 @@
+"""FlashAttention-3's Python API on autoflash's kernels, where FA3 users import it from:
+`from autoflash.flash_attn_interface import flash_attn_func` in place of
+`from flash_attn_interface import flash_attn_func` (autoflash/dispatch/fa3_api.py says what runs)."""
+from autoflash.dispatch.fa3_api import (flash_attn_combine, flash_attn_func, flash_attn_qkvpacked_func,  # noqa: F401
+                                        flash_attn_varlen_func, flash_attn_with_kvcache, get_scheduler_metadata)
+
+__all__ = ["flash_attn_combine", "flash_attn_func", "flash_attn_qkvpacked_func", "flash_attn_varlen_func",
+           "flash_attn_with_kvcache", "get_scheduler_metadata"]

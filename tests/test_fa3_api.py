@@ -1,0 +1,157 @@
+"""FlashAttention-3's Python API (autoflash.flash_attn_interface): FA3's names, argument order and
+return values over autoflash's kernels, on an emulated H100 under FA3's own test rule (its
+hopper/test_flash_attn.py: out and gradients within 2x PyTorch's own error in the input dtype plus
+the reference's rounding, 3x with softcap; autoflash.reference.forward.within_tolerance), the
+features it does not run refused by name, get_scheduler_metadata's plan taken by
+flash_attn_with_kvcache, and flash_attn_combine against FA3's attention_combine_ref."""
+import math
+
+import pytest
+import torch
+
+import autoflash
+from autoflash import flash_attn_interface as fa3
+from autoflash.reference.forward import attention_ref, attention_varlen_ref, within_tolerance
+
+
+def _bshd(b, lq, lk, hq, hk, d, seed=0, grad=False):
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randn(shape, generator=g).bfloat16().requires_grad_(grad)
+            for shape in ((b, lq, hq, d), (b, lk, hk, d), (b, lk, hk, d))]
+
+
+def _ref(q, k, v, *, upcast=True, **kw):
+    """attention_ref on FA3's layout and keywords, bottom-right aligned."""
+    kw = {"window" if name == "window_size" else name: value for name, value in kw.items()}
+    out, lse = attention_ref(*(t.transpose(1, 2) for t in (q, k, v)), align="bottom_right", upcast=upcast, **kw)
+    return out.transpose(1, 2), lse
+
+
+def test_the_module_has_fa3s_names_and_argument_order():
+    import inspect
+
+    assert fa3.__all__ == ["flash_attn_combine", "flash_attn_func", "flash_attn_qkvpacked_func",
+                           "flash_attn_varlen_func", "flash_attn_with_kvcache", "get_scheduler_metadata"]
+    params = list(inspect.signature(fa3.flash_attn_func).parameters)
+    assert params == ["q", "k", "v", "softmax_scale", "causal", "qv", "q_descale", "k_descale", "v_descale",
+                      "window_size", "attention_chunk", "softcap", "num_splits", "pack_gqa", "deterministic",
+                      "sm_margin", "return_attn_probs"]
+    params = list(inspect.signature(fa3.flash_attn_varlen_func).parameters)
+    assert params[:9] == ["q", "k", "v", "cu_seqlens_q", "cu_seqlens_k", "max_seqlen_q", "max_seqlen_k", "seqused_q",
+                          "seqused_k"]
+    params = list(inspect.signature(fa3.flash_attn_with_kvcache).parameters)
+    assert params[:12] == ["q", "k_cache", "v_cache", "k", "v", "qv", "rotary_cos", "rotary_sin", "cache_seqlens",
+                           "cache_batch_idx", "cache_leftpad", "page_table"]
+
+
+@pytest.mark.parametrize("kw", [dict(causal=True), dict(window_size=(9, 0), softcap=4.0), dict()],
+                         ids=["causal", "window-softcap", "plain"])
+def test_flash_attn_func_on_an_emulated_h100_meets_fa3s_rule(kw, launched):
+    q, k, v = _bshd(2, 77, 133, 4, 2, 64, seed=3, grad=True)
+    with autoflash.emulate("h100"):
+        out, lse = fa3.flash_attn_func(q, k, v, return_attn_probs=True, **kw)
+        plain = fa3.flash_attn_func(q, k, v, **kw)
+        out.backward(torch.ones_like(out))
+    assert [c.family for c in launched] == ["sm90", "sm90", "sm90" if len(kw) == 1 or not kw else "sm80"]
+    assert torch.equal(out, plain)  # out alone without return_attn_probs, as FA3 returns it
+    up = [t.detach().float().requires_grad_() for t in (q, k, v)]
+    same = [t.detach().clone().requires_grad_() for t in (q, k, v)]
+    ref, ref_lse = _ref(*up, **kw)
+    torch_out, _ = _ref(*same, upcast=False, **kw)
+    cap = kw.get("softcap", 0.0)
+    ok, err, bound = within_tolerance(out.detach(), ref.detach(), torch_out.detach(), softcap=cap)
+    assert ok, f"out: err {err:.3e} > bound {bound:.3e}"
+    assert within_tolerance(lse, ref_lse.detach(), ref_lse.detach(), atol=1e-3)[0]
+    ref.backward(torch.ones_like(ref))
+    torch_out.backward(torch.ones_like(torch_out))
+    for name, got, want, yard in zip("qkv", (q.grad, k.grad, v.grad), (t.grad for t in up), (t.grad for t in same)):
+        ok, err, bound = within_tolerance(got, want, yard, softcap=cap, backward=True)
+        assert ok, f"d{name}: err {err:.3e} > bound {bound:.3e}"
+
+
+def test_varlen_and_packed_qkv_with_gqa(launched):
+    g = torch.Generator().manual_seed(4)
+    lens = [0, 1, 70, 33]
+    cu = torch.tensor([0] + torch.tensor(lens).cumsum(0).tolist(), dtype=torch.int32)
+    q, k, v = (torch.randn(sum(lens), h, 64, generator=g).bfloat16() for h in (4, 2, 2))
+    with autoflash.emulate("h100"):
+        out = fa3.flash_attn_varlen_func(q, k, v, cu, cu, max(lens), max(lens), causal=True, num_splits=3,
+                                         pack_gqa=True, sm_margin=8)
+    ref, _ = attention_varlen_ref(q.float(), k.float(), v.float(), cu_seqlens_q=cu, cu_seqlens_k=cu, causal=True,
+                                  align="bottom_right")
+    torch_out, _ = attention_varlen_ref(q, k, v, cu_seqlens_q=cu, cu_seqlens_k=cu, causal=True, align="bottom_right",
+                                        upcast=False)
+    assert within_tolerance(out, ref, torch_out)[0]
+    assert launched[-1].family == "sm90" and launched[-1].varlen
+    # FA3's packed GQA layout: q's heads, then k's, then v's
+    qkv = torch.cat(_bshd(1, 40, 40, 4, 2, 64, seed=5), dim=2)
+    with autoflash.emulate("h100"):
+        packed = fa3.flash_attn_qkvpacked_func(qkv, causal=True, num_heads_q=4)
+        split = fa3.flash_attn_func(qkv[:, :, :4], qkv[:, :, 4:6], qkv[:, :, 6:], causal=True)
+    assert torch.equal(packed, split)
+
+
+@pytest.mark.parametrize("call, name", [
+    (lambda q: fa3.flash_attn_func(q, q, q, qv=q), "qv"),
+    (lambda q: fa3.flash_attn_func(q, q, q, q_descale=torch.ones(1, 2)), "q_descale"),
+    (lambda q: fa3.flash_attn_func(q, q, q, attention_chunk=16), "attention_chunk"),
+    (lambda q: fa3.flash_attn_varlen_func(q[0], q[0], q[0], torch.tensor([0, 8], dtype=torch.int32),
+                                          torch.tensor([0, 8], dtype=torch.int32), 8, 8,
+                                          seqused_k=torch.tensor([4], dtype=torch.int32)), "seqused_k"),
+    (lambda q: fa3.flash_attn_with_kvcache(q, q, q, cache_seqlens=4,
+                                           cu_seqlens_q=torch.tensor([0, 8], dtype=torch.int32)), "cu_seqlens_q"),
+    (lambda q: fa3.flash_attn_func(q, q, q, num_splits=-1), "num_splits"),
+    (lambda q: fa3.flash_attn_with_kvcache(q, q, q, cache_seqlens=4, scheduler_metadata=torch.zeros(7)),
+     "scheduler_metadata"),
+])
+def test_what_autoflash_does_not_run_is_refused_by_name(call, name):
+    q = torch.randn(1, 8, 2, 64).bfloat16()
+    with pytest.raises((ValueError, TypeError), match=f"^{name}: got"):
+        call(q)
+
+
+def test_the_scheduler_plan_is_the_split_flash_attn_with_kvcache_runs(monkeypatch):
+    from autoflash.dispatch import kvcache
+
+    seqlens = torch.tensor([900, 37], dtype=torch.int32)
+    seen = []
+    real = kvcache.flash_kvcache
+    monkeypatch.setattr(kvcache, "flash_kvcache", lambda *a: seen.append(a[-1]) or real(*a))
+    with autoflash.emulate("h100"):
+        plan = fa3.get_scheduler_metadata(2, 1, 1024, 8, 2, 128, seqlens)
+        forced = fa3.get_scheduler_metadata(2, 1, 1024, 8, 2, 128, seqlens, num_splits=3)
+    assert plan.dtype == torch.int32 and int(plan[1]) > 1  # 2 x 2 blocks on 132 SMs: split
+    assert int(forced[1]) == 3
+    q = torch.randn(2, 1, 8, 128).bfloat16()
+    cache = torch.randn(2, 1024, 2, 128).bfloat16()
+    with autoflash.emulate("h100"):
+        out, lse = fa3.flash_attn_with_kvcache(q, cache, cache, cache_seqlens=seqlens, scheduler_metadata=plan,
+                                               return_softmax_lse=True)
+        again = fa3.flash_attn_with_kvcache(q, cache, cache, cache_seqlens=seqlens, scheduler_metadata=forced)
+    assert seen == [int(plan[1]), 3]
+    ref = torch.stack([_ref(q[i:i + 1], cache[i:i + 1, :n], cache[i:i + 1, :n])[0][0]
+                       for i, n in enumerate(seqlens.tolist())])
+    assert (out.float() - ref).abs().max() < 2e-2 and (again.float() - ref).abs().max() < 2e-2
+
+
+def test_flash_attn_combine_matches_fa3s_reference():
+    """FA3's test_flash_attn_combine: non-contiguous partials, a third of the batch with no key in half
+    the splits; its attention_combine_ref, written out."""
+    g = torch.Generator().manual_seed(0)
+    s, b, l, h, d = 5, 3, 17, 4, 64
+    out_partial = torch.randn(2 * s, b, h, l, d, generator=g).transpose(2, 3)[:s]
+    lse_partial = torch.randn(s, b, 2 * h, l, generator=g).transpose(-1, -2)[:, :, :, :h]
+    lse_partial[s // 2:, :b // 3] = -math.inf
+    lse_partial[:, 2, 5] = -math.inf  # a row no split saw a key of
+    for dtype in (torch.float32, torch.bfloat16):
+        out, lse = fa3.flash_attn_combine(out_partial, lse_partial, out_dtype=dtype)
+        ref_lse = torch.logsumexp(lse_partial, dim=0)
+        scale = torch.exp(lse_partial - ref_lse)
+        scale = torch.where(torch.isinf(scale) | torch.isnan(scale), torch.zeros_like(scale), scale)
+        ref = (scale.unsqueeze(-1) * out_partial).sum(0)
+        assert out.dtype == dtype and out.shape == (b, l, h, d)
+        torch.testing.assert_close(out.float(), ref, atol=1e-5 if dtype == torch.float32 else 1e-2, rtol=1e-2)
+        torch.testing.assert_close(lse, ref_lse, atol=1e-5, rtol=1e-5)
+        assert (out[2, 5] == 0).all() and (lse[2, 5] == -math.inf).all()
+    with pytest.raises(ValueError, match="lse_partial: got shape"):
+        fa3.flash_attn_combine(out_partial, lse_partial[:, :, :, :2])
