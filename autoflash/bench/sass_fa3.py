@@ -1,6 +1,7 @@
 """`python -m autoflash.bench sass --fa3`: a static SASS side-by-side of autoflash's sm90 forward family
 and FlashAttention-3's own compiled forward kernels, bf16, head dims 64, 128 and 256, causal off and
-on, the H100's defaults on both sides. Needs no GPU.
+on, and at d = 128 the variants FA3's wheel holds (softcap and packed sequences, causal off and on:
+VARIANT_ROWS), the H100's defaults on both sides. Needs no GPU.
 
 The first run downloads the `fa3-fwd` wheel from PyPI once (FlashAttention-3's hopper/ kernels built
 with CUDA 13.0, 28 MB; only its library is kept) and nvidia-cuda-cuobjdump, into --workdir. cuobjdump
@@ -97,47 +98,60 @@ def fa3_index(cubins: Path) -> list[Fa3Kernel]:
     return found
 
 
-def pick_fa3(index: list[Fa3Kernel], d: int, causal: bool) -> Fa3Kernel:
-    """The bf16 kernel FA3 runs for a plain (or causal) forward at head dim d: no local window,
-    softcap, varlen, paging, appended KV, Qv, packed GQA or split."""
-    plain = [k for k in index if k.dtype == "bf16" and k.head_dim == d and k.flags["causal"] == causal
-             and not any(k.flags[f] for f in ("local", "softcap", "varlen", "paged", "append_kv", "qv", "pack_gqa",
-                                              "split", "v_colmajor"))]
-    if len(plain) != 1:
-        raise RuntimeError(f"FA3 index: {len(plain)} bf16 kernels for d={d} causal={causal}, expected 1")
-    return plain[0]
+_SWITCHES = ("local", "softcap", "varlen", "paged", "append_kv", "qv", "pack_gqa", "split", "v_colmajor")
+# The variants of FA3's wheel that autoflash's sm90 forward has a counterpart of, at d = 128: (FA3's flags,
+# causal, autoflash's switches). Each side's tiles are its own default for the call (FA3: tile_size_fwd_sm90
+# with its flags; autoflash: kernels.defaults.call_default). The wheel holds no local (windowed) kernel.
+VARIANT_ROWS = ((("softcap",), False, dict(softcap=True)),
+                (("softcap",), True, dict(softcap=True, align="bottom_right")),
+                (("varlen",), False, dict(varlen=True)),
+                (("varlen",), True, dict(varlen=True, align="bottom_right")))
+
+
+def pick_fa3(index: list[Fa3Kernel], d: int, causal: bool, on: tuple[str, ...] = ()) -> Fa3Kernel:
+    """The bf16 kernel FA3 runs for a forward at head dim d with the switches `on` (of _SWITCHES) and no
+    other: by default a plain (or causal) forward, no local window, softcap, varlen, paging, appended
+    KV, Qv, packed GQA or split."""
+    found = [k for k in index if k.dtype == "bf16" and k.head_dim == d and k.flags["causal"] == causal
+             and all(k.flags[f] == (f in on) for f in _SWITCHES)]
+    if len(found) != 1:
+        raise RuntimeError(f"FA3 index: {len(found)} bf16 kernels for d={d} causal={causal} with {on or 'no switch'}, "
+                           f"expected 1")
+    return found[0]
 
 
 def collect(workdir: Path, log=print) -> dict:
     from autoflash.kernels.codegen import template_hash
     from autoflash.kernels.compiler import compile_config, nvrtc_version
-    from autoflash.kernels.defaults import default_config
+    from autoflash.kernels.defaults import call_default, default_config
     from autoflash.kernels.gpus import get_profile
 
     cubins = fa3_cubins(workdir)
     index = fa3_index(cubins)
     profile = get_profile("h100")
     rows, verdicts = [], []
-    for d in HEAD_DIMS:
-        for causal in (False, True):
-            fa3 = pick_fa3(index, d, causal)
-            log(f"FA3 {fa3.symbol[:60]}... ({fa3.cubin})")
-            text = subprocess.run([sass.nvdisasm(), "-c", str(cubins / fa3.cubin)], capture_output=True, text=True,
-                                  check=True).stdout
-            regs, local = _registers(cuobjdump(workdir), cubins / fa3.cubin, fa3.symbol)
-            theirs = _row("FA3", f"FlashAttnFwdSm90 bf16 d{d}{' causal' if causal else ''}",
-                          f"{fa3.block_m}x{fa3.block_n} {'RS' if fa3.flags['pv_rs'] else 'SS'}",
-                          sass.functions(text)[fa3.symbol], regs, local)
-            cfg = default_config(d, "bf16", causal, profile)
-            log(f"autoflash {cfg.name}")
-            compiled = compile_config(cfg, profile.arch)  # the sm90 gate: no serialization notices, no spills
-            res = compiled.resources
-            ours = _row("autoflash", cfg.name, f"{cfg.block_m}x{cfg.block_n} RS",
-                        sass.disassemble(compiled.cubin_path, cfg.name), res.registers,
-                        res.spill_stores + res.spill_loads)
-            ours["meets target"] = "yes" if ours["insns/eq"] <= theirs["insns/eq"] and not ours["spill bytes"] else "NO"
-            verdicts.append(ours["meets target"] == "yes")
-            rows += [theirs, ours]
+    plain = [((), causal, {}, d) for d in HEAD_DIMS for causal in (False, True)]  # then the variants
+    for on, causal, switches, d in plain + [(*row, 128) for row in VARIANT_ROWS]:
+        fa3 = pick_fa3(index, d, causal, on)
+        log(f"FA3 {fa3.symbol[:60]}... ({fa3.cubin})")
+        text = subprocess.run([sass.nvdisasm(), "-c", str(cubins / fa3.cubin)], capture_output=True, text=True,
+                              check=True).stdout
+        regs, local = _registers(cuobjdump(workdir), cubins / fa3.cubin, fa3.symbol)
+        what = "".join(f" {f}" for f in on) + (" causal" if causal else "")
+        theirs = _row("FA3", f"FlashAttnFwdSm90 bf16 d{d}{what}",
+                      f"{fa3.block_m}x{fa3.block_n} {'RS' if fa3.flags['pv_rs'] else 'SS'}",
+                      sass.functions(text)[fa3.symbol], regs, local)
+        cfg = call_default("fwd", d, "bf16", causal, switches, profile) if switches else \
+            default_config(d, "bf16", causal, profile)
+        log(f"autoflash {cfg.name}")
+        compiled = compile_config(cfg, profile.arch)  # the sm90 gate: no serialization notices, no spills
+        res = compiled.resources
+        ours = _row("autoflash", cfg.name, f"{cfg.block_m}x{cfg.block_n} RS",
+                    sass.disassemble(compiled.cubin_path, cfg.name), res.registers,
+                    res.spill_stores + res.spill_loads)
+        ours["meets target"] = "yes" if ours["insns/eq"] <= theirs["insns/eq"] and not ours["spill bytes"] else "NO"
+        verdicts.append(ours["meets target"] == "yes")
+        rows += [theirs, ours]
     from autoflash.bench import sass_fa3_bwd
 
     bwd_rows, bwd_meet = sass_fa3_bwd.side_by_side(workdir, log=log)
