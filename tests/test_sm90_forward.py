@@ -1,8 +1,10 @@
 """The sm90 forward family (templates/flash_fwd_sm90.cu.j2: wgmma, TMA, mbarriers, a producer
 warpgroup beside 1-3 consumer warpgroups, setmaxnreg, pingpong and intra-warpgroup overlap) on the
 host emulator as an H100: over a grid in the shape of FlashAttention's tests (head dims 64-256,
-causal in both alignments, MHA/GQA/MQA, lengths that are not multiples of the tiles, Lq > Lk), under
-FlashAttention-3's rule; the entry points, explain and the config's refusals; the ptxas gate on
+causal in both alignments, MHA/GQA/MQA, lengths that are not multiples of the tiles, Lq > Lk), and
+the variants (windows, softcap, ALiBi, a key bias, packed sequences) over the same head dims and
+schedules, under FlashAttention-3's rule, and sanitized; the entry points, explain and the config's
+refusals; the ptxas gate on
 planted notices, and a planted missing wait under the sanitizer. Every sm90 default of the H100 and
 H200 also runs under the sanitizer in tests/test_emulation.py (every default of every GPU) and
 compiles through the gate in tests/test_compile.py (every default, no spills). The emulated grid is
