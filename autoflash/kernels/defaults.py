@@ -358,7 +358,8 @@ def call_default(direction: str, head_dim: int, dtype: str, causal: bool, switch
     """The built-in kernel of a call: the direction's default for its problem with the call's variant
     switches (Variant.switches: align and VARIANTS) turned on. The sm90 family's plain default where
     sm90_fallback allows it (a window takes the causal tiles, as FlashAttention-3's is_causal or
-    is_local); else the sm80 family's, with the tiles for variant kernels where any switch is on."""
+    is_local; a key bias beside softcap or ALiBi fewer keys a tile, _sm90_biased_keys); else the sm80
+    family's, with the tiles for variant kernels where any switch is on."""
     default = default_config if direction == "fwd" else default_backward_config
     banded = causal or bool(switches.get("window"))
     if not sm90_fallback(switches, direction):
