@@ -123,7 +123,7 @@ def pick_fa3(index: list[Fa3Kernel], d: int, causal: bool, on: tuple[str, ...] =
 def collect(workdir: Path, log=print) -> dict:
     from autoflash.kernels.codegen import template_hash
     from autoflash.kernels.compiler import compile_config, nvrtc_version
-    from autoflash.kernels.defaults import call_default, default_config
+    from autoflash.kernels.defaults import call_default
     from autoflash.kernels.gpus import get_profile
 
     cubins = fa3_cubins(workdir)
@@ -141,8 +141,7 @@ def collect(workdir: Path, log=print) -> dict:
         theirs = _row("FA3", f"FlashAttnFwdSm90 bf16 d{d}{what}",
                       f"{fa3.block_m}x{fa3.block_n} {'RS' if fa3.flags['pv_rs'] else 'SS'}",
                       sass.functions(text)[fa3.symbol], regs, local)
-        cfg = call_default("fwd", d, "bf16", causal, switches, profile) if switches else \
-            default_config(d, "bf16", causal, profile)
+        cfg = call_default("fwd", d, "bf16", causal, switches, profile)  # the plain rows: default_config's
         log(f"autoflash {cfg.name}")
         compiled = compile_config(cfg, profile.arch)  # the sm90 gate: no serialization notices, no spills
         res = compiled.resources

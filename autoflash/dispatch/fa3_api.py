@@ -90,7 +90,7 @@ def flash_attn_qkvpacked_func(qkv, softmax_scale=None, causal=False, q_descale=N
     """flash_attn_func on qkv (batch, seqlen, 3, heads, head_dim), or with num_heads_q (batch, seqlen,
     num_heads_q + 2 heads_k, head_dim): q's heads, then k's, then v's (FA3's packed GQA layout). The
     gradient comes back packed."""
-    _unsupported(None, q_descale, k_descale, v_descale, attention_chunk)
+    _unsupported(None, q_descale, k_descale, v_descale, attention_chunk)  # before the layout's checks
     _check_hints(1, None, sm_margin)
     if not isinstance(qkv, torch.Tensor):
         raise TypeError(f"qkv: got {type(qkv).__name__}, expected a torch.Tensor")
@@ -106,9 +106,9 @@ def flash_attn_qkvpacked_func(qkv, softmax_scale=None, causal=False, q_descale=N
                              f"seqlen, num_heads_q + 2 * heads_k, head_dim) with 0 < num_heads_q")
         heads_k = (heads - num_heads_q) // 2
         q, k, v = qkv.split([num_heads_q, heads_k, heads_k], dim=2)
-    out = flash_api.flash_attn_func(q, k, v, 0.0, softmax_scale, causal, window_size, softcap, None, deterministic,
-                                    return_attn_probs)
-    return out[:2] if return_attn_probs else out  # FA3: (out, softmax_lse), flash-attn 2: + None
+    return flash_attn_func(q, k, v, softmax_scale, causal, None, q_descale, k_descale, v_descale, window_size,
+                           attention_chunk, softcap, deterministic=deterministic, sm_margin=sm_margin,
+                           return_attn_probs=return_attn_probs)
 
 
 def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, qv=None, rotary_cos=None, rotary_sin=None,

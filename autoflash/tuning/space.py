@@ -329,25 +329,23 @@ def _constrain_points(configs: list, profile: GpuProfile, jobs: int | None, prog
 
 
 def default_for(key: ProblemKey, profile: GpuProfile) -> KernelConfig:
-    """The built-in config for a key: what the dispatcher runs without a tuned table. A variant key
-    takes the built-in tiles for kernels carrying variant switches (those the launcher picks when
-    given no config: the plain first choices spill with the band's registers at some head dims,
-    kernels.defaults) with the key's switches on (ProblemKey.config_fields). A window key picks its
-    tiles as a causal one does, as the launcher does (a window skips key blocks too). A decode key's
-    is the KV-cache kernel flash_attn_with_kvcache runs untuned (kernels.defaults.
-    default_decode_config, for pages of decode.PAGE_SIZE when paged) with num_splits 0 (the
-    heuristic), a DecodePoint."""
-    from autoflash.kernels.defaults import default_backward_config, default_config, default_decode_config
+    """The built-in config for a key: what the dispatcher runs without a tuned table, the kernel a
+    call with the key's switches (ProblemKey.config_fields) gets from kernels.defaults.call_default,
+    as the launcher asks it (a window key's tiles are a causal one's; a variant key on the sm80 family
+    takes the tiles for kernels carrying variant switches). A decode key's is the KV-cache kernel
+    flash_attn_with_kvcache runs untuned (kernels.defaults.default_decode_config, for pages of
+    decode.PAGE_SIZE when paged) with num_splits 0 (the heuristic), a DecodePoint."""
+    from autoflash.kernels.config import VARIANTS
+    from autoflash.kernels.defaults import call_default, default_decode_config
 
+    fields = key.config_fields()
     if key.is_decode:
         from autoflash.tuning.decode import PAGE_SIZE
 
         base = default_decode_config(key.head_dim, key.dtype, profile, PAGE_SIZE if key.paged else None)
-        return DecodePoint(base.replace(**key.config_fields()), 0)
-
-    pick = default_backward_config if key.direction == "bwd" else default_config
-    base = pick(key.head_dim, key.dtype, key.causal, profile, variant=key.variant != "plain")
-    return base.replace(**key.config_fields())
+        return DecodePoint(base.replace(**fields), 0)
+    switches = {f: fields[f] for f in ("align", *VARIANTS)}
+    return call_default(key.direction, key.head_dim, key.dtype, fields["causal"], switches, profile)
 
 
 def param_values(candidates: Iterable[Candidate], key: ProblemKey) -> dict[str, dict[str, tuple]]:
