@@ -34,9 +34,9 @@ plain output includes common/*.cuh and needs -I to this install's templates fold
 names it); --standalone inlines them, so the one file compiles with no -I (and carries no #line
 directives, which would point into templates the file travels without).
 
-The switch flags (--causal, --bottom-right, --window, --softcap, --alibi, --key-bias, --varlen,
---kvcache, --paged, --split, --dq-pass, --v-in-regs) add the name's suffixes (_causal, _br, _win,
-_cap, _alibi, _kbias, _varlen, _kvc, _paged, _split, _dqpass, _vregs); they combine with --default
+The switch flags (--causal, --bottom-right, --window, --chunk, --softcap, --alibi, --key-bias,
+--varlen, --kvcache, --paged, --split, --dq-pass, --v-in-regs) add the name's suffixes (_causal, _br,
+_win, _chunk, _cap, _alibi, _kbias, _varlen, _kvc, _paged, _split, _dqpass, _vregs); they combine with --default
 (the GPU's built-in tiles for a kernel with those switches, as the launcher picks them) or with
 --block-m/--block-n/--warps/--stages. Window sizes, the cap, slopes, biases and lengths are kernel
 arguments at run time, so no flag takes them. A kernel name stands alone: it already fixes every field.
@@ -60,6 +60,9 @@ SWITCHES: tuple[tuple[str, str, object, str], ...] = (
     ("--window", "window", True,
      "sliding window: keys i + diag - left .. i + diag + right, left and right given at run time; "
      "not with --causal (right = 0 is causal) (_win)"),
+    ("--chunk", "chunk", True,
+     "FlashAttention-3's attention chunks: as well, only the keys of the chunk holding key i + diag, the chunk "
+     "size given at run time; needs --window (_chunk)"),
     ("--softcap", "softcap", True, "soft-capped scores cap * tanh(scale * s / cap), the cap given at run time (_cap)"),
     ("--alibi", "alibi", True, "ALiBi: scores - slope * |i + diag - j|, slopes (per head or batch x head) at run time "
      "(_alibi)"),
@@ -185,7 +188,7 @@ def default_for(head_dim: int, dtype: str, direction: str, switches: dict[str, o
         if page_size is not None and (page_size <= 0 or page_size % 16):
             raise ValueError(f"--page-size: got {page_size}, expected a positive multiple of 16 (the smallest key "
                              f"tile)")
-        heavy = any(switches.get(f) for f in ("window", "softcap", "alibi", "key_bias"))
+        heavy = any(switches.get(f) for f in ("window", "chunk", "softcap", "alibi", "key_bias"))
         base = default_decode_config(head_dim, dtype, profile, page_size, heavy)
     else:
         variant = {k: switches[k] for k in ("align", *VARIANTS) if k in switches}

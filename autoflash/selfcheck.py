@@ -74,6 +74,9 @@ def _parser() -> argparse.ArgumentParser:
                    help="where query i's diagonal sits: key i (SDPA) or key i + Lk - Lq (flash-attn)")
     v.add_argument("--window", type=window_arg, default=(-1, -1), metavar="LEFT,RIGHT",
                    help="sliding window, -1 unbounded (e.g. 16,0)")
+    v.add_argument("--attention-chunk", type=int, default=0, metavar="C",
+                   help="FlashAttention-3's chunked local attention: only the keys of the chunk of C keys holding "
+                        "the query's diagonal key (0: none)")
     v.add_argument("--softcap", type=float, default=0.0, help="scores cap * tanh(s / cap)")
     v.add_argument("--alibi", action="store_true", help="ALiBi with random (batch, heads) slopes")
     v.add_argument("--key-padding", action="store_true",
@@ -126,8 +129,10 @@ def main(argv: list[str] | None = None) -> int:
     if args.schedules < 0:
         parser.error(f"--schedules: got {args.schedules}, expected 0 or more random orders")
     shape, dtype, causal, fwd_cfg, bwd_cfg, backward = _resolve(args, parser)
+    if args.attention_chunk < 0:
+        parser.error(f"--attention-chunk: got {args.attention_chunk}, expected 0 (none) or a chunk size >= 1")
     variant = args.window != (-1, -1) or args.softcap or args.alibi or args.key_padding or args.varlen \
-        or args.align != "top_left"
+        or args.align != "top_left" or args.attention_chunk
     if variant and (fwd_cfg or bwd_cfg):
         parser.error("--config with variant flags: the variant switches come from the flags; drop --config")
     if variant and dtype == "fp32":
@@ -233,6 +238,7 @@ def _check(args, shape, dtype, causal, fwd_cfg, bwd_cfg, backward) -> list[tuple
 def _describe(args) -> str:
     parts = [f"align {'bottom_right' if args.kvcache else args.align}"]
     parts += [f"window {args.window}"] if args.window != (-1, -1) else []
+    parts += [f"attention chunk {args.attention_chunk}"] if args.attention_chunk else []
     parts += [f"softcap {args.softcap}"] if args.softcap else []
     parts += [name for name, on in (("alibi", args.alibi), ("key padding", args.key_padding), ("varlen", args.varlen))
               if on]
@@ -259,6 +265,8 @@ def _check_variant(args, shape, dtype, causal, backward) -> list[tuple[str, bool
     from autoflash.emulation.guards import guarded_randn
 
     kw = dict(causal=causal, align=args.align, window=args.window, softcap=args.softcap)
+    if args.attention_chunk:
+        kw["attention_chunk"] = args.attention_chunk
     if args.alibi:
         kw["alibi_slopes"] = (torch.rand(b, hq, generator=g) * 0.3).to(device)
     if args.varlen:  # b sequences of random lengths (0 and 1 allowed), packed with no padding

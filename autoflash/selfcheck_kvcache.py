@@ -55,7 +55,7 @@ def check_kvcache(args, shape, dtype, causal) -> list[tuple[str, bool, float, fl
     interleaved = args.rotary == "interleaved"
     if args.rotary != "none":
         cos, sin = (torch.randn(capacity, d // 32 * 8, generator=g).to(device, dt) for _ in range(2))
-    kw = dict(causal=causal, window_size=args.window, softcap=args.softcap)
+    kw = dict(causal=causal, window_size=args.window, softcap=args.softcap, attention_chunk=args.attention_chunk)
     if args.alibi:
         kw["alibi_slopes"] = (torch.rand(b, hq, generator=g) * 0.3).to(device)
     key_bias = None
@@ -70,7 +70,7 @@ def check_kvcache(args, shape, dtype, causal) -> list[tuple[str, bool, float, fl
     starts = seqlens  # rotary positions are cache rows, left padding or not (flash-attn's rule)
     q_ref, k_new = q.cpu(), k.cpu() if k is not None else None
     if cos is not None:  # --rotary goes with --new (flash-attn's rule)
-        moving = causal or tuple(args.window) != (-1, -1)
+        moving = causal or tuple(args.window) != (-1, -1) or args.attention_chunk > 0
         q_ref = rotary(q_ref, cos.cpu(), sin.cpu(), [[s + i * moving for i in range(lq)] for s in starts], interleaved)
         k_new = rotary(k_new, cos.cpu(), sin.cpu(), [[s + i for i in range(new)] for s in starts], interleaved)
     if new:
@@ -79,7 +79,8 @@ def check_kvcache(args, shape, dtype, causal) -> list[tuple[str, bool, float, fl
     used = [n + new for n in seqlens]
     ref_kw = dict(cache_leftpad=leftpad.tolist() if leftpad is not None else None, block_table=block_table,
                   cache_batch_idx=batch_idx, causal=causal, window=tuple(args.window), softcap=args.softcap,
-                  alibi_slopes=kw["alibi_slopes"].cpu() if args.alibi else None, key_bias=key_bias)
+                  alibi_slopes=kw["alibi_slopes"].cpu() if args.alibi else None, key_bias=key_bias,
+                  attention_chunk=args.attention_chunk)
     ref_out, _ = attention_kvcache_ref(q_ref.float(), k_ref.float(), v_ref.float(), used, **ref_kw)
     torch_out, _ = attention_kvcache_ref(q_ref, k_ref, v_ref, used, upcast=False, **ref_kw)
 
@@ -91,7 +92,8 @@ def check_kvcache(args, shape, dtype, causal) -> list[tuple[str, bool, float, fl
                                       num_splits=args.splits, **kw)
     else:  # the op under flash_attn_with_kvcache, which also takes a key bias
         out, _ = flash_kvcache(q, k_cache, v_cache, k, v, cos, sin, index[0], 0, *index[1:], kw.get("alibi_slopes"),
-                               key_bias.to(device), None, causal, *args.window, args.softcap, interleaved, args.splits)
+                               key_bias.to(device), None, causal, *args.window, args.attention_chunk, args.softcap,
+                               interleaved, args.splits)
     if device == "cuda":
         torch.cuda.synchronize()
     same = torch.equal(k_cache.cpu(), k_ref) and torch.equal(v_cache.cpu(), v_ref)

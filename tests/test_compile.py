@@ -57,10 +57,12 @@ def grid():
 
 
 # Variant switch sets the defaults are held to (bf16): the simplest (bottom-right causal), the
-# heaviest (window, softcap, ALiBi, packed sequences at once) and the key bias (padding masks).
+# heaviest (window, softcap, ALiBi, packed sequences at once), the key bias (padding masks), and the
+# heaviest with FlashAttention-3's attention chunks.
+HEAVIEST_CHUNKED = dict(window=True, chunk=True, softcap=True, alibi=True, varlen=True, align="bottom_right")
 VARIANT_SETS = (dict(causal=True, align="bottom_right"),
                 dict(window=True, softcap=True, alibi=True, varlen=True, align="bottom_right"),
-                dict(key_bias=True))
+                dict(key_bias=True), HEAVIEST_CHUNKED)
 
 
 def _variant_default(direction: str, d: int, switches: dict, prof) -> KernelConfig:
@@ -70,21 +72,22 @@ def _variant_default(direction: str, d: int, switches: dict, prof) -> KernelConf
                         {k: v for k, v in switches.items() if k != "causal"}, prof)
 
 
-# The sm90 forward's sets, at every head dim it takes: the heaviest with a window and with causal, and a
-# key bias read beside softcap and ALiBi (kernels/defaults.py _sm90_biased_keys); ptxas leaves their
-# producer and consumers little to spare at single head dims.
+# The sm90 forward's sets, at every head dim it takes: the heaviest with a window, with causal and with
+# attention chunks, and a key bias read beside softcap and ALiBi (kernels/defaults.py _sm90_biased_keys);
+# ptxas leaves their producer and consumers little to spare at single head dims.
 SM90_VARIANT_SETS = (dict(window=True, softcap=True, alibi=True, varlen=True, align="bottom_right"),
                      dict(causal=True, softcap=True, alibi=True, varlen=True, align="bottom_right"),
-                     dict(softcap=True, alibi=True, key_bias=True))
+                     dict(softcap=True, alibi=True, key_bias=True), HEAVIEST_CHUNKED)
 
 
 # Decode (KV-cache) switch sets the decode defaults are held to: the cache alone, bottom-right causal
-# over pages split across blocks, window + softcap + ALiBi split, and causal with a key bias
-# (autoflash.hf's padding masks).
+# over pages split across blocks, window + softcap + ALiBi split, causal with a key bias
+# (autoflash.hf's padding masks), and attention chunks over pages split (Llama 4's decode).
 DECODE_SETS = (dict(),
                dict(causal=True, align="bottom_right", paged=True, split=True),
                dict(window=True, softcap=True, alibi=True, align="bottom_right", split=True),
-               dict(causal=True, align="bottom_right", key_bias=True, split=True))
+               dict(causal=True, align="bottom_right", key_bias=True, split=True),
+               dict(window=True, chunk=True, align="bottom_right", paged=True, split=True))
 
 
 def defaults():
@@ -210,7 +213,7 @@ def test_the_sampled_grid_compiles():
 def test_every_default_is_held_to_one_of_its_switch_sets_each_run():
     drawn = {_switch_key(j) for j in defaults()}
     assert {_switch_key(j) for j in switched_defaults()} <= drawn
-    assert len(switched_defaults()) == 3 * len({_switch_key(j) for j in switched_defaults()})
+    assert len(switched_defaults()) == 4 * len({_switch_key(j) for j in switched_defaults()})
 
 
 @pytest.mark.slow

@@ -44,15 +44,16 @@ def test_the_module_has_fa3s_names_and_argument_order():
                            "cache_batch_idx", "cache_leftpad", "page_table"]
 
 
-@pytest.mark.parametrize("kw", [dict(causal=True), dict(window_size=(9, 0), softcap=4.0), dict()],
-                         ids=["causal", "window-softcap", "plain"])
+@pytest.mark.parametrize("kw", [dict(causal=True), dict(window_size=(9, 0), softcap=4.0), dict(),
+                                dict(causal=True, attention_chunk=40)],
+                         ids=["causal", "window-softcap", "plain", "chunk"])
 def test_flash_attn_func_on_an_emulated_h100_meets_fa3s_rule(kw, launched):
     q, k, v = _bshd(2, 77, 133, 4, 2, 64, seed=3, grad=True)
     with autoflash.emulate("h100"):
         out, lse = fa3.flash_attn_func(q, k, v, return_attn_probs=True, **kw)
         plain = fa3.flash_attn_func(q, k, v, **kw)
         out.backward(torch.ones_like(out))
-    assert [c.family for c in launched] == ["sm90", "sm90", "sm90" if len(kw) == 1 or not kw else "sm80"]
+    assert [c.family for c in launched] == ["sm90", "sm90", "sm90" if set(kw) <= {"causal"} else "sm80"]
     assert torch.equal(out, plain)  # out alone without return_attn_probs, as FA3 returns it
     up = [t.detach().float().requires_grad_() for t in (q, k, v)]
     same = [t.detach().clone().requires_grad_() for t in (q, k, v)]
@@ -94,7 +95,7 @@ def test_varlen_and_packed_qkv_with_gqa(launched):
 @pytest.mark.parametrize("call, name", [
     (lambda q: fa3.flash_attn_func(q, q, q, qv=q), "qv"),
     (lambda q: fa3.flash_attn_func(q, q, q, q_descale=torch.ones(1, 2)), "q_descale"),
-    (lambda q: fa3.flash_attn_func(q, q, q, attention_chunk=16), "attention_chunk"),
+    (lambda q: fa3.flash_attn_func(q, q, q, attention_chunk=-16), "attention_chunk"),
     (lambda q: fa3.flash_attn_varlen_func(q[0], q[0], q[0], torch.tensor([0, 8], dtype=torch.int32),
                                           torch.tensor([0, 8], dtype=torch.int32), 8, 8,
                                           seqused_k=torch.tensor([4], dtype=torch.int32)), "seqused_k"),
@@ -108,6 +109,32 @@ def test_what_autoflash_does_not_run_is_refused_by_name(call, name):
     q = torch.randn(1, 8, 2, 64).bfloat16()
     with pytest.raises((ValueError, TypeError), match=f"^{name}: got"):
         call(q)
+
+
+def test_kvcache_with_attention_chunks(launched):
+    """FA3's chunked local attention in the KV-cache kernel (Llama 4's decode): the queries of the last
+    positions see only their chunk of the cache, split or not, paged or not."""
+    from autoflash.reference.kvcache import attention_kvcache_ref
+
+    g = torch.Generator().manual_seed(6)
+    seqlens = [150, 37, 0]
+    q = torch.randn(3, 2, 4, 64, generator=g).bfloat16()
+    k_cache, v_cache = (torch.randn(3, 256, 2, 64, generator=g).bfloat16() for _ in range(2))
+    ref, _ = attention_kvcache_ref(q.float(), k_cache.float(), v_cache.float(), seqlens, causal=True,
+                                   attention_chunk=48)
+    low, _ = attention_kvcache_ref(q, k_cache, v_cache, seqlens, causal=True, attention_chunk=48, upcast=False)
+    cache_seqlens = torch.tensor(seqlens, dtype=torch.int32)
+    pages = torch.arange(6, dtype=torch.int32).reshape(3, 2)
+    with autoflash.emulate("h100"):
+        for splits in (1, 3):
+            out = fa3.flash_attn_with_kvcache(q, k_cache, v_cache, cache_seqlens=cache_seqlens, causal=True,
+                                              attention_chunk=48, num_splits=splits)
+            assert within_tolerance(out, ref, low)[0], splits
+        paged = fa3.flash_attn_with_kvcache(q, *(t.reshape(6, 128, 2, 64) for t in (k_cache, v_cache)),
+                                           cache_seqlens=cache_seqlens, page_table=pages, causal=True,
+                                           attention_chunk=48)
+    assert within_tolerance(paged, ref, low)[0]
+    assert all(c.kvcache and c.chunk for c in launched)
 
 
 def test_the_scheduler_plan_is_the_split_flash_attn_with_kvcache_runs(monkeypatch):

@@ -292,8 +292,8 @@ def test_attention_variant_takes_any_strides_and_gives_q_strides_back():
 
 # ------------------------------------------------------------------ custom ops: registration, compile
 def _fwd_args(q, k, v, *, alibi=None, bias=None, cu=(None, None), scale=0.125, causal=False, align="top_left",
-              window=(-1, -1), softcap=0.0, max_seqlens=(0, 0)):
-    return (q, k, v, alibi, bias, *cu, scale, causal, align, *window, softcap, *max_seqlens, False)
+              window=(-1, -1), chunk=0, softcap=0.0, max_seqlens=(0, 0)):
+    return (q, k, v, alibi, bias, *cu, scale, causal, align, *window, chunk, softcap, *max_seqlens, False)
 
 
 def test_custom_op_registration_dense():
@@ -301,7 +301,7 @@ def test_custom_op_registration_dense():
     q = _randn((2, 4, 9, 32), torch.float64, g, True)
     k, v = (_randn((2, 2, 11, 32), torch.float64, g, True) for _ in range(2))
     args = _fwd_args(q, k, v, alibi=_slopes((2, 4)).double().float(), causal=True, align="bottom_right",
-                     window=(3, 0), softcap=4.0)
+                     window=(3, 0), chunk=4, softcap=4.0)
     torch.library.opcheck(torch.ops.autoflash.flash_fwd.default, args)
     out, lse = torch.ops.autoflash.flash_fwd(*args)
     dout = torch.randn(out.shape, generator=g, dtype=torch.float64)

@@ -1,8 +1,8 @@
 """flash_attn_with_kvcache on the decode kernels against the references, flash-attn's
 test_flash_attn_kvcache grid at emulator sizes: seqlen_q 1..128, new k/v appended or not, dense and
 paged caches (page sizes 16..256), cache_seqlens including 0, cache_batch_idx and left padding,
-rotary (GPT-J and GPT-NeoX, part or all of the head dim), MHA/GQA/MQA, causal, windows, softcap and
-ALiBi, unsplit and split. Each case checks:
+rotary (GPT-J and GPT-NeoX, part or all of the head dim), MHA/GQA/MQA, causal, windows, softcap,
+ALiBi and FlashAttention-3's attention chunks, unsplit and split. Each case checks:
 - out within FlashAttention-3's rule (2x PyTorch's own error in the input dtype, 3x with a softcap,
   both against the fp32 reference, plus twice the reference's rounding in the input dtype:
   autoflash.reference.forward.within_tolerance), the LSE within 1e-3;
@@ -30,6 +30,7 @@ VARIANTS = {
     "window-causal": dict(window_size=(19, -1), causal=True),
     "softcap": dict(softcap=4.0, causal=True),
     "alibi": dict(alibi=True, causal=True),
+    "chunk": dict(attention_chunk=37, causal=True),  # FlashAttention-3's chunked local attention (Llama 4)
 }
 # flash-attn's (seqlen_q, seqlen_k) pairs scaled to the emulator: seqlen_k is the cache's capacity
 PAIRS = ((1, 128), (1, 339), (3, 299), (16, 200), (64, 256), (128, 128), (5, 17))
@@ -98,7 +99,7 @@ def _reference(t: dict, index: dict, seqlens: list[int], kw: dict, interleaved: 
     leftpad = idx["cache_leftpad"].tolist() if idx["cache_leftpad"] is not None else [0] * len(seqlens)
     k = cpu.get("k")
     if "rotary_cos" in cpu:  # with an append only (flash-attn's rule); positions are cache rows, leftpad or not
-        local = kw.get("window_size", (-1, -1)) != (-1, -1)
+        local = kw.get("window_size", (-1, -1)) != (-1, -1) or kw.get("attention_chunk", 0) > 0
         moving = kw.get("causal", False) or local
         start = seqlens
         pos_q = [[s + (i if moving else 0) for i in range(q.shape[1])] for s in start]
@@ -114,7 +115,8 @@ def _reference(t: dict, index: dict, seqlens: list[int], kw: dict, interleaved: 
     args = dict(cache_leftpad=leftpad if idx["cache_leftpad"] is not None else None, block_table=idx["block_table"],
                 cache_batch_idx=idx["cache_batch_idx"], causal=kw.get("causal", False),
                 window=tuple(kw.get("window_size", (-1, -1))), softcap=kw.get("softcap", 0.0),
-                alibi_slopes=kw["alibi_slopes"].cpu() if "alibi_slopes" in kw else None)
+                alibi_slopes=kw["alibi_slopes"].cpu() if "alibi_slopes" in kw else None,
+                attention_chunk=kw.get("attention_chunk", 0))
     ref_out, ref_lse = attention_kvcache_ref(q.float(), k_cache.float(), v_cache.float(), used, **args)
     torch_out, _ = attention_kvcache_ref(q, k_cache, v_cache, used, upcast=False, **args)
     return k_cache, v_cache, ref_out, ref_lse, torch_out
@@ -129,7 +131,7 @@ def _split_agrees(t: dict, index: dict, used: torch.Tensor, kw: dict, dt) -> Non
     launch = dict(cache_batch_idx=index["cache_batch_idx"], cache_leftpad=index["cache_leftpad"],
                   block_table=index["block_table"], causal=kw.get("causal", False),
                   window=tuple(kw.get("window_size", (-1, -1))), softcap=kw.get("softcap", 0.0),
-                  alibi_slopes=kw.get("alibi_slopes"))
+                  alibi_slopes=kw.get("alibi_slopes"), attention_chunk=kw.get("attention_chunk", 0))
     q = t["q"]  # rotary left out here: both runs see the same queries either way
     one, lse_one = flash_decode(q, t["k_cache"], t["v_cache"], used, num_splits=1, **launch)
     three, lse_three = flash_decode(q, t["k_cache"], t["v_cache"], used, num_splits=3, **launch)

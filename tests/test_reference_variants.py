@@ -1,5 +1,5 @@
-"""Tests for the references' flash-attn variants (bottom-right alignment, sliding windows, softcap,
-ALiBi, key bias, packed sequences), CPU only: the plain reference against a per-element loop
+"""Tests for the references' flash-attn variants (bottom-right alignment, sliding windows and
+FlashAttention-3's attention chunks, softcap, ALiBi, key bias, packed sequences), CPU only: the plain reference against a per-element loop
 written from the definitions, the tiled forward and backward against it, and the argument checks."""
 from __future__ import annotations
 
@@ -41,6 +41,15 @@ VARIANTS = {
     "gemma": dict(softcap=1.5, window=(4, 0), alibi="batch", align="bottom_right"),
     "all": dict(causal=True, window=(3, 2), softcap=2.0, alibi="heads", bias=True, align="bottom_right"),
 }
+# FlashAttention-3's attention_chunk, alone and under the other limits (the plain reference only: the
+# tiled ones follow kernels without the chunk switch)
+CHUNKS = {
+    "chunk-3-causal-br": dict(attention_chunk=3, causal=True, align="bottom_right"),
+    "chunk-4-tl": dict(attention_chunk=4),
+    "chunk-2-window-br": dict(attention_chunk=2, window=(1, 3), align="bottom_right"),
+    "chunk-5-alibi-bias-br": dict(attention_chunk=5, alibi="batch", bias=True, align="bottom_right"),
+    "chunk-1-br": dict(attention_chunk=1, align="bottom_right"),  # the diagonal key only
+}
 
 
 def _qkv(b, hq, hkv, lq, lk, d, dtype=torch.float64, seed=0):
@@ -54,7 +63,7 @@ def _ref_kwargs(spec: dict, b: int, hq: int, lk: int, seed: int = 0) -> dict:
     """attention_ref's keywords for a VARIANTS entry. The key bias is random, -inf on about a third
     of batch 0's keys and on all of batch 1's (rows that see no key)."""
     g = torch.Generator().manual_seed(seed)
-    kw = {n: spec[n] for n in ("causal", "align", "window", "softcap") if n in spec}
+    kw = {n: spec[n] for n in ("causal", "align", "window", "softcap", "attention_chunk") if n in spec}
     if "alibi" in spec:
         kw["alibi_slopes"] = torch.rand((hq,) if spec["alibi"] == "heads" else (b, hq), generator=g) * 0.5 + 0.1
     if spec.get("bias"):
@@ -84,8 +93,9 @@ def _cfg(bm, bn, d=32, **switches):
 
 
 def _brute(q, k, v, *, causal=False, scale=None, align="top_left", window=(-1, -1), softcap=0.0,
-           alibi_slopes=None, key_bias=None):
-    """The definitions, one (batch, head, query, key) at a time, in Python floats."""
+           alibi_slopes=None, key_bias=None, attention_chunk=0):
+    """The definitions, one (batch, head, query, key) at a time, in Python floats. A chunk: key j
+    and the diagonal key i + diag in the same run of attention_chunk keys (counted from key 0)."""
     b, hq, lq, d = q.shape
     hkv, lk = k.shape[1], k.shape[2]
     scale = 1 / math.sqrt(d) if scale is None else scale
@@ -108,6 +118,8 @@ def _brute(q, k, v, *, causal=False, scale=None, align="top_left", window=(-1, -
                     if left >= 0 and j < i + diag - left:
                         continue
                     if right >= 0 and j > i + diag + right:
+                        continue
+                    if attention_chunk and j // attention_chunk != (i + diag) // attention_chunk:
                         continue
                     x = scale * sum(a * c for a, c in zip(qs[bi][h][i], ks[bi][kvh][j]))
                     if softcap > 0:
@@ -134,10 +146,10 @@ SMALL = [(5, 9, 4, 2), (9, 5, 3, 1), (7, 7, 2, 2), (1, 6, 2, 1)]  # (lq, lk, hq,
 
 
 @pytest.mark.parametrize("lq,lk,hq,hkv", SMALL, ids=lambda x: str(x))
-@pytest.mark.parametrize("variant", sorted(VARIANTS))
+@pytest.mark.parametrize("variant", sorted(VARIANTS) + sorted(CHUNKS))
 def test_plain_matches_brute_force(variant, lq, lk, hq, hkv):
     q, k, v, _ = _qkv(2, hq, hkv, lq, lk, 8, seed=lq * 31 + lk)
-    kw = _ref_kwargs(VARIANTS[variant], 2, hq, lk, seed=lq + lk)
+    kw = _ref_kwargs({**VARIANTS, **CHUNKS}[variant], 2, hq, lk, seed=lq + lk)
     out, lse = attention_ref(q, k, v, **kw)
     want_out, want_lse = _brute(q, k, v, **kw)
     torch.testing.assert_close(out, want_out, rtol=0, atol=1e-12)
@@ -155,6 +167,51 @@ def test_band_mask_matches_definition(lq, lk, window, align, causal):
     want = torch.tensor([[(left < 0 or j >= i + diag - left) and (right < 0 or j <= i + diag + right)
                           for j in range(lk)] for i in range(lq)])
     assert got.dtype == torch.bool and torch.equal(got, want)
+
+
+@pytest.mark.parametrize("chunk", [1, 3, 8, 20])
+@pytest.mark.parametrize("window", [(-1, -1), (-1, 0), (2, 5)])
+@pytest.mark.parametrize("lq,lk", [(4, 9), (9, 4), (6, 6), (17, 30)])
+def test_chunk_mask_is_flashattention3s(lq, lk, window, chunk):
+    """band_mask with a chunk against FlashAttention-3's own masks (hopper/test_util.py,
+    construct_local_mask and construct_chunk_mask, bottom-right as FA3 aligns them): a key is masked
+    where either mask masks it."""
+    got = band_mask(lq, lk, align="bottom_right", window=window, attention_chunk=chunk)
+    row = torch.arange(lq).unsqueeze(1)
+    col = torch.arange(lk)
+    sk, sq = lk, lq
+    masked = torch.zeros(lq, lk, dtype=torch.bool)
+    if window != (-1, -1):
+        if window[0] < 0:
+            masked = col > row + sk - sq + window[1]
+        else:
+            right = sk if window[1] < 0 else window[1]
+            masked = (col > torch.minimum(row + sk - sq + right, torch.tensor(sk))) | (col < row + sk - sq - window[0])
+    col_limit_left_chunk = row + sk - sq - (row + sk - sq) % chunk
+    masked = masked | (col < col_limit_left_chunk) | (col >= col_limit_left_chunk + chunk)
+    assert torch.equal(got, ~masked)
+
+
+@pytest.mark.parametrize("chunk", [5, 16, 23])
+@pytest.mark.parametrize("window", [(-1, -1), (-1, 0), (6, 6)])
+@pytest.mark.parametrize("lq,lk", [(45, 70), (70, 45), (33, 33)])
+def test_block_ranges_with_chunks_are_the_tiles_the_band_touches(lq, lk, window, chunk):
+    """The backward's query blocks (query_blocks, the kernel's first_row / last_row) and the forward's
+    key blocks (key_blocks) hold every tile where a chunk lets a query see a key."""
+    band = Band.of(lq, lk, align="bottom_right", window=window, attention_chunk=chunk)
+    for br, bc in ((16, 16), (32, 16), (16, 32)):
+        n_m, n_n = -(-lq // br), -(-lk // bc)
+        real = band.mask(torch.arange(lq), torch.arange(lk))
+        seen = {(m, n) for m in range(n_m) for n in range(n_n)
+                if real[m * br:(m + 1) * br, n * bc:(n + 1) * bc].any()}
+        by_rows = {(m, n) for m in range(n_m) for n in band.key_blocks(m * br, br, bc)}
+        by_cols = {(m, n) for n in range(n_n) for m in band.query_blocks(n * bc, bc, lq, br)}
+        for visited in (by_rows, by_cols):
+            assert seen <= visited, sorted(seen - visited)
+        # the chunks skip tiles: some query block stops short of the last key block, and starts after the first
+        if chunk < min(lq, lk) // 2 and br == bc == 16:
+            ranges = [band.key_blocks(m * br, br, bc) for m in range(n_m)]
+            assert any(r and r[0] > 0 for r in ranges) and any(r and r[-1] < n_n - 1 for r in ranges)
 
 
 def test_upcast_false_keeps_the_input_dtype_with_variants():

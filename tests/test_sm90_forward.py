@@ -130,7 +130,7 @@ def test_sm90_variant_forward_meets_flashattention_rule(target, variant, d, dtyp
 @pytest.mark.sweep
 @pytest.mark.parametrize("schedule", sorted(SCHEDULES))
 @pytest.mark.parametrize("d", [64, 128, 256])
-@pytest.mark.parametrize("variant", ["plain", "causal-br", "causal-tl", "window-5-3", "gemma"])
+@pytest.mark.parametrize("variant", ["plain", "causal-br", "causal-tl", "window-5-3", "gemma", "chunk-causal"])
 def test_sm90_varlen_forward_meets_flashattention_rule(target, variant, d, schedule, launched):
     """Packed sequences of random lengths, 0 and 1 among them and one longer than a tile, each against
     the reference of its own; what a TMA box reads past a sequence is never stored or seen."""
@@ -164,7 +164,8 @@ def test_sm90_varlen_forward_meets_flashattention_rule(target, variant, d, sched
 def test_sm90_variants_are_clean_under_the_sanitizer(schedule):
     """The variant kernels on guard-banded inputs at an odd GQA shape: window, softcap and ALiBi at once;
     a key bias that leaves batch 1 no key; packed sequences (0 and 1 among them) with a window and
-    softcap. No finding under either schedule, and every result within the rule."""
+    softcap; attention chunks under a window. No finding under either schedule, and every result
+    within the rule."""
     from autoflash.emulation.guards import guarded_randn
 
     g = torch.Generator().manual_seed(5)
@@ -176,7 +177,8 @@ def test_sm90_variants_are_clean_under_the_sanitizer(schedule):
     packed = [torch.randn(sum(n), h, 64, generator=g).bfloat16() for n, h in ((lens_q, 4), (lens_k, 2), (lens_k, 2))]
     calls = [((q, k, v), arguments(VARIANTS["gemma"], 2, 4, 133, "cpu", g), attention_ref),
              ((q, k, v), arguments(VARIANTS["padding"], 2, 4, 133, "cpu", g), attention_ref),
-             (packed, dict(window=(20, 3), softcap=5.0, align="bottom_right", **cu), attention_varlen_ref)]
+             (packed, dict(window=(20, 3), softcap=5.0, align="bottom_right", **cu), attention_varlen_ref),
+             ((q, k, v), arguments(VARIANTS["chunk-window"], 2, 4, 133, "cpu", g), attention_ref)]
     emulation.clear_findings()
     with autoflash.emulate("h100", sanitize=True, schedule=schedule):
         results = [flash_forward(*inputs, max_seqlen_q=90, max_seqlen_k=80, **kw) if "cu_seqlens_q" in kw

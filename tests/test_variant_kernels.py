@@ -1,5 +1,5 @@
-"""The variant kernels (flash-attn's features: bottom-right causal, sliding windows, softcap, ALiBi, a
-key bias for padding masks, packed sequences) against the references under FlashAttention-3's rule
+"""The variant kernels (flash-attn's features: bottom-right causal, sliding windows and FlashAttention-3's
+attention chunks, softcap, ALiBi, a key bias for padding masks, packed sequences) against the references under FlashAttention-3's rule
 (hopper/test_flash_attn.py, autoflash.reference.forward.within_tolerance): out, dq, dk and dv within 2x
 (3x with a softcap) of PyTorch's own error in the input dtype, both measured against the fp32
 reference, plus twice the reference's rounding in the input dtype (and 3e-4 on gradients with a
@@ -73,7 +73,7 @@ def _cu(lengths: list[int], dev) -> torch.Tensor:
 
 @pytest.mark.sweep
 @pytest.mark.parametrize("dtype", ["fp16", "bf16"])
-@pytest.mark.parametrize("variant", ["plain", "causal-br", "window-5-3", "gemma"])
+@pytest.mark.parametrize("variant", ["plain", "causal-br", "window-5-3", "gemma", "chunk-causal"])
 @pytest.mark.parametrize("draw", range(3))
 def test_varlen_meets_flashattention_rule(target, variant, dtype, draw):
     """Packed sequences of random lengths, 0 and 1 among them, each against the reference of its own."""

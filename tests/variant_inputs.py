@@ -20,6 +20,11 @@ VARIANTS = {
     "alibi-causal": dict(alibi="heads", causal=True, align="bottom_right"),
     "padding": dict(padding=True),
     "gemma": dict(softcap=3.0, window=(31, 0), alibi="batch", align="bottom_right"),
+    # FlashAttention-3's attention_chunk (chunked local attention, Llama 4's): chunks across the key
+    # tiles, narrower than one, and under a window
+    "chunk-causal": dict(attention_chunk=37, causal=True, align="bottom_right"),
+    "chunk-16": dict(attention_chunk=16, align="bottom_right"),
+    "chunk-window": dict(attention_chunk=50, window=(20, 5), align="bottom_right"),
 }
 
 

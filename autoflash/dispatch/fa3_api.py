@@ -8,7 +8,7 @@ dispatch/kvcache.py): the same custom ops, autograd and torch.compile support, t
 CPU tensors inside autoflash.emulate() and the same reference fallback outside it.
 
 What FlashAttention-3 has and autoflash does not run raises ValueError naming the argument: fp8
-inputs with descales (q_descale, k_descale, v_descale), qv, attention_chunk, seqused_q / seqused_k,
+inputs with descales (q_descale, k_descale, v_descale), qv, seqused_q / seqused_k,
 and in flash_attn_with_kvcache cu_seqlens_q, cu_seqlens_k_new and rotary_seqlens. num_splits,
 pack_gqa and sm_margin are scheduling choices that do not change the result: they are checked and
 taken as FA3 takes them where autoflash has the same choice (num_splits of the KV-cache kernel), and
@@ -19,6 +19,7 @@ from __future__ import annotations
 import torch
 
 from autoflash.dispatch import flash_api, kvcache
+from autoflash.kernels.checks import chunk_size
 
 __all__ = ["flash_attn_combine", "flash_attn_func", "flash_attn_qkvpacked_func", "flash_attn_varlen_func",
            "flash_attn_with_kvcache", "get_scheduler_metadata"]
@@ -26,20 +27,16 @@ __all__ = ["flash_attn_combine", "flash_attn_func", "flash_attn_qkvpacked_func",
 
 def _refuse(name: str, value, missing: str) -> None:
     """ValueError where FA3's argument `name` asks for what autoflash does not run."""
-    if value is None or (name == "attention_chunk" and value == 0):
+    if value is None:
         return
     shown = f"a {type(value).__name__}" if isinstance(value, torch.Tensor) else repr(value)
-    expected = "0" if name == "attention_chunk" else "None"
-    raise ValueError(f"{name}: got {shown}, expected {expected}: autoflash does not run {missing}")
+    raise ValueError(f"{name}: got {shown}, expected None: autoflash does not run {missing}")
 
 
-def _unsupported(qv=None, q_descale=None, k_descale=None, v_descale=None, attention_chunk=0) -> None:
+def _unsupported(qv=None, q_descale=None, k_descale=None, v_descale=None) -> None:
     _refuse("qv", qv, "FlashAttention-3's qv (scores with an added q_v . v term)")
     for name, value in (("q_descale", q_descale), ("k_descale", k_descale), ("v_descale", v_descale)):
         _refuse(name, value, "fp8 inputs with descales yet")
-    if isinstance(attention_chunk, bool) or not isinstance(attention_chunk, int) or attention_chunk < 0:
-        raise ValueError(f"attention_chunk: got {attention_chunk!r}, expected an int >= 0 (0: no chunking)")
-    _refuse("attention_chunk", attention_chunk, "chunked local attention (attention_chunk) yet")
 
 
 def _check_hints(num_splits, pack_gqa, sm_margin) -> None:
@@ -56,13 +53,13 @@ def flash_attn_func(q, k, v, softmax_scale=None, causal=False, qv=None, q_descal
                     v_descale=None, window_size=(-1, -1), attention_chunk=0, softcap=0.0, num_splits=1, pack_gqa=None,
                     deterministic=False, sm_margin=0, return_attn_probs=False):
     """FlashAttention-3's flash_attn_func: q (batch, seqlen_q, heads, head_dim), k and v (batch, seqlen_k,
-    heads_k, head_dim), heads_k dividing heads; causal and window_size bottom-right aligned; softcap > 0
-    caps the scores. Returns out (batch, seqlen_q, heads, head_dim), or with return_attn_probs
+    heads_k, head_dim), heads_k dividing heads; causal, window_size and attention_chunk (> 0: only the
+    keys of the chunk holding query i's diagonal key) bottom-right aligned; softcap > 0 caps the scores. Returns out (batch, seqlen_q, heads, head_dim), or with return_attn_probs
     (out, softmax_lse (batch, heads, seqlen_q) fp32). Differentiable in q, k, v."""
-    _unsupported(qv, q_descale, k_descale, v_descale, attention_chunk)
+    _unsupported(qv, q_descale, k_descale, v_descale)
     _check_hints(num_splits, pack_gqa, sm_margin)
     out = flash_api.flash_attn_func(q, k, v, 0.0, softmax_scale, causal, window_size, softcap, None, deterministic,
-                                    return_attn_probs)
+                                    return_attn_probs, attention_chunk=attention_chunk)
     return out[:2] if return_attn_probs else out  # FA3: (out, softmax_lse), flash-attn 2: + None
 
 
@@ -76,11 +73,11 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
     (out, softmax_lse (heads, total_q) fp32). seqused_q / seqused_k are not run (they must be None)."""
     _refuse("seqused_q", seqused_q, "seqused_q (fewer rows used than cu_seqlens_q holds) yet")
     _refuse("seqused_k", seqused_k, "seqused_k (fewer keys used than cu_seqlens_k holds) yet")
-    _unsupported(qv, q_descale, k_descale, v_descale, attention_chunk)
+    _unsupported(qv, q_descale, k_descale, v_descale)
     _check_hints(num_splits, pack_gqa, sm_margin)
     out = flash_api.flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, 0.0,
                                            softmax_scale, causal, window_size, softcap, None, deterministic,
-                                           return_attn_probs)
+                                           return_attn_probs, attention_chunk=attention_chunk)
     return out[:2] if return_attn_probs else out  # FA3: (out, softmax_lse), flash-attn 2: + None
 
 
@@ -90,7 +87,7 @@ def flash_attn_qkvpacked_func(qkv, softmax_scale=None, causal=False, q_descale=N
     """flash_attn_func on qkv (batch, seqlen, 3, heads, head_dim), or with num_heads_q (batch, seqlen,
     num_heads_q + 2 heads_k, head_dim): q's heads, then k's, then v's (FA3's packed GQA layout). The
     gradient comes back packed."""
-    _unsupported(None, q_descale, k_descale, v_descale, attention_chunk)  # before the layout's checks
+    _unsupported(None, q_descale, k_descale, v_descale)  # before the layout's checks
     _check_hints(1, None, sm_margin)
     if not isinstance(qkv, torch.Tensor):
         raise TypeError(f"qkv: got {type(qkv).__name__}, expected a torch.Tensor")
@@ -126,14 +123,14 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, qv=None, rotary
     _refuse("cu_seqlens_k_new", cu_seqlens_k_new, "varlen appended keys in flash_attn_with_kvcache yet")
     _refuse("max_seqlen_q", max_seqlen_q, "varlen queries in flash_attn_with_kvcache yet")
     _refuse("rotary_seqlens", rotary_seqlens, "rotary positions apart from cache_seqlens yet")
-    _unsupported(qv, q_descale, k_descale, v_descale, attention_chunk)
+    _unsupported(qv, q_descale, k_descale, v_descale)
     _check_hints(num_splits, pack_gqa, sm_margin)
     if scheduler_metadata is not None:
         num_splits = _planned_splits(scheduler_metadata, num_splits)
     return kvcache.flash_attn_with_kvcache(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens,
                                            cache_batch_idx, cache_leftpad, page_table, softmax_scale, causal,
                                            window_size, softcap, rotary_interleaved, None, num_splits,
-                                           return_softmax_lse)
+                                           return_softmax_lse, attention_chunk=attention_chunk)
 
 
 # get_scheduler_metadata's plan: int32 [PLAN_TAG, num_splits] (FA3's own metadata is its scheduler's
@@ -154,7 +151,7 @@ def get_scheduler_metadata(batch_size, max_seqlen_q, max_seqlen_k, num_heads_q, 
 
     _refuse("cu_seqlens_q", cu_seqlens_q, "varlen queries in flash_attn_with_kvcache yet")
     _refuse("cu_seqlens_k_new", cu_seqlens_k_new, "varlen appended keys in flash_attn_with_kvcache yet")
-    _unsupported(None, None, None, None, attention_chunk)
+    attention_chunk = chunk_size("attention_chunk", attention_chunk)
     _check_hints(num_splits, pack_gqa, sm_margin)
     if headdim_v not in (None, headdim):
         raise ValueError(f"headdim_v: got {headdim_v!r} with headdim {headdim}, expected None or {headdim}: autoflash "
@@ -171,13 +168,13 @@ def get_scheduler_metadata(batch_size, max_seqlen_q, max_seqlen_k, num_heads_q, 
     if num_splits == 0:
         num_splits = _choose_splits(batch_size, max_seqlen_q, max_seqlen_k + max_seqlen_k_new, num_heads_q,
                                     num_heads_kv, headdim, qkv_dtype, page_size, causal, window_size, has_softcap,
-                                    cache_seqlens)
+                                    cache_seqlens, attention_chunk)
     num_splits = max(1, min(num_splits, MAX_SPLITS))
     return torch.tensor([PLAN_TAG, num_splits], dtype=torch.int32, device=cache_seqlens.device)
 
 
 def _choose_splits(batch, seqlen_q, capacity, heads, heads_kv, head_dim, dtype, page_size, causal, window_size,
-                   softcap: bool, like: torch.Tensor) -> int:
+                   softcap: bool, like: torch.Tensor, attention_chunk: int) -> int:
     """The split count flash_attn_with_kvcache(num_splits=0) would choose for such a call on the GPU of
     `like` (kernels.decode.decode_launch); 1 on CPU tensors outside autoflash.emulate(), where the
     PyTorch reference runs unsplit."""
@@ -192,12 +189,12 @@ def _choose_splits(batch, seqlen_q, capacity, heads, heads_kv, head_dim, dtype, 
         return 1
     if dtype not in (torch.float16, torch.bfloat16):
         raise TypeError(f"qkv_dtype: got {dtype!r}, expected torch.float16 or torch.bfloat16")
-    window = tuple(window_size) != (-1, -1)
-    switches = {"align": "bottom_right" if causal or window else "top_left", "window": window, "softcap": softcap,
-                "alibi": False, "key_bias": False, "varlen": False}
+    window = tuple(window_size) != (-1, -1) or attention_chunk > 0
+    switches = {"align": "bottom_right" if causal or window else "top_left", "window": window,
+                "chunk": attention_chunk > 0, "softcap": softcap, "alibi": False, "key_bias": False, "varlen": False}
     shape = CacheShape(batch, seqlen_q, heads, heads_kv, flash_api.padded_head_dim(head_dim), max(1, capacity),
                        page_size, 0)
-    variant = Variant(switches, (None,) * 4, (-1, -1), 0, 0, float(softcap))
+    variant = Variant(switches, (None,) * 4, (-1, -1, attention_chunk), 0, 0, float(softcap))
     return decode_launch(shape, DTYPE_NAMES[dtype], profile, causal and not window, variant, None, 0,
                          packed_heads(shape, None))[1]
 

@@ -31,7 +31,7 @@ import torch.nn.functional as F
 
 from autoflash.dispatch import variant_ops  # registers torch.ops.autoflash.flash_fwd / flash_bwd
 from autoflash.dispatch.policy import REFERENCE, cpu_fallback, fall_back, is_strict
-from autoflash.kernels.checks import checks_values, window_pair
+from autoflash.kernels.checks import checks_values, chunk_size, window_pair
 from autoflash.kernels.config import ALIGNS, HEAD_DIM_MAX, HEAD_DIM_MIN, HEAD_DIM_STEP
 
 __all__ = ["attention_variant", "flash_attn_func", "flash_attn_kvpacked_func", "flash_attn_qkvpacked_func",
@@ -293,7 +293,7 @@ def explaining_now() -> bool:
 
 
 def _run(q, k, v, *, scale: float, causal: bool, align: str, window: tuple[int, int], softcap: float, alibi_slopes,
-         key_bias, packed, deterministic: bool, entry: str, strict: bool | None):
+         key_bias, packed, deterministic: bool, entry: str, strict: bool | None, attention_chunk: int = 0):
     """(out, lse) from the forward op on checked arguments; q, k, v zero-padded to the kernels' head
     dim and out cut back (autograd sees the original width). `packed`: (cu_seqlens_q, cu_seqlens_k,
     max_seqlen_q, max_seqlen_k) or None. On CPU tensors outside autoflash.emulate() the op computes
@@ -304,28 +304,32 @@ def _run(q, k, v, *, scale: float, causal: bool, align: str, window: tuple[int, 
     reason = cpu_fallback(q)
     if explaining_now():  # stand-ins of the padded tensors: their metadata, no copy
         q, k, v = (stand_in((*t.shape[:-1], width), t.dtype, device) for t in (q, k, v))
-        kw = variant_ops._variant(causal, align, window[0], window[1], softcap, alibi_slopes, key_bias, cu_q, cu_k,
-                                  max_q, max_k)
+        kw = variant_ops._variant(causal, align, window[0], window[1], attention_chunk, softcap, alibi_slopes,
+                                  key_bias, cu_q, cu_k, max_q, max_k)
         raise Captured(CheckedCall(q, k, v, scale, kw, reason, d))
     q, k, v = (_pad(t, width) for t in (q, k, v))
     if reason is not None:
         fall_back(entry, reason, strict, REFERENCE, explain=f"autoflash.explain(autoflash.{entry}, ...)")
     out, lse = torch.ops.autoflash.flash_fwd(q, k, v, alibi_slopes, key_bias, cu_q, cu_k, scale, causal, align,
-                                             window[0], window[1], softcap, max_q, max_k, deterministic)
+                                             window[0], window[1], attention_chunk, softcap, max_q, max_k,
+                                             deterministic)
     return (out if width == d else out[..., :d]), lse
 
 
 def attention_variant(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, scale: float | None = None,
                       causal: bool = False, align: str = "top_left", window=(-1, -1), softcap: float = 0.0,
                       alibi_slopes: torch.Tensor | None = None, key_bias: torch.Tensor | None = None,
-                      deterministic: bool = False, strict: bool | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                      deterministic: bool = False, strict: bool | None = None,
+                      attention_chunk: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
     """Differentiable attention with flash-attn's variants, in SDPA's layout: (out like q, lse
     (B, Hq, Lq) fp32); gradients for q, k, v.
 
     q (B, Hq, Lq, D), k and v (B, Hkv, Lk, D), any strides, Hkv dividing Hq, float16/bfloat16, D up
     to 256 (zero-padded to the kernels' sizes; scale defaults to 1/sqrt(D)). causal is aligned by
     `align` ("top_left": SDPA's is_causal; "bottom_right": flash-attn's). window=(left, right), -1
-    unbounded (causal makes right 0). softcap > 0 caps the scores at cap * tanh(s / cap).
+    unbounded (causal makes right 0). attention_chunk > 0: each query sees only the keys of the chunk
+    of attention_chunk keys holding its diagonal key (FlashAttention-3's chunked local attention,
+    Llama 4's). softcap > 0 caps the scores at cap * tanh(s / cap).
     alibi_slopes fp32 (Hq,) or (B, Hq). key_bias fp32 (B, Lk) is added to every row's scores
     (-inf masks the key; a row with no key left gets out 0, lse +inf). deterministic=True makes the
     backward bit-reproducible.
@@ -339,7 +343,8 @@ def attention_variant(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, scal
                     key_bias=_check_fp32("key_bias", key_bias, ((dims.batch, dims.seqlen_k),), q.device,
                                          "(batch, seqlen_k): one additive bias per key"),
                     packed=None, deterministic=_check_flag("deterministic", deterministic),
-                    entry="dispatch.flash_api.attention_variant", strict=strict)
+                    entry="dispatch.flash_api.attention_variant", strict=strict,
+                    attention_chunk=chunk_size("attention_chunk", attention_chunk))
     return out, lse
 
 
@@ -357,7 +362,7 @@ def _result(out: torch.Tensor, lse: torch.Tensor, return_attn_probs: bool):
 
 # ------------------------------------------------------------------ flash-attn's API
 def flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False, window_size=(-1, -1), softcap=0.0,
-                    alibi_slopes=None, deterministic=False, return_attn_probs=False, *, strict=None):
+                    alibi_slopes=None, deterministic=False, return_attn_probs=False, *, attention_chunk=0, strict=None):
     """flash-attn's flash_attn_func: q (batch, seqlen_q, heads, head_dim), k and v (batch, seqlen_k,
     heads_k, head_dim) with heads_k dividing heads (MQA/GQA), float16/bfloat16, head_dim 1..256.
 
@@ -366,6 +371,8 @@ def flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False, wi
     keys i + seqlen_k - seqlen_q - left .. + right (causal makes right 0). softcap > 0 caps the
     scores. alibi_slopes fp32 (heads,) or (batch, heads) adds -slope * |i + seqlen_k - seqlen_q - j|.
     deterministic=True makes the backward bit-reproducible. dropout_p must be 0.0 (no dropout).
+    attention_chunk (keyword only, FlashAttention-3's): > 0 limits query i to the keys of the chunk of
+    attention_chunk keys that holds key i + seqlen_k - seqlen_q.
 
     Returns out (batch, seqlen_q, heads, head_dim); with return_attn_probs=True (out, softmax_lse
     (batch, heads, seqlen_q) fp32, None). Differentiable in q, k, v.
@@ -377,18 +384,21 @@ def flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False, wi
                     align="bottom_right", window=_check_window("window_size", window_size, causal),
                     softcap=_check_softcap(softcap),
                     alibi_slopes=_check_alibi(alibi_slopes, dims.batch, dims.heads, q.device),
-                    key_bias=None, packed=None, deterministic=deterministic, entry="flash_attn_func", strict=strict)
+                    key_bias=None, packed=None, deterministic=deterministic, entry="flash_attn_func", strict=strict,
+                    attention_chunk=chunk_size("attention_chunk", attention_chunk))
     return _result(out.transpose(1, 2), lse, return_attn_probs)
 
 
 def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p=0.0,
                            softmax_scale=None, causal=False, window_size=(-1, -1), softcap=0.0, alibi_slopes=None,
-                           deterministic=False, return_attn_probs=False, block_table=None, *, strict=None):
+                           deterministic=False, return_attn_probs=False, block_table=None, *, attention_chunk=0,
+                           strict=None):
     """flash-attn's flash_attn_varlen_func: packed sequences. q (total_q, heads, head_dim), k and v
     (total_k, heads_k, head_dim); cu_seqlens_q / cu_seqlens_k int32 (batch + 1,), the cumulative
     lengths (sequence b is rows cu[b]:cu[b + 1]; zero-length sequences are allowed); max_seqlen_q /
     max_seqlen_k host ints, at least the longest sequence. The rest as flash_attn_func, per sequence
-    (alibi_slopes (heads,) or (batch, heads)).
+    (alibi_slopes (heads,) or (batch, heads); attention_chunk's chunks counted from each sequence's
+    first key).
 
     Returns out (total_q, heads, head_dim); with return_attn_probs=True (out, softmax_lse (heads,
     total_q) fp32, None). block_table (paged KV cache) is not supported: it must be None.
@@ -404,7 +414,8 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
                     align="bottom_right", window=_check_window("window_size", window_size, causal),
                     softcap=_check_softcap(softcap), alibi_slopes=_check_alibi(alibi_slopes, batch, dims.heads, q.device),
                     key_bias=None, packed=(cu_q, cu_k, max_q, max_k), deterministic=deterministic,
-                    entry="flash_attn_varlen_func", strict=strict)
+                    entry="flash_attn_varlen_func", strict=strict,
+                    attention_chunk=chunk_size("attention_chunk", attention_chunk))
     return _result(out, lse, return_attn_probs)
 
 

@@ -23,7 +23,7 @@ import torch
 from autoflash.dispatch.flash_api import Captured, _pad, explaining_now, padded_head_dim
 from autoflash.dispatch.policy import REFERENCE, cpu_fallback, emulating, fall_back, is_strict
 from autoflash.dispatch.variant_ops import _like
-from autoflash.kernels.checks import check_scale, chunked, checks_values, window_pair
+from autoflash.kernels.checks import check_scale, chunk_size, chunked, checks_values, window_pair
 from autoflash.kernels.decode import CacheShape, check_kvcache
 from autoflash.kernels.variants import resolve
 
@@ -122,7 +122,8 @@ def _append(cache: torch.Tensor, new: torch.Tensor, cache_seqlens, cache_batch_i
 def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None, rotary_sin=None, cache_seqlens=None,
                             cache_batch_idx=None, cache_leftpad=None, block_table=None, softmax_scale=None,
                             causal=False, window_size=(-1, -1), softcap=0.0, rotary_interleaved=True,
-                            alibi_slopes=None, num_splits=0, return_softmax_lse=False, *, strict=None):
+                            alibi_slopes=None, num_splits=0, return_softmax_lse=False, *, attention_chunk=0,
+                            strict=None):
     """Attention of q over a KV cache, appending new keys and values first (flash-attn 2.x).
 
     q: (batch, seqlen_q, heads, head_dim). k_cache, v_cache: (batch_cache, seqlen_cache, heads_kv,
@@ -137,7 +138,9 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
     (dense cache only). cache_leftpad: int32 (batch,), where each sequence's keys start (dense cache
     only). block_table: int32 (batch, max_pages_per_sequence). softmax_scale defaults to
     1/sqrt(head_dim); causal, window_size=(left, right) and alibi_slopes ((heads,) or (batch, heads)
-    fp32) are bottom-right aligned; softcap > 0 caps the scores. num_splits: 0 chooses from the GPU
+    fp32) are bottom-right aligned, and so is attention_chunk > 0 (keyword only; FlashAttention-3's
+    chunked local attention: only the keys of the chunk holding the query's diagonal key, chunks
+    counted from the sequence's first key); softcap > 0 caps the scores. num_splits: 0 chooses from the GPU
     and the shape, 1 never splits, n > 1 splits the keys n ways. Returns out (batch, seqlen_q, heads,
     head_dim), and with return_softmax_lse also the natural-log LSE (batch, heads, seqlen_q) fp32
     (+inf for rows that see no key, whose out is 0).
@@ -159,6 +162,7 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
     _check_flag("return_softmax_lse", return_softmax_lse)
     is_strict(strict)
     window_size = window_pair("window_size", window_size)
+    attention_chunk = chunk_size("attention_chunk", attention_chunk)
     if isinstance(num_splits, bool) or not isinstance(num_splits, int) or num_splits < 0:
         raise ValueError(f"num_splits: got {num_splits!r}, expected an int >= 0 (0 chooses)")
     if isinstance(softcap, bool) or not isinstance(softcap, (int, float)):
@@ -171,7 +175,7 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
     reason = cpu_fallback(q)
     if explaining_now():
         raise Captured(KvCacheCall(q, k_cache, shape, alibi_slopes, causal, window_size, float(softcap), num_splits,
-                                   reason, width))
+                                   reason, width, attention_chunk))
     if reason is not None:
         fall_back("flash_attn_with_kvcache", reason, strict, REFERENCE,
                   explain="autoflash.explain(autoflash.flash_attn_with_kvcache, ...)")
@@ -181,7 +185,7 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
     out, lse = flash_kvcache(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, seqlens_tensor,
                              cache_seqlens if seqlens_tensor is None else 0, cache_batch_idx, cache_leftpad,
                              block_table, alibi_slopes, None, scale, causal, window_size[0], window_size[1],
-                             float(softcap), rotary_interleaved, num_splits)
+                             attention_chunk, float(softcap), rotary_interleaved, num_splits)
     if width != d:
         if k is not None:
             for cache, padded in zip(caches, (k_cache, v_cache)):
@@ -208,6 +212,7 @@ class KvCacheCall:
     num_splits: int
     fallback: Optional[str]
     head_dim: int
+    attention_chunk: int = 0
 
 
 def kernel_plan(profile, call: KvCacheCall):
@@ -220,9 +225,10 @@ def kernel_plan(profile, call: KvCacheCall):
     shape = dataclasses.replace(call.shape, head_dim=call.head_dim)
     causal, variant = resolve(call.q.transpose(1, 2), call.k_cache.transpose(1, 2), call.causal, align="bottom_right",
                               window=call.window, softcap=call.softcap, alibi_slopes=call.alibi_slopes,
-                              cache_len=shape.capacity)
+                              cache_len=shape.capacity, attention_chunk=call.attention_chunk)
     tuned, tuned_splits = select_decode(profile, call.q, shape)
-    runs_tuned = tuned is not None and not _has_switches(call.window, call.softcap, call.alibi_slopes, None)
+    runs_tuned = tuned is not None and not _has_switches(call.window, call.softcap, call.alibi_slopes, None,
+                                                         call.attention_chunk)
     config, splits = decode_launch(shape, DTYPE_NAMES[call.q.dtype], profile, causal, variant,
                                    tuned if runs_tuned else None, call.num_splits or tuned_splits,
                                    packed_heads(shape, call.alibi_slopes))
@@ -232,10 +238,11 @@ def kernel_plan(profile, call: KvCacheCall):
     return Selection(None, config, origin), splits, how
 
 
-def _has_switches(window, softcap, alibi_slopes, key_bias) -> bool:
+def _has_switches(window, softcap, alibi_slopes, key_bias, attention_chunk) -> bool:
     """Whether a call carries a switch the tuned decode tiles were not measured with (their registers
     may spill with it, see kernels.defaults): those calls take the built-in tiles."""
-    return tuple(window) != (-1, -1) or bool(softcap) or alibi_slopes is not None or key_bias is not None
+    return (tuple(window) != (-1, -1) or bool(softcap) or alibi_slopes is not None or key_bias is not None
+            or bool(attention_chunk))
 
 
 class _ForwardOnly(torch.autograd.Function):
@@ -259,8 +266,9 @@ def flash_kvcache(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                   cache_seqlens: Optional[torch.Tensor], cache_seqlens_int: int,
                   cache_batch_idx: Optional[torch.Tensor], cache_leftpad: Optional[torch.Tensor],
                   block_table: Optional[torch.Tensor], alibi_slopes: Optional[torch.Tensor],
-                  key_bias: Optional[torch.Tensor], softmax_scale: Optional[float], causal: bool, window_left: int, window_right: int, softcap: float,
-                  rotary_interleaved: bool, num_splits: int) -> tuple[torch.Tensor, torch.Tensor]:
+                  key_bias: Optional[torch.Tensor], softmax_scale: Optional[float], causal: bool, window_left: int,
+                  window_right: int, attention_chunk: int, softcap: float, rotary_interleaved: bool,
+                  num_splits: int) -> tuple[torch.Tensor, torch.Tensor]:
     """flash_attn_with_kvcache's work: the checks that read values, rotary, the append into k_cache
     and v_cache, then attention: (out like q, lse (batch, heads, seqlen_q) fp32). cache_seqlens: the
     tensor, or None and cache_seqlens_int for every sequence. key_bias: fp32 (batch, capacity) added
@@ -274,11 +282,12 @@ def flash_kvcache(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
     scale = check_scale(softmax_scale, shape.head_dim)
     # The variant arguments' own checks, before the cache is touched (the kernels' path runs them again).
     resolve(q.transpose(1, 2), k_cache.transpose(1, 2), causal, align="bottom_right", window=window,
-            softcap=softcap, alibi_slopes=alibi_slopes, key_bias=key_bias, cache_len=shape.capacity)
+            softcap=softcap, alibi_slopes=alibi_slopes, key_bias=key_bias, cache_len=shape.capacity,
+            attention_chunk=attention_chunk)
     _check_values(shape, seqlens, cache_batch_idx, cache_leftpad, block_table, k_cache.shape[0], k_cache.shape[0])
 
     if rotary_cos is not None:  # with k, v (check_kvcache): flash-attn rotates as it appends
-        local = window != (-1, -1)
+        local = window != (-1, -1) or attention_chunk > 0
         q = apply_rotary(q, rotary_cos, rotary_sin,
                          _positions(seqlens, shape.batch, shape.seqlen_q, q.device, same=not (causal or local)),
                          rotary_interleaved)
@@ -294,7 +303,8 @@ def flash_kvcache(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
             seqused = seqused.to(torch.int32)
 
     kw = dict(cache_batch_idx=cache_batch_idx, cache_leftpad=cache_leftpad, block_table=block_table, causal=causal,
-              scale=scale, window=window, softcap=softcap, alibi_slopes=alibi_slopes, key_bias=key_bias)
+              scale=scale, window=window, softcap=softcap, alibi_slopes=alibi_slopes, key_bias=key_bias,
+              attention_chunk=attention_chunk)
     if q.device.type == "cpu" and not emulating():
         out, lse = _reference(q, k_cache, v_cache, seqused, shape, kw)
     else:
@@ -303,7 +313,7 @@ def flash_kvcache(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
         from autoflash.kernels.launch import profile_for
 
         config, tuned_splits = select_decode(profile_for(q, "flash_attn_with_kvcache"), q, shape)
-        if _has_switches(window, softcap, alibi_slopes, key_bias):  # the built-in tiles, the tuned split count
+        if _has_switches(window, softcap, alibi_slopes, key_bias, attention_chunk):  # the built-in tiles, the tuned split count
             config = None
         out, lse = flash_decode(chunked(q), k_cache, v_cache, seqused, num_splits=num_splits or tuned_splits,
                                 config=config, **kw)
@@ -313,7 +323,7 @@ def flash_kvcache(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
 @flash_kvcache.register_fake
 def _flash_kvcache_fake(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens, cache_seqlens_int,
                         cache_batch_idx, cache_leftpad, block_table, alibi_slopes, key_bias, softmax_scale, causal,
-                        window_left, window_right, softcap, rotary_interleaved, num_splits):
+                        window_left, window_right, attention_chunk, softcap, rotary_interleaved, num_splits):
     b, lq, h, _ = q.shape
     return torch.empty_like(q), q.new_empty((b, h, lq), dtype=torch.float32)
 
@@ -327,7 +337,7 @@ def attention_over_cache(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.
     fp32 (batch, k_cache rows) or None: a padding mask as -inf, read by the kernel (no value is read
     here), indexed from each sequence's first key (after its left padding)."""
     out, _ = flash_kvcache(q, k_cache, v_cache, None, None, None, None, None, seqlen, None, cache_leftpad, None, None,
-                           key_bias, scale, causal, window[0], window[1], float(softcap), False, 0)
+                           key_bias, scale, causal, window[0], window[1], 0, float(softcap), False, 0)
     return out
 
 
@@ -340,5 +350,6 @@ def _reference(q, k_cache, v_cache, seqused, shape: CacheShape, kw: dict):
     out, lse = attention_kvcache_ref(q, k_cache, v_cache, lengths, cache_leftpad=leftpad,
                                      block_table=kw["block_table"], cache_batch_idx=kw["cache_batch_idx"],
                                      causal=kw["causal"], scale=kw["scale"], window=kw["window"],
-                                     softcap=kw["softcap"], alibi_slopes=kw["alibi_slopes"], key_bias=kw["key_bias"])
+                                     softcap=kw["softcap"], alibi_slopes=kw["alibi_slopes"], key_bias=kw["key_bias"],
+                                     attention_chunk=kw["attention_chunk"])
     return out.to(q.dtype), lse

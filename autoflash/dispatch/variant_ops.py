@@ -24,12 +24,15 @@ from autoflash.kernels.checks import DTYPE_NAMES, chunked
 from autoflash.kernels.launch import flash_backward, flash_forward, profile_for
 
 
-def _variant(causal, align, window_left, window_right, softcap, alibi_slopes, key_bias, cu_seqlens_q,
+def _variant(causal, align, window_left, window_right, attention_chunk, softcap, alibi_slopes, key_bias, cu_seqlens_q,
              cu_seqlens_k, max_seqlen_q, max_seqlen_k) -> dict:
     """The launcher's variant keywords from the ops' flat arguments (packed sequences only when
-    cu_seqlens are given: the max_seqlens of a dense call are placeholders)."""
+    cu_seqlens are given: the max_seqlens of a dense call are placeholders; the chunk only when
+    there is one, as the references take it)."""
     kw = dict(causal=causal, align=align, window=(window_left, window_right), softcap=softcap,
               alibi_slopes=alibi_slopes, key_bias=key_bias)
+    if attention_chunk:
+        kw["attention_chunk"] = attention_chunk
     if cu_seqlens_q is not None:
         kw.update(cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k, max_seqlen_q=max_seqlen_q,
                   max_seqlen_k=max_seqlen_k)
@@ -61,6 +64,8 @@ def tuned_selection(profile, q: torch.Tensor, direction: str, kw: dict, seqlen_k
     call takes the variant tiles instead."""
     left, right = kw["window"]
     windowed = (left, right) != (-1, -1)
+    if kw.get("attention_chunk"):  # no tuner key holds chunks: the built-in tiles for the switch
+        return None
     if "cu_seqlens_k" in kw:
         variant, causal = "varlen", kw["causal"]
     elif windowed and (kw["causal"] or right == 0):
@@ -128,7 +133,7 @@ def _reference(q, k, v, scale, kw):
     from autoflash.reference.forward import attention_ref, attention_varlen_ref
 
     if "cu_seqlens_q" in kw:
-        dense = {n: kw[n] for n in ("causal", "align", "window", "softcap", "alibi_slopes")}
+        dense = {n: kw[n] for n in ("causal", "align", "window", "attention_chunk", "softcap", "alibi_slopes") if n in kw}
         return attention_varlen_ref(q, k, v, kw["cu_seqlens_q"], kw["cu_seqlens_k"], scale=scale, **dense)
     return attention_ref(q, k, v, scale=scale, **kw)
 
@@ -169,21 +174,21 @@ def _backward_reference(dout, q, k, v, scale, kw):
 def flash_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, alibi_slopes: Optional[torch.Tensor],
               key_bias: Optional[torch.Tensor], cu_seqlens_q: Optional[torch.Tensor],
               cu_seqlens_k: Optional[torch.Tensor], scale: float, causal: bool, align: str, window_left: int,
-              window_right: int, softcap: float, max_seqlen_q: int, max_seqlen_k: int,
+              window_right: int, attention_chunk: int, softcap: float, max_seqlen_q: int, max_seqlen_k: int,
               deterministic: bool) -> tuple[torch.Tensor, torch.Tensor]:
     """(out like q, lse fp32): dense q (B, Hq, Lq, D), k/v (B, Hkv, Lk, D), lse (B, Hq, Lq); packed
     (cu_seqlens given) q (total_q, Hq, D), k/v (total_k, Hkv, D), lse (Hq, total_q). `deterministic`
     is the backward's, kept for it. lse carries no gradient."""
-    kw = _variant(causal, align, window_left, window_right, softcap, alibi_slopes, key_bias, cu_seqlens_q,
-                  cu_seqlens_k, max_seqlen_q, max_seqlen_k)
+    kw = _variant(causal, align, window_left, window_right, attention_chunk, softcap, alibi_slopes, key_bias,
+                  cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
     return _forward_kernels(q, k, v, scale, kw)
 
 
 @flash_fwd.register_kernel("cpu")
 def _flash_fwd_cpu(q, k, v, alibi_slopes, key_bias, cu_seqlens_q, cu_seqlens_k, scale, causal, align, window_left,
-                   window_right, softcap, max_seqlen_q, max_seqlen_k, deterministic):
-    kw = _variant(causal, align, window_left, window_right, softcap, alibi_slopes, key_bias, cu_seqlens_q,
-                  cu_seqlens_k, max_seqlen_q, max_seqlen_k)
+                   window_right, attention_chunk, softcap, max_seqlen_q, max_seqlen_k, deterministic):
+    kw = _variant(causal, align, window_left, window_right, attention_chunk, softcap, alibi_slopes, key_bias,
+                  cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
     if emulating():
         return _forward_kernels(q, k, v, scale, kw)
     return _forward_reference(q, k, v, scale, kw)
@@ -191,7 +196,7 @@ def _flash_fwd_cpu(q, k, v, alibi_slopes, key_bias, cu_seqlens_q, cu_seqlens_k, 
 
 @flash_fwd.register_fake
 def _flash_fwd_fake(q, k, v, alibi_slopes, key_bias, cu_seqlens_q, cu_seqlens_k, scale, causal, align, window_left,
-                    window_right, softcap, max_seqlen_q, max_seqlen_k, deterministic):
+                    window_right, attention_chunk, softcap, max_seqlen_q, max_seqlen_k, deterministic):
     lse_shape = (q.shape[1], q.shape[0]) if cu_seqlens_q is not None else q.shape[:-1]
     return torch.empty_like(q), q.new_empty(lse_shape, dtype=torch.float32)
 
@@ -200,20 +205,21 @@ def _flash_fwd_fake(q, k, v, alibi_slopes, key_bias, cu_seqlens_q, cu_seqlens_k,
 def flash_bwd(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
               lse: torch.Tensor, alibi_slopes: Optional[torch.Tensor], key_bias: Optional[torch.Tensor],
               cu_seqlens_q: Optional[torch.Tensor], cu_seqlens_k: Optional[torch.Tensor], scale: float,
-              causal: bool, align: str, window_left: int, window_right: int, softcap: float, max_seqlen_q: int,
+              causal: bool, align: str, window_left: int, window_right: int, attention_chunk: int, softcap: float,
+              max_seqlen_q: int,
               max_seqlen_k: int, deterministic: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(dq, dk, dv) like (q, k, v) from the forward's out and lse; bit-reproducible with
     deterministic=True."""
-    kw = _variant(causal, align, window_left, window_right, softcap, alibi_slopes, key_bias, cu_seqlens_q,
-                  cu_seqlens_k, max_seqlen_q, max_seqlen_k)
+    kw = _variant(causal, align, window_left, window_right, attention_chunk, softcap, alibi_slopes, key_bias,
+                  cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
     return _backward_kernels(dout, q, k, v, out, lse, scale, deterministic, kw)
 
 
 @flash_bwd.register_kernel("cpu")
 def _flash_bwd_cpu(dout, q, k, v, out, lse, alibi_slopes, key_bias, cu_seqlens_q, cu_seqlens_k, scale, causal, align,
-                   window_left, window_right, softcap, max_seqlen_q, max_seqlen_k, deterministic):
-    kw = _variant(causal, align, window_left, window_right, softcap, alibi_slopes, key_bias, cu_seqlens_q,
-                  cu_seqlens_k, max_seqlen_q, max_seqlen_k)
+                   window_left, window_right, attention_chunk, softcap, max_seqlen_q, max_seqlen_k, deterministic):
+    kw = _variant(causal, align, window_left, window_right, attention_chunk, softcap, alibi_slopes, key_bias,
+                  cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
     if emulating():
         return _backward_kernels(dout, q, k, v, out, lse, scale, deterministic, kw)
     return _backward_reference(dout, q, k, v, scale, kw)
@@ -221,13 +227,13 @@ def _flash_bwd_cpu(dout, q, k, v, out, lse, alibi_slopes, key_bias, cu_seqlens_q
 
 @flash_bwd.register_fake
 def _flash_bwd_fake(dout, q, k, v, out, lse, alibi_slopes, key_bias, cu_seqlens_q, cu_seqlens_k, scale, causal, align,
-                    window_left, window_right, softcap, max_seqlen_q, max_seqlen_k, deterministic):
+                    window_left, window_right, attention_chunk, softcap, max_seqlen_q, max_seqlen_k, deterministic):
     return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
 
 
 _TENSOR_INPUTS = ("q", "k", "v", "alibi_slopes", "key_bias", "cu_seqlens_q", "cu_seqlens_k")
-_SCALAR_INPUTS = ("scale", "causal", "align", "window_left", "window_right", "softcap", "max_seqlen_q",
-                  "max_seqlen_k", "deterministic")
+_SCALAR_INPUTS = ("scale", "causal", "align", "window_left", "window_right", "attention_chunk", "softcap",
+                  "max_seqlen_q", "max_seqlen_k", "deterministic")
 
 
 def _setup_context(ctx, inputs, output):

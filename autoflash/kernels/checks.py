@@ -185,3 +185,17 @@ def window_pair(name: str, window) -> tuple[int, int]:
     if left < -1 or right < -1:
         raise ValueError(f"{name}: got {(left, right)}, expected sizes >= 0, or -1 for unbounded")
     return left, right
+
+
+def chunk_size(name: str, chunk) -> int:
+    """An attention chunk's size (FlashAttention-3's attention_chunk) as an int >= 0, 0 for no
+    chunking, from an int or any integer scalar (numpy integers, a 0-d integer tensor)."""
+    if isinstance(chunk, bool) or (isinstance(chunk, torch.Tensor) and chunk.dtype == torch.bool):
+        raise TypeError(f"{name}: got {chunk!r}, expected an int >= 0 (0: no chunking)")
+    try:
+        value = operator.index(chunk)
+    except TypeError:
+        raise TypeError(f"{name}: got {chunk!r}, expected an int >= 0 (0: no chunking)") from None
+    if value < 0:
+        raise ValueError(f"{name}: got {value}, expected an int >= 0 (0: no chunking)")
+    return value

@@ -24,8 +24,8 @@ ALIGNS = ("top_left", "bottom_right")
 # The variant switches (flash-attn's features), in the order the kernel name shows them. Each is a
 # compile-time switch; its run-time values (window sizes, the cap, slopes, bias, cu_seqlens) are
 # kernel arguments.
-VARIANTS = ("window", "softcap", "alibi", "key_bias", "varlen")
-_VARIANT_TAGS = {"window": "win", "softcap": "cap", "alibi": "alibi", "key_bias": "kbias", "varlen": "varlen"}
+VARIANTS = ("window", "chunk", "softcap", "alibi", "key_bias", "varlen")
+_VARIANT_TAGS = {"window": "win", "chunk": "chunk", "softcap": "cap", "alibi": "alibi", "key_bias": "kbias", "varlen": "varlen"}
 # The decode switches (flash_attn_with_kvcache), forward only, shown after the variants: keys from a
 # KV cache, paged through a block table, split across blocks (fp32 partials and a combine kernel).
 DECODE_SWITCHES = ("kvcache", "paged", "split")
@@ -38,7 +38,7 @@ MMA_K = 16  # its k extent: tensor-core head dims are padded up to a multiple of
 
 _NAME_RE = re.compile(
     r"^(?P<direction>fwd|bwd)_hd(?P<head_dim>\d+)_(?P<dtype>fp16|bf16|fp32)(?P<causal>_causal)?(?P<br>_br)?"
-    r"(?P<window>_win)?(?P<softcap>_cap)?(?P<alibi>_alibi)?(?P<key_bias>_kbias)?(?P<varlen>_varlen)?"
+    r"(?P<window>_win)?(?P<chunk>_chunk)?(?P<softcap>_cap)?(?P<alibi>_alibi)?(?P<key_bias>_kbias)?(?P<varlen>_varlen)?"
     r"(?P<kvcache>_kvc)?(?P<paged>_paged)?(?P<split>_split)?_m(?P<block_m>\d+)n(?P<block_n>\d+)w(?P<num_warps>\d+)s(?P<num_stages>\d+)(?:h(?P<head_split>\d+))?"
     r"(?P<dq_pass>_dqpass)?(?P<v_in_regs>_vregs)?(?P<sm90>_sm90a(?P<pingpong>_pp)?(?P<overlap>_ov)?)?$"
 )
@@ -185,6 +185,7 @@ class KernelConfig:
     # (bottom_right, flash-attn's). It places the causal limit, the window and ALiBi's distances.
     align: str = "top_left"
     window: bool = False    # keys i + diag - left .. i + diag + right (run-time left, right)
+    chunk: bool = False     # and only the chunk of keys holding key i + diag (run-time size; FA3's attention_chunk)
     softcap: bool = False   # scores cap * tanh(scale * s / cap) (run-time cap)
     alibi: bool = False     # scores - slope * |i + diag - j| (run-time slopes, per head or batch x head)
     key_bias: bool = False  # scores + bias[batch, j] (fp32, -inf masks the key): SDPA key-padding masks
@@ -284,6 +285,9 @@ class KernelConfig:
         if self.align == "bottom_right" and not (self.causal or self.window or self.alibi):
             raise ValueError("KernelConfig.align: got 'bottom_right' with no causal, window or alibi to place; "
                              "expected 'top_left' (the kernels would be the same)")
+        if self.chunk and not self.window:
+            raise ValueError("KernelConfig: got chunk without window; a chunk limits a window kernel's band (expected "
+                             "window=True, with unbounded run-time sides where the call has no window)")
         if self.window and self.causal:
             raise ValueError("KernelConfig: got causal and window; a window with right = 0 is causal, expected "
                              "window=True, causal=False (the run-time right size carries it)")

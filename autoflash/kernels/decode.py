@@ -207,7 +207,7 @@ def decode_config(shape: CacheShape, dtype: str, profile: GpuProfile, causal: bo
     """The kernel a call runs, unsplit: `config` (a tuned or explicit one) or the built-in one, with
     the call's variant and paging switches and kvcache on."""
     if config is None:
-        heavy = any(variant.switches[k] for k in ("window", "softcap", "alibi", "key_bias"))
+        heavy = any(variant.switches[k] for k in ("window", "chunk", "softcap", "alibi", "key_bias"))
         config = default_decode_config(shape.head_dim, dtype, profile, shape.page_size, heavy)
     elif not isinstance(config, KernelConfig):
         raise TypeError(f"config: got {type(config).__name__}, expected a KernelConfig")
@@ -245,12 +245,14 @@ def flash_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, 
                  cache_batch_idx: torch.Tensor | None = None, cache_leftpad: torch.Tensor | None = None,
                  block_table: torch.Tensor | None = None, causal: bool = False, scale: float | None = None,
                  window=(-1, -1), softcap: float = 0.0, alibi_slopes: torch.Tensor | None = None,
-                 key_bias: torch.Tensor | None = None, num_splits: int = 0, config: KernelConfig | None = None):
+                 key_bias: torch.Tensor | None = None, num_splits: int = 0, config: KernelConfig | None = None,
+                 attention_chunk: int = 0):
     """Attention of q (batch, seqlen_q, heads, d) over a KV cache on CUDA tensors (CPU tensors inside
     autoflash.emulate(): the emulated kernels), flash-attn's layout. cache_seqlens (int or int32
     (batch,)): each batch's keys, rows [cache_leftpad[b], cache_seqlens[b]) of cache row
     cache_batch_idx[b] (or of the pages block_table[b] lists); their values are trusted
-    (flash_attn_with_kvcache checks them). causal, window and ALiBi are bottom-right aligned.
+    (flash_attn_with_kvcache checks them). causal, window, attention_chunk (FlashAttention-3's chunks,
+    counted from each sequence's first key) and ALiBi are bottom-right aligned.
     num_splits: 0 chooses (choose_num_splits), 1 runs unsplit, n > 1 splits the keys n ways (at most
     MAX_SPLITS and the key tiles). key_bias: fp32 (batch, capacity), added to the scores of each
     sequence's key j (counted from its first, left padding excluded; -inf masks it): a padding mask
@@ -271,7 +273,7 @@ def flash_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, 
     hkv, g = shape.heads_kv, shape.group
     causal, variant = resolve(q.transpose(1, 2), k_cache.transpose(1, 2), causal, align="bottom_right",
                               window=window, softcap=softcap, alibi_slopes=alibi_slopes, key_bias=key_bias,
-                              cache_len=shape.capacity)
+                              cache_len=shape.capacity, attention_chunk=attention_chunk)
     qpack = packed_heads(shape, alibi_slopes)
     heads, rows = hq // qpack, lq * qpack
     config, num_splits = decode_launch(shape, dtype, profile, causal, variant, config, num_splits, qpack)

@@ -10,7 +10,7 @@ import math
 
 import torch
 
-from autoflash.kernels.checks import GRID_YZ_MAX, check_scale, window_pair
+from autoflash.kernels.checks import GRID_YZ_MAX, check_scale, chunk_size, window_pair
 from autoflash.kernels.config import ALIGNS, KernelConfig
 
 LOG2E = 1.4426950408889634
@@ -21,11 +21,11 @@ class Variant:
     """One call's variant: `switches` for KernelConfig.replace, the kernels' extra pointers
     (cu_seqlens_q, cu_seqlens_k, alibi_slopes, key_bias; None, a null pointer, where a switch is
     off: the kernels never read it) and
-    scalars (alibi and bias batch strides, window left and right, softcap's two factors)."""
+    scalars (alibi and bias batch strides, window left, right and chunk, softcap's two factors)."""
 
     switches: dict
     pointers: tuple
-    window: tuple[int, int]
+    window: tuple[int, int, int]  # left, right, chunk (0: none)
     alibi_sb: int
     bias_sb: int
     softcap: float
@@ -110,10 +110,14 @@ def _check_cu_seqlens(name: str, t, device: torch.device) -> int:
 
 def resolve(q: torch.Tensor, k: torch.Tensor, causal: bool, *, align: str = "top_left", window=(-1, -1),
             softcap: float = 0.0, alibi_slopes=None, key_bias=None, cu_seqlens_q=None, cu_seqlens_k=None,
-            max_seqlen_q=None, max_seqlen_k=None, cache_len: int | None = None) -> tuple[bool, Variant]:
+            max_seqlen_q=None, max_seqlen_k=None, cache_len: int | None = None,
+            attention_chunk: int = 0) -> tuple[bool, Variant]:
     """(causal as the kernels run it, the Variant) of a call. q, k are (B, H, L, D) views (for packed
     sequences the (1, H, total, D) views of (total, H, D)). cache_len: a KV cache's capacity, its
-    batches' key lengths being run-time values up to it (the alignment then always holds)."""
+    batches' key lengths being run-time values up to it (the alignment then always holds).
+    attention_chunk > 0: chunked local attention (FlashAttention-3's), the chunk switch inside a
+    window kernel: a causal call becomes the window (unbounded, 0), a call with no window the
+    window (unbounded, unbounded)."""
     if align not in ALIGNS:
         raise ValueError(f"align: got {align!r}, expected one of {ALIGNS}")
     varlen = cu_seqlens_q is not None or cu_seqlens_k is not None
@@ -136,6 +140,10 @@ def resolve(q: torch.Tensor, k: torch.Tensor, causal: bool, *, align: str = "top
         batch, lq, lk = q.shape[0], q.shape[2], k.shape[2] if cache_len is None else cache_len
     hq = q.shape[1]
     causal, windowed, left, right = _window(window, causal, align, lq, lk)
+    attention_chunk = chunk_size("attention_chunk", attention_chunk)
+    if attention_chunk and not windowed:  # the chunk rides on a window kernel's band
+        left, right = lq + lk, 0 if causal else lq + lk
+        causal, windowed = False, True
 
     if isinstance(softcap, bool) or not isinstance(softcap, (int, float)) or not math.isfinite(softcap) or softcap < 0:
         raise ValueError(f"softcap: got {softcap!r}, expected a finite number >= 0 (0 = no capping)")
@@ -149,10 +157,10 @@ def resolve(q: torch.Tensor, k: torch.Tensor, causal: bool, *, align: str = "top
     alibi = alibi_slopes is not None
     if not (causal or windowed or alibi) or (not varlen and cache_len is None and lq == lk):
         align = "top_left"  # nothing to place, or both diagonals coincide: one kernel serves both
-    switches = {"align": align, "window": windowed, "softcap": softcap > 0, "alibi": alibi,
+    switches = {"align": align, "window": windowed, "chunk": attention_chunk > 0, "softcap": softcap > 0, "alibi": alibi,
                 "key_bias": key_bias is not None, "varlen": varlen}
     pointers = (cu_seqlens_q, cu_seqlens_k, alibi_slopes, key_bias)
-    return causal, Variant(switches, pointers, (left, right), alibi_sb, bias_sb, float(softcap))
+    return causal, Variant(switches, pointers, (left, right, attention_chunk), alibi_sb, bias_sb, float(softcap))
 
 
 # ---- packed sequences and configs, as the launcher needs them
@@ -182,12 +190,14 @@ def with_variant(config: KernelConfig, causal: bool, variant: Variant) -> Kernel
     return config.replace(causal=causal, **variant.switches)
 
 
-def empty_forward(q, k, v, causal, scale, cu_q, cu_k, max_q, max_k, alibi_slopes, softcap, window, align):
+def empty_forward(q, k, v, causal, scale, cu_q, cu_k, max_q, max_k, alibi_slopes, softcap, window, align,
+                  attention_chunk=0):
     """Packed sequences with no query rows or no keys at all: out 0, lse +inf (no key seen), after
     the same argument checks as a launch."""
     if not (q.dtype == k.dtype == v.dtype) or q.dtype not in (torch.float16, torch.bfloat16):
         raise TypeError(f"q, k, v dtypes: got {q.dtype}, {k.dtype}, {v.dtype}; expected one of float16, bfloat16")
     resolve(heads_view(q), heads_view(k), causal, align=align, window=window, softcap=softcap,
-            alibi_slopes=alibi_slopes, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k, max_seqlen_q=max_q, max_seqlen_k=max_k)
+            alibi_slopes=alibi_slopes, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k, max_seqlen_q=max_q, max_seqlen_k=max_k,
+            attention_chunk=attention_chunk)
     check_scale(scale, q.shape[-1])
     return torch.zeros_like(q), torch.full((q.shape[1], q.shape[0]), math.inf, dtype=torch.float32, device=q.device)

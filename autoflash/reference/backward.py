@@ -142,10 +142,11 @@ def attention_backward_ref(
     softcap: float = 0.0,
     alibi_slopes: torch.Tensor | None = None,
     key_bias: torch.Tensor | None = None,
+    attention_chunk: int = 0,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Gradients (dq, dk, dv) of attention_ref's out for upstream gradient ``dout``, by autograd;
     the keywords are attention_ref's (mask and the variants: align, window, softcap, alibi_slopes,
-    key_bias).
+    key_bias, attention_chunk).
 
     upcast=True differentiates in fp32 (fp64 for fp64 inputs) and returns gradients in that dtype:
     the accuracy reference. upcast=False differentiates in the input dtype and returns gradients
@@ -167,7 +168,8 @@ def attention_backward_ref(
     leaves = [t.detach().to(dtype).requires_grad_(True) for t in (q, k, v)]
     with torch.enable_grad():
         out, _ = attention_ref(*leaves, causal=causal, scale=scale, upcast=upcast, mask=mask, align=align,
-                               window=window, softcap=softcap, alibi_slopes=alibi_slopes, key_bias=key_bias)
+                               window=window, softcap=softcap, alibi_slopes=alibi_slopes, key_bias=key_bias,
+                               attention_chunk=attention_chunk)
         dq, dk, dv = torch.autograd.grad(out, leaves, grad_outputs=dout.detach().to(out.dtype))
     return dq, dk, dv
 

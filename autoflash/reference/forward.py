@@ -13,6 +13,7 @@ from autoflash.reference.variants import (
     NO_WINDOW,
     check_alibi_slopes,
     check_align,
+    check_chunk,
     check_softcap,
     check_window,
     config_score_mod,
@@ -67,6 +68,7 @@ def attention_ref(
     softcap: float = 0.0,
     alibi_slopes: torch.Tensor | None = None,
     key_bias: torch.Tensor | None = None,
+    attention_chunk: int = 0,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Attention softmax(scale * q kᵀ) v in plain PyTorch; returns (out, lse).
 
@@ -78,6 +80,7 @@ def attention_ref(
     The variants (flash-attn's; the kernels' KernelConfig switches, see reference.variants):
     ``align`` puts query i's diagonal at key i ("top_left") or i + Lk - Lq ("bottom_right") for
     ``causal``, ``window`` (left, right; -1 unbounded; causal makes right 0) and ALiBi's distance;
+    ``attention_chunk`` > 0 keeps only the keys of the chunk holding key i + diag (FlashAttention-3's);
     ``softcap`` > 0 caps the scaled scores as softcap * tanh(s / softcap); ``alibi_slopes`` fp32
     (Hq,) or (B, Hq) subtracts slope * |i + diag - j|; ``key_bias`` fp32 (B, Lk) is added to every
     row (-inf masks the key: an SDPA key-padding mask).
@@ -95,7 +98,7 @@ def attention_ref(
     b, hq, lq, d = q.shape
     hkv, lk = k.shape[1], k.shape[2]
     mod = score_mod(q, k, _scale(scale, d), causal=causal, align=align, window=window, softcap=softcap,
-                    alibi_slopes=alibi_slopes, key_bias=key_bias)
+                    alibi_slopes=alibi_slopes, key_bias=key_bias, attention_chunk=attention_chunk)
     user_keep = _check_mask(mask, q, lk)
     dtype = _upcast_dtype(q.dtype) if upcast else q.dtype
     group = hq // hkv
@@ -166,6 +169,7 @@ def attention_varlen_ref(
     window=NO_WINDOW,
     softcap: float = 0.0,
     alibi_slopes: torch.Tensor | None = None,
+    attention_chunk: int = 0,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """attention_ref over packed sequences (flash-attn's varlen layout).
 
@@ -184,6 +188,7 @@ def attention_varlen_ref(
     check_align(align)
     check_window(window)
     check_softcap(softcap)
+    check_chunk(attention_chunk)
     hq, d = q.shape[1], q.shape[2]
     slopes = None if alibi_slopes is None else check_alibi_slopes(alibi_slopes, len(cq) - 1, hq, q.device)
     dtype = _upcast_dtype(q.dtype) if upcast else q.dtype
@@ -201,7 +206,8 @@ def attention_varlen_ref(
         qs = q[cq[b]:cq[b + 1]].transpose(0, 1).unsqueeze(0)
         ks, vs = (t[ck[b]:ck[b + 1]].transpose(0, 1).unsqueeze(0) for t in (k, v))
         o, lse = attention_ref(qs, ks, vs, causal=causal, scale=scale, upcast=upcast, align=align, window=window,
-                               softcap=softcap, alibi_slopes=None if slopes is None else slopes[b])
+                               softcap=softcap, alibi_slopes=None if slopes is None else slopes[b],
+                               attention_chunk=attention_chunk)
         outs.append(o[0].transpose(0, 1))
         lses.append(lse[0])
     return torch.cat(outs), torch.cat(lses, dim=1)

@@ -57,12 +57,12 @@ def attention_kvcache_ref(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch
                           cache_leftpad: list[int] | None = None, block_table=None, cache_batch_idx=None,
                           causal: bool = False, scale: float | None = None, window=(-1, -1), softcap: float = 0.0,
                           alibi_slopes: torch.Tensor | None = None, key_bias: torch.Tensor | None = None,
-                          upcast: bool = True):
+                          upcast: bool = True, attention_chunk: int = 0):
     """Attention of q (batch, seqlen_q, heads, d) over sequence b's cache rows [leftpad[b],
     seqused[b]), bottom-right aligned (flash-attn's), batch row by batch row. Returns out (batch,
     seqlen_q, heads, d) in the compute dtype and lse (batch, heads, seqlen_q); a row that sees no key
     gets out 0 and lse +inf. key_bias (batch, >= max seqused) fp32 is added to sequence b's key j,
-    counted from its first key."""
+    counted from its first key; attention_chunk counts chunks from it too."""
     outs, lses = [], []
     for b in range(q.shape[0]):
         start = cache_leftpad[b] if cache_leftpad is not None else 0
@@ -78,7 +78,7 @@ def attention_kvcache_ref(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch
         bias = key_bias[b:b + 1, :k.shape[0]] if key_bias is not None else None
         o, lse = attention_ref(qb, k.unsqueeze(0).transpose(1, 2), v.unsqueeze(0).transpose(1, 2), causal=causal,
                                scale=scale, upcast=upcast, align="bottom_right", window=window, softcap=softcap,
-                               alibi_slopes=slopes, key_bias=bias)
+                               alibi_slopes=slopes, key_bias=bias, attention_chunk=attention_chunk)
         outs.append(o)
         lses.append(lse.float())
     return torch.cat(outs).transpose(1, 2), torch.cat(lses)

@@ -7,6 +7,8 @@ Per (batch b, query head h), query row i in [0, Lq) and key j in [0, Lk):
   diag = 0 (align "top_left", SDPA's is_causal) or Lk - Lq ("bottom_right", flash-attn's);
   causal keeps j <= i + diag; window (left, right), -1 unbounded on that side, keeps
   i + diag - left <= j <= i + diag + right; causal with a window makes right 0;
+  attention_chunk C > 0 (FlashAttention-3's chunked local attention) keeps, as well, only the keys
+  of the chunk holding key i + diag: c <= j < c + C with c = (i + diag) - (i + diag) mod C;
   logits = scale * q.k, or softcap * tanh(scale * q.k / softcap) when softcap > 0,
   minus slope[b, h] * |i + diag - j| (ALiBi), plus key_bias[b, j] (-inf masks the key).
 """
@@ -17,7 +19,7 @@ from dataclasses import dataclass
 
 import torch
 
-from autoflash.kernels.checks import window_pair
+from autoflash.kernels.checks import chunk_size, window_pair
 from autoflash.kernels.config import ALIGNS, KernelConfig
 
 NO_WINDOW = (-1, -1)
@@ -32,6 +34,11 @@ def check_align(align) -> str:
 def check_window(window) -> tuple[int, int]:
     """(left, right) as a tuple of ints, each >= 0 or -1 (unbounded on that side)."""
     return window_pair("window", window)
+
+
+def check_chunk(attention_chunk) -> int:
+    """The chunk size as an int; 0 means no chunking."""
+    return chunk_size("attention_chunk", attention_chunk)
 
 
 def check_softcap(softcap) -> float:
@@ -70,30 +77,48 @@ def check_key_bias(key_bias, b: int, lk: int, device: torch.device) -> torch.Ten
 class Band:
     """The keys query row i sees: [lo(i), hi(i)) intersected with [0, lk). ``left``/``right`` are
     the window's sizes below and above the diagonal key i + diag, None when unbounded (causal is
-    right = 0). lo and hi take an int or an index tensor; they are not clipped to [0, lk)."""
+    right = 0); ``chunk`` the attention chunk's size, None without one. lo and hi take an int or an
+    index tensor; they are not clipped to [0, lk)."""
 
     diag: int
     lk: int
     left: int | None = None
     right: int | None = None
+    chunk: int | None = None
 
     @classmethod
-    def of(cls, lq: int, lk: int, *, causal: bool = False, align: str = "top_left", window=NO_WINDOW) -> "Band":
+    def of(cls, lq: int, lk: int, *, causal: bool = False, align: str = "top_left", window=NO_WINDOW,
+           attention_chunk: int = 0) -> "Band":
         """The band of (lq, lk) attention with these variant arguments, checked."""
         check_align(align)
         left, right = check_window(window)
+        chunk = check_chunk(attention_chunk) or None
         if causal:
             right = 0
         diag = lk - lq if align == "bottom_right" else 0
-        return cls(diag, lk, left if left >= 0 else None, right if right >= 0 else None)
+        return cls(diag, lk, left if left >= 0 else None, right if right >= 0 else None, chunk)
+
+    def _chunk_start(self, i):
+        """The first key of the chunk holding row i's diagonal key (FlashAttention-3's test_util:
+        x - x mod C, the remainder taking the divisor's sign)."""
+        x = i + self.diag
+        return x - x % self.chunk
 
     def lo(self, i):
         """The first key row i sees (0 when unbounded below)."""
-        return 0 if self.left is None else i + self.diag - self.left
+        lo = 0 if self.left is None else i + self.diag - self.left
+        if self.chunk is None:
+            return lo
+        start = self._chunk_start(i)
+        return torch.maximum(start, torch.as_tensor(lo)) if isinstance(start, torch.Tensor) else max(start, lo)
 
     def hi(self, i):
         """One past the last key row i sees (lk when unbounded above)."""
-        return self.lk if self.right is None else i + self.diag + self.right + 1
+        hi = self.lk if self.right is None else i + self.diag + self.right + 1
+        if self.chunk is None:
+            return hi
+        end = self._chunk_start(i) + self.chunk
+        return torch.minimum(end, torch.as_tensor(hi)) if isinstance(end, torch.Tensor) else min(end, hi)
 
     def mask(self, rows: torch.Tensor, cols: torch.Tensor) -> torch.Tensor:
         """(len(rows), len(cols)) bool: True where query rows[r] sees key cols[c]."""
@@ -116,16 +141,21 @@ class Band:
         the kernel counts them: from the block holding the first row i with hi(i) > n_start (even
         when that row is padding past Lq) to the one holding the last row, below Lq, with lo(i)
         below the key block's end."""
-        first = 0 if self.right is None else max(0, n_start - self.diag - self.right) // block_m
+        first = 0 if self.right is None else n_start - self.diag - self.right
         n_end = min(n_start + block_n, self.lk)
         rows_end = lq if self.left is None else min(lq, n_end - self.diag + self.left)
+        if self.chunk is not None:  # rows whose diagonal key lies in the chunks of keys n_start .. n_end - 1
+            first = max(first, n_start - n_start % self.chunk - self.diag)
+            rows_end = min(rows_end, (n_end - 1) - (n_end - 1) % self.chunk + self.chunk - self.diag)
+        first = max(0, first) // block_m
         return range(first, max(first, -(-rows_end // block_m)))
 
 
 def band_mask(lq: int, lk: int, *, causal: bool = False, align: str = "top_left", window=NO_WINDOW,
-              device=None) -> torch.Tensor:
-    """The (lq, lk) bool keep-mask of the causal limit and sliding window (all True without them)."""
-    band = Band.of(lq, lk, causal=causal, align=align, window=window)
+              attention_chunk: int = 0, device=None) -> torch.Tensor:
+    """The (lq, lk) bool keep-mask of the causal limit, sliding window and attention chunk (all
+    True without them)."""
+    band = Band.of(lq, lk, causal=causal, align=align, window=window, attention_chunk=attention_chunk)
     return band.mask(torch.arange(lq, device=device), torch.arange(lk, device=device))
 
 
@@ -176,11 +206,11 @@ class ScoreMod:
 
 
 def score_mod(q: torch.Tensor, k: torch.Tensor, scale: float, *, causal: bool, align: str, window, softcap,
-              alibi_slopes, key_bias) -> ScoreMod:
+              alibi_slopes, key_bias, attention_chunk: int = 0) -> ScoreMod:
     """The ScoreMod of (B, Hq, Lq, D) q and (B, Hkv, Lk, D) k with these variant arguments, checked."""
     b, hq, lq = q.shape[:3]
     lk = k.shape[2]
-    band = Band.of(lq, lk, causal=causal, align=align, window=window)
+    band = Band.of(lq, lk, causal=causal, align=align, window=window, attention_chunk=attention_chunk)
     slopes = None if alibi_slopes is None else check_alibi_slopes(alibi_slopes, b, hq, q.device)
     bias = None if key_bias is None else check_key_bias(key_bias, b, lk, q.device)
     return ScoreMod(scale, band, check_softcap(softcap), slopes, bias)
@@ -190,9 +220,9 @@ def config_score_mod(config: KernelConfig, q: torch.Tensor, k: torch.Tensor, sca
                      alibi_slopes, key_bias) -> ScoreMod:
     """score_mod for the tiled references: causal and align come from ``config``, and each run-time
     argument must be given exactly when its switch is on (as the kernel for ``config`` takes it)."""
-    if config.varlen:
-        raise ValueError("config.varlen: got True, expected False; packed sequences are not tiled here "
-                         "(attention_varlen_ref is their reference)")
+    for switch, reference in (("varlen", "attention_varlen_ref"), ("chunk", "attention_ref")):
+        if getattr(config, switch):
+            raise ValueError(f"config.{switch}: got True, expected False; not tiled here ({reference} is its reference)")
     given = {
         "window": check_window(window) != NO_WINDOW,
         "softcap": check_softcap(softcap) > 0,

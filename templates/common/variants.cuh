@@ -9,26 +9,6 @@
 #define AUTOFLASH_LOG2E 1.4426950408889634f
 #endif
 
-// Keys [lo(i), hi(i)) are visible to query row i. Row i's diagonal is key i + diag (0 top-left,
-// seqlen_k - seqlen_q bottom-right); causal is the window (unbounded, 0). Unbounded sides arrive
-// as sizes >= seqlen_q + seqlen_k, so no sum here overflows.
-template <bool CAUSAL, bool WINDOW>
-struct Band {
-  int diag, left, right, seqlen_k;
-
-  static constexpr bool UPPER = CAUSAL || WINDOW;  // a limit above the diagonal
-  static constexpr bool LOWER = WINDOW;            // ... and below it
-
-  __device__ __forceinline__ int hi(int i) const {
-    if constexpr (UPPER) return min(seqlen_k, i + diag + right + 1);
-    else return seqlen_k;
-  }
-  __device__ __forceinline__ int lo(int i) const {
-    if constexpr (LOWER) return max(0, i + diag - left);
-    else return 0;
-  }
-};
-
 // a / b rounded down and up (b > 0). Limits of a bottom-right diagonal or a window may be negative;
 // the plain and top-left causal kernels' never are (NONNEG), and take a plain division: a sign
 // branch there costs registers ptxas does not have to spare.
@@ -36,6 +16,45 @@ template <bool NONNEG>
 __device__ __forceinline__ int floor_div(int a, int b) { return NONNEG || a >= 0 ? a / b : -((-a + b - 1) / b); }
 template <bool NONNEG>
 __device__ __forceinline__ int ceil_div(int a, int b) { return floor_div<NONNEG>(a + b - 1, b); }
+
+// Keys [lo(i), hi(i)) are visible to query row i. Row i's diagonal is key i + diag (0 top-left,
+// seqlen_k - seqlen_q bottom-right); causal is the window (unbounded, 0). Unbounded sides arrive
+// as sizes >= seqlen_q + seqlen_k, so no sum here overflows. CHUNK (chunked local attention,
+// FlashAttention-3's attention_chunk; always inside a window kernel) cuts the keys into chunks of
+// `chunk`: row i sees only keys of the chunk holding its diagonal key i + diag, as well as the window.
+template <bool CAUSAL, bool WINDOW, bool CHUNK = false>
+struct Band {
+  int diag, left, right, seqlen_k, chunk;
+
+  static_assert(!CHUNK || WINDOW, "a chunk limits a window kernel's band");
+  static constexpr bool UPPER = CAUSAL || WINDOW;  // a limit above the diagonal
+  static constexpr bool LOWER = WINDOW;            // ... and below it
+
+  // The first key of the chunk holding key x (x may be negative: a bottom-right diagonal).
+  __device__ __forceinline__ int chunk_start(int x) const { return floor_div<false>(x, chunk) * chunk; }
+
+  __device__ __forceinline__ int hi(int i) const {
+    if constexpr (CHUNK) return min(seqlen_k, min(i + diag + right + 1, chunk_start(i + diag) + chunk));
+    else if constexpr (UPPER) return min(seqlen_k, i + diag + right + 1);
+    else return seqlen_k;
+  }
+  __device__ __forceinline__ int lo(int i) const {
+    if constexpr (CHUNK) return max(0, max(i + diag - left, chunk_start(i + diag)));
+    else if constexpr (LOWER) return max(0, i + diag - left);
+    else return 0;
+  }
+  // The rows that see key j are [first_row(j), last_row(j)] (not clipped to the sequence's rows):
+  // hi and lo never decrease with the row, so hi(i) > j exactly from first_row(j) (UPPER) and
+  // lo(i) <= j exactly up to last_row(j) (LOWER). The backward walks a key block's rows by them.
+  __device__ __forceinline__ int first_row(int j) const {
+    if constexpr (CHUNK) return max(j - diag - right, chunk_start(j) - diag);
+    else return j - diag - right;
+  }
+  __device__ __forceinline__ int last_row(int j) const {
+    if constexpr (CHUNK) return min(j - diag + left, chunk_start(j) + chunk - 1 - diag);
+    else return j - diag + left;
+  }
+};
 
 // tanh(x) with the hardware's approximation (MUFU.TANH; relative error about 2^-11, PTX ISA "tanh"),
 // as FlashAttention-3's softcap takes it (cutlass::fast_tanh: ScoreMod::capped<true>). The host emulator computes tanhf.
