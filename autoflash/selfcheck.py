@@ -81,6 +81,9 @@ def _parser() -> argparse.ArgumentParser:
     v.add_argument("--alibi", action="store_true", help="ALiBi with random (batch, heads) slopes")
     v.add_argument("--key-padding", action="store_true",
                    help="a key bias masking a random suffix of each batch's keys (an SDPA key-padding mask)")
+    v.add_argument("--seqused", action="store_true",
+                   help="with --varlen: each sequence uses a random prefix of its rows and keys (FlashAttention-3's "
+                        "seqused_q / seqused_k)")
     v.add_argument("--varlen", action="store_true",
                    help="pack the batch as sequences of random lengths <= Lq, Lk (cu_seqlens)")
     c = p.add_argument_group("KV cache (flash_attn_with_kvcache's decode kernels; Lk of --shape is the cache's "
@@ -129,6 +132,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.schedules < 0:
         parser.error(f"--schedules: got {args.schedules}, expected 0 or more random orders")
     shape, dtype, causal, fwd_cfg, bwd_cfg, backward = _resolve(args, parser)
+    if args.seqused and not args.varlen:
+        parser.error("--seqused counts the rows in use of packed sequences: add --varlen")
     if args.attention_chunk < 0:
         parser.error(f"--attention-chunk: got {args.attention_chunk}, expected 0 (none) or a chunk size >= 1")
     variant = args.window != (-1, -1) or args.softcap or args.alibi or args.key_padding or args.varlen \
@@ -240,8 +245,8 @@ def _describe(args) -> str:
     parts += [f"window {args.window}"] if args.window != (-1, -1) else []
     parts += [f"attention chunk {args.attention_chunk}"] if args.attention_chunk else []
     parts += [f"softcap {args.softcap}"] if args.softcap else []
-    parts += [name for name, on in (("alibi", args.alibi), ("key padding", args.key_padding), ("varlen", args.varlen))
-              if on]
+    parts += [name for name, on in (("alibi", args.alibi), ("key padding", args.key_padding), ("varlen", args.varlen),
+                                    ("seqused", args.seqused)) if on]
     if args.kvcache:
         parts += [f"kv cache: new {args.new}, {f'pages of {args.paged}' if args.paged else 'dense'}, splits "
                   f"{args.splits or 'chosen'}, rotary {args.rotary}"
@@ -281,6 +286,10 @@ def _check_variant(args, shape, dtype, causal, backward) -> list[tuple[str, bool
         q, dout = make(hq, lens_q), make(hq, lens_q)
         k, v = make(hkv, lens_k), make(hkv, lens_k)
         kw.update(cu_seqlens_q=cu[0], cu_seqlens_k=cu[1])
+        if args.seqused:  # a random prefix of each sequence's rows and keys in use
+            for name, lens in (("seqused_q", lens_q), ("seqused_k", lens_k)):
+                kw[name] = torch.tensor([int(torch.randint(0, n + 1, (1,), generator=g)) for n in lens],
+                                        dtype=torch.int32, device=device)
         launch_kw = dict(kw, max_seqlen_q=max(lens_q), max_seqlen_k=max(lens_k))
 
         def reference(*x, upcast=True):

@@ -261,6 +261,9 @@ VARIANT_FLAGS = {
     "window-two-sided": ["--window", "7,5"],
     "key-padding": ["--key-padding"],
     "varlen": ["--varlen", "--causal", "--align", "bottom_right", "--window", "9,3"],
+    "chunk": ["--attention-chunk", "37", "--causal", "--align", "bottom_right"],
+    "varlen-seqused-chunk": ["--varlen", "--seqused", "--attention-chunk", "20", "--window", "30,-1", "--align",
+                             "bottom_right", "--seed", "2"],
 }
 
 
@@ -274,6 +277,8 @@ KVCACHE_FLAGS = {
     "batch-idx-alibi": ["--shape", "2,4,4,1,200,128", "--causal", "--alibi", "--batch-idx", "--new", "1",
                         "--rotary", "interleaved"],
     "key-padding": ["--shape", "3,8,2,1,260,64", "--causal", "--key-padding", "--splits", "2"],
+    "chunk-paged-split": ["--shape", "3,4,2,2,300,64", "--causal", "--attention-chunk", "48", "--paged", "64",
+                          "--splits", "3", "--new", "2"],
 }
 
 

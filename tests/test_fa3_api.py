@@ -98,7 +98,7 @@ def test_varlen_and_packed_qkv_with_gqa(launched):
     (lambda q: fa3.flash_attn_func(q, q, q, attention_chunk=-16), "attention_chunk"),
     (lambda q: fa3.flash_attn_varlen_func(q[0], q[0], q[0], torch.tensor([0, 8], dtype=torch.int32),
                                           torch.tensor([0, 8], dtype=torch.int32), 8, 8,
-                                          seqused_k=torch.tensor([4], dtype=torch.int32)), "seqused_k"),
+                                          seqused_k=torch.tensor([4])), "seqused_k"),  # int64
     (lambda q: fa3.flash_attn_with_kvcache(q, q, q, cache_seqlens=4,
                                            cu_seqlens_q=torch.tensor([0, 8], dtype=torch.int32)), "cu_seqlens_q"),
     (lambda q: fa3.flash_attn_func(q, q, q, num_splits=-1), "num_splits"),
@@ -109,6 +109,32 @@ def test_what_autoflash_does_not_run_is_refused_by_name(call, name):
     q = torch.randn(1, 8, 2, 64).bfloat16()
     with pytest.raises((ValueError, TypeError), match=f"^{name}: got"):
         call(q)
+
+
+def test_varlen_with_seqused_on_an_emulated_h100(launched):
+    """FA3's seqused_q / seqused_k: only a prefix of each packed sequence is used (its test file passes
+    them on every varlen call); the rows past it get out 0, lse +inf and no gradient."""
+    g = torch.Generator().manual_seed(9)
+    spans_q, spans_k = [5, 70, 0, 33], [9, 80, 4, 33]
+    used = {"seqused_q": torch.tensor([3, 60, 0, 33], dtype=torch.int32),
+            "seqused_k": torch.tensor([9, 41, 0, 20], dtype=torch.int32)}
+    cu_q, cu_k = (torch.tensor([0] + torch.tensor(n).cumsum(0).tolist(), dtype=torch.int32) for n in (spans_q, spans_k))
+    q = torch.randn(sum(spans_q), 4, 64, generator=g).bfloat16().requires_grad_()
+    k, v = (torch.randn(sum(spans_k), 2, 64, generator=g).bfloat16().requires_grad_() for _ in range(2))
+    with autoflash.emulate("h100"):
+        out, lse = fa3.flash_attn_varlen_func(q, k, v, cu_q, cu_k, 70, 80, causal=True, return_attn_probs=True, **used)
+        grads = torch.autograd.grad(out, (q, k, v), torch.ones_like(out))
+    assert [c.family for c in launched] == ["sm90", "sm80"]
+    leaves = [t.detach().float().requires_grad_() for t in (q, k, v)]
+    same = [t.detach().clone().requires_grad_() for t in (q, k, v)]
+    ref, ref_lse = attention_varlen_ref(*leaves, cu_q, cu_k, causal=True, align="bottom_right", **used)
+    low, _ = attention_varlen_ref(*same, cu_q, cu_k, causal=True, align="bottom_right", upcast=False, **used)
+    assert within_tolerance(out, ref.detach(), low.detach())[0]
+    assert torch.equal(torch.isinf(lse), torch.isinf(ref_lse)) and bool(torch.isinf(lse[:, 3:5]).all())
+    assert not out[3:5].any() and not grads[0][3:5].any() and not grads[1][9 + 41:9 + 80].any()
+    for got, want, yard in zip(grads, torch.autograd.grad(ref, leaves, torch.ones_like(ref)),
+                               torch.autograd.grad(low, same, torch.ones_like(low))):
+        assert within_tolerance(got, want, yard, backward=True)[0]
 
 
 def test_kvcache_with_attention_chunks(launched):
@@ -135,6 +161,42 @@ def test_kvcache_with_attention_chunks(launched):
                                            attention_chunk=48)
     assert within_tolerance(paged, ref, low)[0]
     assert all(c.kvcache and c.chunk for c in launched)
+
+
+def test_kvcache_rotary_seqlens_moves_the_rotary_positions():
+    """FA3's rotary_seqlens: q and the new keys rotated from rotary_seqlens[b], appended at
+    cache_seqlens[b]; without rotary_cos it changes nothing (FA3's tests pass it on every call)."""
+    from autoflash.reference.kvcache import append_ref, attention_kvcache_ref, rotary
+
+    g = torch.Generator().manual_seed(8)
+    seqlens, starts = [10, 20], [5, 0]
+    q = torch.randn(2, 3, 4, 64, generator=g).bfloat16()
+    k_new, v_new = (torch.randn(2, 3, 2, 64, generator=g).bfloat16() for _ in range(2))
+    k_cache, v_cache = (torch.randn(2, 64, 2, 64, generator=g).bfloat16() for _ in range(2))
+    cos, sin = (torch.randn(64, 16, generator=g).bfloat16() for _ in range(2))
+    kc, vc = k_cache.clone(), v_cache.clone()
+    positions = [[s + i for i in range(3)] for s in starts]
+    append_ref(kc, rotary(k_new, cos, sin, positions, True), seqlens)
+    append_ref(vc, v_new, seqlens)
+    q_rot = rotary(q, cos, sin, positions, True)
+    used = [s + 3 for s in seqlens]
+    ref, _ = attention_kvcache_ref(q_rot.float(), kc.float(), vc.float(), used, causal=True)
+    low, _ = attention_kvcache_ref(q_rot, kc, vc, used, causal=True, upcast=False)
+    index = dict(cache_seqlens=torch.tensor(seqlens, dtype=torch.int32),
+                 rotary_seqlens=torch.tensor(starts, dtype=torch.int32))
+    with autoflash.emulate("h100"):
+        out = fa3.flash_attn_with_kvcache(q, k_cache, v_cache, k_new, v_new, rotary_cos=cos, rotary_sin=sin,
+                                          causal=True, **index)
+        plain = fa3.flash_attn_with_kvcache(q, kc.clone(), vc.clone(), causal=True, cache_seqlens=index["cache_seqlens"]
+                                            + 3, rotary_seqlens=index["rotary_seqlens"])
+    assert torch.equal(k_cache, kc) and torch.equal(v_cache, vc)
+    assert within_tolerance(out, ref, low)[0]
+    unrotated, _ = attention_kvcache_ref(q.float(), kc.float(), vc.float(), used, causal=True)
+    assert within_tolerance(plain, unrotated, attention_kvcache_ref(q, kc, vc, used, causal=True, upcast=False)[0])[0]
+    with pytest.raises(ValueError, match="^rotary_seqlens: got"), autoflash.emulate("h100"):
+        fa3.flash_attn_with_kvcache(q, k_cache, v_cache, k_new, v_new, rotary_cos=cos, rotary_sin=sin,
+                                    cache_seqlens=index["cache_seqlens"], rotary_seqlens=torch.tensor([62, 0],
+                                                                                                      dtype=torch.int32))
 
 
 def test_the_scheduler_plan_is_the_split_flash_attn_with_kvcache_runs(monkeypatch):

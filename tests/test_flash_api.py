@@ -292,8 +292,8 @@ def test_attention_variant_takes_any_strides_and_gives_q_strides_back():
 
 # ------------------------------------------------------------------ custom ops: registration, compile
 def _fwd_args(q, k, v, *, alibi=None, bias=None, cu=(None, None), scale=0.125, causal=False, align="top_left",
-              window=(-1, -1), chunk=0, softcap=0.0, max_seqlens=(0, 0)):
-    return (q, k, v, alibi, bias, *cu, scale, causal, align, *window, chunk, softcap, *max_seqlens, False)
+              window=(-1, -1), chunk=0, softcap=0.0, max_seqlens=(0, 0), used=(None, None)):
+    return (q, k, v, alibi, bias, *cu, *used, scale, causal, align, *window, chunk, softcap, *max_seqlens, False)
 
 
 def test_custom_op_registration_dense():
@@ -314,7 +314,8 @@ def test_custom_op_registration_varlen():
     lq, lk = (3, 0, 5), (4, 2, 6)
     q = _randn((sum(lq), 2, 32), torch.float64, g, True)
     k, v = (_randn((sum(lk), 1, 32), torch.float64, g, True) for _ in range(2))
-    args = _fwd_args(q, k, v, cu=(_cu(lq), _cu(lk)), causal=True, align="bottom_right", max_seqlens=(5, 6))
+    args = _fwd_args(q, k, v, cu=(_cu(lq), _cu(lk)), causal=True, align="bottom_right", max_seqlens=(5, 6),
+                     used=(torch.tensor([2, 0, 5], dtype=torch.int32), torch.tensor([4, 1, 3], dtype=torch.int32)))
     torch.library.opcheck(torch.ops.autoflash.flash_fwd.default, args)
     out, lse = torch.ops.autoflash.flash_fwd(*args)
     assert lse.shape == (2, sum(lq))

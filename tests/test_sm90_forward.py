@@ -131,9 +131,11 @@ def test_sm90_variant_forward_meets_flashattention_rule(target, variant, d, dtyp
 @pytest.mark.parametrize("schedule", sorted(SCHEDULES))
 @pytest.mark.parametrize("d", [64, 128, 256])
 @pytest.mark.parametrize("variant", ["plain", "causal-br", "causal-tl", "window-5-3", "gemma", "chunk-causal"])
-def test_sm90_varlen_forward_meets_flashattention_rule(target, variant, d, schedule, launched):
+@pytest.mark.parametrize("used", [False, True], ids=["spans", "seqused"])
+def test_sm90_varlen_forward_meets_flashattention_rule(target, variant, d, schedule, used, launched):
     """Packed sequences of random lengths, 0 and 1 among them and one longer than a tile, each against
-    the reference of its own; what a TMA box reads past a sequence is never stored or seen."""
+    the reference of its own; what a TMA box reads past a sequence is never stored or seen. With
+    seqused_q / seqused_k (FlashAttention-3's) a random prefix of each span is in use."""
     if target == "gpu" and torch.cuda.get_device_capability() != (9, 0):
         pytest.skip("the sm90 family runs on sm_90 GPUs (H100, H200)")
     dev, dt, n = device(target), torch.bfloat16, 5
@@ -148,6 +150,10 @@ def test_sm90_varlen_forward_meets_flashattention_rule(target, variant, d, sched
     kw = arguments(spec, n, 4, 1, dev, g)
     cu = {name: torch.tensor([0] + torch.tensor(lens).cumsum(0).tolist(), dtype=torch.int32, device=dev)
           for name, lens in (("cu_seqlens_q", lens_q), ("cu_seqlens_k", lens_k))}
+    if used:
+        for name, lens in (("seqused_q", lens_q), ("seqused_k", lens_k)):
+            cu[name] = torch.tensor([int(torch.randint(0, n + 1, (1,), generator=g)) for n in lens], dtype=torch.int32,
+                                    device=dev)
     cfg = sm90_config(d, "bf16", bool(spec.get("causal") or spec.get("window")), schedule)
     out, lse = flash_forward(q, k, v, config=cfg, max_seqlen_q=max(lens_q), max_seqlen_k=max(lens_k), **cu, **kw)
     assert launched[-1].family == "sm90" and launched[-1].varlen, launched[-1].name
@@ -164,7 +170,7 @@ def test_sm90_varlen_forward_meets_flashattention_rule(target, variant, d, sched
 def test_sm90_variants_are_clean_under_the_sanitizer(schedule):
     """The variant kernels on guard-banded inputs at an odd GQA shape: window, softcap and ALiBi at once;
     a key bias that leaves batch 1 no key; packed sequences (0 and 1 among them) with a window and
-    softcap; attention chunks under a window. No finding under either schedule, and every result
+    softcap; the same with seqused_q / seqused_k and attention chunks; attention chunks under a window. No finding under either schedule, and every result
     within the rule."""
     from autoflash.emulation.guards import guarded_randn
 
@@ -175,9 +181,12 @@ def test_sm90_variants_are_clean_under_the_sanitizer(schedule):
     cu = {name: torch.tensor([0] + torch.tensor(lens).cumsum(0).tolist(), dtype=torch.int32)
           for name, lens in (("cu_seqlens_q", lens_q), ("cu_seqlens_k", lens_k))}
     packed = [torch.randn(sum(n), h, 64, generator=g).bfloat16() for n, h in ((lens_q, 4), (lens_k, 2), (lens_k, 2))]
+    used = {"seqused_q": torch.tensor([0, 1, 41, 33, 2], dtype=torch.int32),
+            "seqused_k": torch.tensor([3, 0, 0, 80, 50], dtype=torch.int32)}
     calls = [((q, k, v), arguments(VARIANTS["gemma"], 2, 4, 133, "cpu", g), attention_ref),
              ((q, k, v), arguments(VARIANTS["padding"], 2, 4, 133, "cpu", g), attention_ref),
              (packed, dict(window=(20, 3), softcap=5.0, align="bottom_right", **cu), attention_varlen_ref),
+             (packed, dict(causal=True, align="bottom_right", attention_chunk=24, **cu, **used), attention_varlen_ref),
              ((q, k, v), arguments(VARIANTS["chunk-window"], 2, 4, 133, "cpu", g), attention_ref)]
     emulation.clear_findings()
     with autoflash.emulate("h100", sanitize=True, schedule=schedule):

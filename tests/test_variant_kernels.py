@@ -75,8 +75,11 @@ def _cu(lengths: list[int], dev) -> torch.Tensor:
 @pytest.mark.parametrize("dtype", ["fp16", "bf16"])
 @pytest.mark.parametrize("variant", ["plain", "causal-br", "window-5-3", "gemma", "chunk-causal"])
 @pytest.mark.parametrize("draw", range(3))
-def test_varlen_meets_flashattention_rule(target, variant, dtype, draw):
-    """Packed sequences of random lengths, 0 and 1 among them, each against the reference of its own."""
+@pytest.mark.parametrize("used", [False, True], ids=["spans", "seqused"])
+def test_varlen_meets_flashattention_rule(target, variant, dtype, draw, used):
+    """Packed sequences of random lengths, 0 and 1 among them, each against the reference of its own;
+    with FlashAttention-3's seqused_q / seqused_k, a random prefix of each span in use (0 and all
+    among them): the rows past it get out 0, lse +inf and no gradient."""
     dev, dt, d, hq, hkv = device(target), TORCH_DTYPES[dtype], 64, 4, 2
     g = torch.Generator().manual_seed(1000 * draw + len(variant))
     n = 5
@@ -90,6 +93,11 @@ def test_varlen_meets_flashattention_rule(target, variant, dtype, draw):
     spec = {} if variant == "plain" else VARIANTS[variant]
     kw = _arguments(spec, n, hq, 1, dev, g)
     cu = dict(cu_seqlens_q=_cu(lens_q, dev), cu_seqlens_k=_cu(lens_k, dev))
+    if used:
+        prefix = lambda lens: [0 if i == 0 else length if i == 1 else  # noqa: E731
+                               int(torch.randint(0, length + 1, (1,), generator=g)) for i, length in enumerate(lens)]
+        cu.update(seqused_q=torch.tensor(prefix(lens_q), dtype=torch.int32, device=dev),
+                  seqused_k=torch.tensor(prefix(lens_k), dtype=torch.int32, device=dev))
     out, lse = flash_forward(q, k, v, **cu, max_seqlen_q=max(lens_q), max_seqlen_k=max(lens_k), **kw)
     grads = flash_backward(dout, q, k, v, out, lse, **cu, max_seqlen_q=max(lens_q), max_seqlen_k=max(lens_k), **kw)
 

@@ -8,9 +8,9 @@ dispatch/kvcache.py): the same custom ops, autograd and torch.compile support, t
 CPU tensors inside autoflash.emulate() and the same reference fallback outside it.
 
 What FlashAttention-3 has and autoflash does not run raises ValueError naming the argument: fp8
-inputs with descales (q_descale, k_descale, v_descale), qv, seqused_q / seqused_k,
-and in flash_attn_with_kvcache cu_seqlens_q, cu_seqlens_k_new and rotary_seqlens. num_splits,
-pack_gqa and sm_margin are scheduling choices that do not change the result: they are checked and
+inputs with descales (q_descale, k_descale, v_descale), qv, and in flash_attn_with_kvcache
+cu_seqlens_q and cu_seqlens_k_new. attention_chunk, seqused_q / seqused_k and rotary_seqlens run
+as FA3 runs them. num_splits, pack_gqa and sm_margin are scheduling choices that do not change the result: they are checked and
 taken as FA3 takes them where autoflash has the same choice (num_splits of the KV-cache kernel), and
 otherwise left to autoflash's own plan (the dense forward never splits; autoflash folds query heads
 into one tile where the KV-cache kernel pays for it; it uses every SM)."""
@@ -70,14 +70,14 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
     """FlashAttention-3's flash_attn_varlen_func: packed sequences q (total_q, heads, head_dim), k and v
     (total_k, heads_k, head_dim) with int32 cu_seqlens_q / cu_seqlens_k (batch + 1,) and host ints
     max_seqlen_q / max_seqlen_k. Returns out (total_q, heads, head_dim), or with return_attn_probs
-    (out, softmax_lse (heads, total_q) fp32). seqused_q / seqused_k are not run (they must be None)."""
-    _refuse("seqused_q", seqused_q, "seqused_q (fewer rows used than cu_seqlens_q holds) yet")
-    _refuse("seqused_k", seqused_k, "seqused_k (fewer keys used than cu_seqlens_k holds) yet")
+    (out, softmax_lse (heads, total_q) fp32). seqused_q / seqused_k (int32 (batch,)): only the first
+    seqused[b] rows of sequence b's span are used, as in FA3 (autoflash gives the rest out 0, lse +inf)."""
     _unsupported(qv, q_descale, k_descale, v_descale)
     _check_hints(num_splits, pack_gqa, sm_margin)
     out = flash_api.flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, 0.0,
                                            softmax_scale, causal, window_size, softcap, None, deterministic,
-                                           return_attn_probs, attention_chunk=attention_chunk)
+                                           return_attn_probs, attention_chunk=attention_chunk, seqused_q=seqused_q,
+                                           seqused_k=seqused_k)
     return out[:2] if return_attn_probs else out  # FA3: (out, softmax_lse), flash-attn 2: + None
 
 
@@ -118,11 +118,11 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, qv=None, rotary
     """FlashAttention-3's flash_attn_with_kvcache: flash-attn 2.x's (autoflash.flash_attn_with_kvcache)
     with page_table for block_table. scheduler_metadata is get_scheduler_metadata's plan (its split
     count); num_splits 0 chooses, as FA3's. Returns out, or with return_softmax_lse (out,
-    softmax_lse). Varlen queries (cu_seqlens_q, cu_seqlens_k_new) and rotary_seqlens are not run."""
+    softmax_lse). rotary_seqlens moves the rotary positions as FA3's does. Varlen queries (cu_seqlens_q,
+    cu_seqlens_k_new) are not run."""
     _refuse("cu_seqlens_q", cu_seqlens_q, "varlen queries in flash_attn_with_kvcache yet")
     _refuse("cu_seqlens_k_new", cu_seqlens_k_new, "varlen appended keys in flash_attn_with_kvcache yet")
     _refuse("max_seqlen_q", max_seqlen_q, "varlen queries in flash_attn_with_kvcache yet")
-    _refuse("rotary_seqlens", rotary_seqlens, "rotary positions apart from cache_seqlens yet")
     _unsupported(qv, q_descale, k_descale, v_descale)
     _check_hints(num_splits, pack_gqa, sm_margin)
     if scheduler_metadata is not None:
@@ -130,7 +130,8 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, qv=None, rotary
     return kvcache.flash_attn_with_kvcache(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens,
                                            cache_batch_idx, cache_leftpad, page_table, softmax_scale, causal,
                                            window_size, softcap, rotary_interleaved, None, num_splits,
-                                           return_softmax_lse, attention_chunk=attention_chunk)
+                                           return_softmax_lse, attention_chunk=attention_chunk,
+                                           rotary_seqlens=rotary_seqlens)
 
 
 # get_scheduler_metadata's plan: int32 [PLAN_TAG, num_splits] (FA3's own metadata is its scheduler's
@@ -194,7 +195,7 @@ def _choose_splits(batch, seqlen_q, capacity, heads, heads_kv, head_dim, dtype, 
                 "chunk": attention_chunk > 0, "softcap": softcap, "alibi": False, "key_bias": False, "varlen": False}
     shape = CacheShape(batch, seqlen_q, heads, heads_kv, flash_api.padded_head_dim(head_dim), max(1, capacity),
                        page_size, 0)
-    variant = Variant(switches, (None,) * 4, (-1, -1, attention_chunk), 0, 0, float(softcap))
+    variant = Variant(switches, (None,) * 6, (-1, -1, attention_chunk), False, 0, 0, float(softcap))
     return decode_launch(shape, DTYPE_NAMES[dtype], profile, causal and not window, variant, None, 0,
                          packed_heads(shape, None))[1]
 

@@ -214,9 +214,27 @@ def _check_max_seqlen(name: str, value, lengths: list[int] | None, cu_name: str)
     return value
 
 
-def _check_packed(q, k, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dims: Dims):
-    """(batch, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k), checked. Their metadata
-    always; the cu_seqlens' values (0 first, non-decreasing, the rows last, max_seqlen at least the
+def _check_used(name: str, used, batch: int, lengths: list[int] | None, device: torch.device):
+    """seqused_q / seqused_k (FlashAttention-3's): None, or int32 (batch,) on q's device whose values
+    (read where checks_values allows) lie within each sequence's span."""
+    if used is None:
+        return None
+    if not isinstance(used, torch.Tensor):
+        raise TypeError(f"{name}: got {type(used).__name__}, expected None or a torch.int32 tensor")
+    if used.dtype != torch.int32 or tuple(used.shape) != (batch,) or used.device != device:
+        raise ValueError(f"{name}: got {tuple(used.shape)} {used.dtype} on {used.device}; expected int32 of shape "
+                         f"({batch},) on {device}: the rows in use of each sequence")
+    if lengths is not None:
+        values = used.tolist()
+        if any(not 0 <= u <= n for u, n in zip(values, lengths)):
+            raise ValueError(f"{name}: got {_shown(values)}; expected 0 <= {name}[b] <= the length of sequence b in "
+                             f"its cu_seqlens ({_shown(lengths)})")
+    return used.contiguous()
+
+
+def _check_packed(q, k, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dims: Dims, seqused=(None, None)):
+    """(batch, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, seqused_q, seqused_k), checked.
+    Their metadata always; the cu_seqlens' values (0 first, non-decreasing, the rows last, max_seqlen at least the
     longest) where checks_values allows: on CPU tensors, and on CUDA only with
     AUTOFLASH_CHECK_VALUES=1. By default a CUDA call reads nothing back (no synchronisation, CUDA
     graphs can capture it) and trusts the values and max_seqlen, as flash-attn does."""
@@ -230,7 +248,9 @@ def _check_packed(q, k, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, 
         lengths_k = _sequence_lengths("cu_seqlens_k", cu_seqlens_k, dims.seqlen_k, "k and v")
     max_q = _check_max_seqlen("max_seqlen_q", max_seqlen_q, lengths_q, "cu_seqlens_q")
     max_k = _check_max_seqlen("max_seqlen_k", max_seqlen_k, lengths_k, "cu_seqlens_k")
-    return batch, cu_seqlens_q.contiguous(), cu_seqlens_k.contiguous(), max_q, max_k
+    used_q = _check_used("seqused_q", seqused[0], batch, lengths_q, q.device)
+    used_k = _check_used("seqused_k", seqused[1], batch, lengths_k, q.device)
+    return batch, cu_seqlens_q.contiguous(), cu_seqlens_k.contiguous(), max_q, max_k, used_q, used_k
 
 
 # ------------------------------------------------------------------ running
@@ -296,21 +316,22 @@ def _run(q, k, v, *, scale: float, causal: bool, align: str, window: tuple[int, 
          key_bias, packed, deterministic: bool, entry: str, strict: bool | None, attention_chunk: int = 0):
     """(out, lse) from the forward op on checked arguments; q, k, v zero-padded to the kernels' head
     dim and out cut back (autograd sees the original width). `packed`: (cu_seqlens_q, cu_seqlens_k,
-    max_seqlen_q, max_seqlen_k) or None. On CPU tensors outside autoflash.emulate() the op computes
+    max_seqlen_q, max_seqlen_k, seqused_q, seqused_k) or None. On CPU tensors outside autoflash.emulate() the op computes
     the PyTorch reference: the fallback policy's warning first (autoflash.dispatch.policy)."""
     d, device = q.shape[-1], q.device
     width = padded_head_dim(d)
-    cu_q, cu_k, max_q, max_k = packed if packed is not None else (None, None, 0, 0)
+    cu_q, cu_k, max_q, max_k, used_q, used_k = packed if packed is not None else (None, None, 0, 0, None, None)
     reason = cpu_fallback(q)
     if explaining_now():  # stand-ins of the padded tensors: their metadata, no copy
         q, k, v = (stand_in((*t.shape[:-1], width), t.dtype, device) for t in (q, k, v))
         kw = variant_ops._variant(causal, align, window[0], window[1], attention_chunk, softcap, alibi_slopes,
-                                  key_bias, cu_q, cu_k, max_q, max_k)
+                                  key_bias, cu_q, cu_k, max_q, max_k, used_q, used_k)
         raise Captured(CheckedCall(q, k, v, scale, kw, reason, d))
     q, k, v = (_pad(t, width) for t in (q, k, v))
     if reason is not None:
         fall_back(entry, reason, strict, REFERENCE, explain=f"autoflash.explain(autoflash.{entry}, ...)")
-    out, lse = torch.ops.autoflash.flash_fwd(q, k, v, alibi_slopes, key_bias, cu_q, cu_k, scale, causal, align,
+    out, lse = torch.ops.autoflash.flash_fwd(q, k, v, alibi_slopes, key_bias, cu_q, cu_k, used_q, used_k, scale,
+                                             causal, align,
                                              window[0], window[1], attention_chunk, softcap, max_q, max_k,
                                              deterministic)
     return (out if width == d else out[..., :d]), lse
@@ -392,13 +413,15 @@ def flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False, wi
 def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p=0.0,
                            softmax_scale=None, causal=False, window_size=(-1, -1), softcap=0.0, alibi_slopes=None,
                            deterministic=False, return_attn_probs=False, block_table=None, *, attention_chunk=0,
-                           strict=None):
+                           seqused_q=None, seqused_k=None, strict=None):
     """flash-attn's flash_attn_varlen_func: packed sequences. q (total_q, heads, head_dim), k and v
     (total_k, heads_k, head_dim); cu_seqlens_q / cu_seqlens_k int32 (batch + 1,), the cumulative
     lengths (sequence b is rows cu[b]:cu[b + 1]; zero-length sequences are allowed); max_seqlen_q /
     max_seqlen_k host ints, at least the longest sequence. The rest as flash_attn_func, per sequence
     (alibi_slopes (heads,) or (batch, heads); attention_chunk's chunks counted from each sequence's
-    first key).
+    first key). seqused_q / seqused_k (keyword only, FlashAttention-3's): int32 (batch,), only the
+    first seqused[b] rows of sequence b's span are used; the query rows past them get out 0 and lse
+    +inf, and gradient 0.
 
     Returns out (total_q, heads, head_dim); with return_attn_probs=True (out, softmax_lse (heads,
     total_q) fp32, None). block_table (paged KV cache) is not supported: it must be None.
@@ -408,12 +431,12 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
         raise ValueError(f"block_table: got {type(block_table).__name__}, expected None (autoflash has no paged "
                          "KV cache)")
     dims = _check_qkv(q, k, v, "thd")
-    batch, cu_q, cu_k, max_q, max_k = _check_packed(q, k, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
-                                                    dims)
+    batch, cu_q, cu_k, max_q, max_k, used_q, used_k = _check_packed(q, k, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
+                                                                    max_seqlen_k, dims, (seqused_q, seqused_k))
     out, lse = _run(q, k, v, scale=_check_scale("softmax_scale", softmax_scale, dims.head_dim), causal=causal,
                     align="bottom_right", window=_check_window("window_size", window_size, causal),
                     softcap=_check_softcap(softcap), alibi_slopes=_check_alibi(alibi_slopes, batch, dims.heads, q.device),
-                    key_bias=None, packed=(cu_q, cu_k, max_q, max_k), deterministic=deterministic,
+                    key_bias=None, packed=(cu_q, cu_k, max_q, max_k, used_q, used_k), deterministic=deterministic,
                     entry="flash_attn_varlen_func", strict=strict,
                     attention_chunk=chunk_size("attention_chunk", attention_chunk))
     return _result(out, lse, return_attn_probs)

@@ -75,6 +75,28 @@ def _check_values(shape: CacheShape, cache_seqlens, cache_batch_idx, cache_leftp
                          f"expected indices of k_cache's {num_pages} pages")
 
 
+def _check_rotary_seqlens(rotary_seqlens, shape: CacheShape, device) -> None:
+    """FlashAttention-3's rotary_seqlens: None or int32 (batch,) on q's device (it only moves the
+    rotary positions; without rotary_cos it changes nothing, as in FA3)."""
+    if rotary_seqlens is None:
+        return
+    if not isinstance(rotary_seqlens, torch.Tensor) or rotary_seqlens.dtype != torch.int32 \
+            or tuple(rotary_seqlens.shape) != (shape.batch,) or rotary_seqlens.device != device:
+        got = (f"{tuple(rotary_seqlens.shape)} {rotary_seqlens.dtype} on {rotary_seqlens.device}"
+               if isinstance(rotary_seqlens, torch.Tensor) else type(rotary_seqlens).__name__)
+        raise ValueError(f"rotary_seqlens: got {got}; expected an int32 tensor of shape ({shape.batch},) on {device}")
+
+
+def _check_rotary_values(rotary_seqlens: torch.Tensor, shape: CacheShape, positions: int) -> None:
+    """Each sequence's rotary rows inside rotary_cos, where checks_values allows (as _check_values)."""
+    if not checks_values(rotary_seqlens.device):
+        return
+    rows = max(shape.seqlen_q, shape.seqlen_new)
+    if bool(((rotary_seqlens < 0) | (rotary_seqlens.long() + rows > positions)).any()):
+        raise ValueError(f"rotary_seqlens: got {rotary_seqlens.tolist()[:16]}; expected 0 <= rotary_seqlens and "
+                         f"rotary_seqlens + {rows} <= {positions} (rotary_cos's positions)")
+
+
 def _positions(cache_seqlens, batch: int, n: int, device, same: bool) -> torch.Tensor:
     """(batch, n) int64 positions: row i of sequence b at cache_seqlens[b] + i, its absolute cache
     row, left padding or not (flash-attn's rule; every row at cache_seqlens[b] when `same`)."""
@@ -123,7 +145,7 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
                             cache_batch_idx=None, cache_leftpad=None, block_table=None, softmax_scale=None,
                             causal=False, window_size=(-1, -1), softcap=0.0, rotary_interleaved=True,
                             alibi_slopes=None, num_splits=0, return_softmax_lse=False, *, attention_chunk=0,
-                            strict=None):
+                            rotary_seqlens=None, strict=None):
     """Attention of q over a KV cache, appending new keys and values first (flash-attn 2.x).
 
     q: (batch, seqlen_q, heads, head_dim). k_cache, v_cache: (batch_cache, seqlen_cache, heads_kv,
@@ -133,7 +155,8 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
     rotary_cos, rotary_sin: (seqlen_ro, rotary_dim / 2): rotary embeddings on q and the new k (they
     need k and v, as in flash-attn; rotary_interleaved: GPT-J pairs, else GPT-NeoX halves); new key i
     at position cache_seqlens[b] + i (its cache row, left padding or not), query i there too when
-    causal or windowed, every query at cache_seqlens[b] otherwise. cache_seqlens: int or int32
+    causal or windowed, every query at cache_seqlens[b] otherwise; rotary_seqlens (keyword only,
+    FlashAttention-3's: int32 (batch,)) starts them at rotary_seqlens[b] instead. cache_seqlens: int or int32
     (batch,), the keys already cached. cache_batch_idx: int32 (batch,), the cache rows the batch uses
     (dense cache only). cache_leftpad: int32 (batch,), where each sequence's keys start (dense cache
     only). block_table: int32 (batch, max_pages_per_sequence). softmax_scale defaults to
@@ -182,7 +205,7 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
     caches = (k_cache, v_cache)
     if width != d:  # zero-padded copies; the rows appended to them go back into the caller's caches below
         q, k, v, k_cache, v_cache = (None if t is None else _pad(t, width) for t in (q, k, v, k_cache, v_cache))
-    out, lse = flash_kvcache(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, seqlens_tensor,
+    out, lse = flash_kvcache(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, rotary_seqlens, seqlens_tensor,
                              cache_seqlens if seqlens_tensor is None else 0, cache_batch_idx, cache_leftpad,
                              block_table, alibi_slopes, None, scale, causal, window_size[0], window_size[1],
                              attention_chunk, float(softcap), rotary_interleaved, num_splits)
@@ -263,7 +286,7 @@ class _ForwardOnly(torch.autograd.Function):
 @torch.library.custom_op("autoflash::flash_kvcache", mutates_args=("k_cache", "v_cache"))
 def flash_kvcache(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, k: Optional[torch.Tensor],
                   v: Optional[torch.Tensor], rotary_cos: Optional[torch.Tensor], rotary_sin: Optional[torch.Tensor],
-                  cache_seqlens: Optional[torch.Tensor], cache_seqlens_int: int,
+                  rotary_seqlens: Optional[torch.Tensor], cache_seqlens: Optional[torch.Tensor], cache_seqlens_int: int,
                   cache_batch_idx: Optional[torch.Tensor], cache_leftpad: Optional[torch.Tensor],
                   block_table: Optional[torch.Tensor], alibi_slopes: Optional[torch.Tensor],
                   key_bias: Optional[torch.Tensor], softmax_scale: Optional[float], causal: bool, window_left: int,
@@ -273,7 +296,8 @@ def flash_kvcache(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
     and v_cache, then attention: (out like q, lse (batch, heads, seqlen_q) fp32). cache_seqlens: the
     tensor, or None and cache_seqlens_int for every sequence. key_bias: fp32 (batch, capacity) added
     to each sequence's key scores, -inf masking a key (not flash-attn's: autoflash.hf's padding masks,
-    see attention_over_cache)."""
+    see attention_over_cache). rotary_seqlens: FlashAttention-3's rotary positions (int32 (batch,)),
+    where sequence b's rotary starts instead of at cache_seqlens[b]."""
     seqlens = cache_seqlens if cache_seqlens is not None else cache_seqlens_int
     window = (window_left, window_right)
     shape = check_kvcache(q, k_cache, v_cache, k=k, v=v, rotary_cos=rotary_cos, rotary_sin=rotary_sin,
@@ -284,14 +308,18 @@ def flash_kvcache(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
     resolve(q.transpose(1, 2), k_cache.transpose(1, 2), causal, align="bottom_right", window=window,
             softcap=softcap, alibi_slopes=alibi_slopes, key_bias=key_bias, cache_len=shape.capacity,
             attention_chunk=attention_chunk)
+    _check_rotary_seqlens(rotary_seqlens, shape, q.device)
     _check_values(shape, seqlens, cache_batch_idx, cache_leftpad, block_table, k_cache.shape[0], k_cache.shape[0])
+    if rotary_cos is not None and rotary_seqlens is not None:
+        _check_rotary_values(rotary_seqlens, shape, rotary_cos.shape[0])
 
     if rotary_cos is not None:  # with k, v (check_kvcache): flash-attn rotates as it appends
         local = window != (-1, -1) or attention_chunk > 0
+        start = seqlens if rotary_seqlens is None else rotary_seqlens
         q = apply_rotary(q, rotary_cos, rotary_sin,
-                         _positions(seqlens, shape.batch, shape.seqlen_q, q.device, same=not (causal or local)),
+                         _positions(start, shape.batch, shape.seqlen_q, q.device, same=not (causal or local)),
                          rotary_interleaved)
-        k = apply_rotary(k, rotary_cos, rotary_sin, _positions(seqlens, shape.batch, shape.seqlen_new, q.device, False),
+        k = apply_rotary(k, rotary_cos, rotary_sin, _positions(start, shape.batch, shape.seqlen_new, q.device, False),
                          rotary_interleaved)
     if k is not None:
         _append(k_cache, k, seqlens, cache_batch_idx, block_table, shape.page_size)
@@ -321,7 +349,8 @@ def flash_kvcache(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
 
 
 @flash_kvcache.register_fake
-def _flash_kvcache_fake(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens, cache_seqlens_int,
+def _flash_kvcache_fake(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, rotary_seqlens, cache_seqlens,
+                        cache_seqlens_int,
                         cache_batch_idx, cache_leftpad, block_table, alibi_slopes, key_bias, softmax_scale, causal,
                         window_left, window_right, attention_chunk, softcap, rotary_interleaved, num_splits):
     b, lq, h, _ = q.shape
@@ -336,7 +365,8 @@ def attention_over_cache(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.
     sequence of k_cache, v_cache (batch, >= seqlen, heads_kv, d), bottom-right aligned; key_bias
     fp32 (batch, k_cache rows) or None: a padding mask as -inf, read by the kernel (no value is read
     here), indexed from each sequence's first key (after its left padding)."""
-    out, _ = flash_kvcache(q, k_cache, v_cache, None, None, None, None, None, seqlen, None, cache_leftpad, None, None,
+    out, _ = flash_kvcache(q, k_cache, v_cache, None, None, None, None, None, None, seqlen, None, cache_leftpad, None,
+                           None,
                            key_bias, scale, causal, window[0], window[1], 0, float(softcap), False, 0)
     return out
 

@@ -25,10 +25,10 @@ from autoflash.kernels.launch import flash_backward, flash_forward, profile_for
 
 
 def _variant(causal, align, window_left, window_right, attention_chunk, softcap, alibi_slopes, key_bias, cu_seqlens_q,
-             cu_seqlens_k, max_seqlen_q, max_seqlen_k) -> dict:
+             cu_seqlens_k, max_seqlen_q, max_seqlen_k, seqused_q=None, seqused_k=None) -> dict:
     """The launcher's variant keywords from the ops' flat arguments (packed sequences only when
-    cu_seqlens are given: the max_seqlens of a dense call are placeholders; the chunk only when
-    there is one, as the references take it)."""
+    cu_seqlens are given: the max_seqlens of a dense call are placeholders; the chunk and the rows
+    in use only when there are any, as the references take them)."""
     kw = dict(causal=causal, align=align, window=(window_left, window_right), softcap=softcap,
               alibi_slopes=alibi_slopes, key_bias=key_bias)
     if attention_chunk:
@@ -36,6 +36,7 @@ def _variant(causal, align, window_left, window_right, attention_chunk, softcap,
     if cu_seqlens_q is not None:
         kw.update(cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k, max_seqlen_q=max_seqlen_q,
                   max_seqlen_k=max_seqlen_k)
+        kw.update({n: t for n, t in (("seqused_q", seqused_q), ("seqused_k", seqused_k)) if t is not None})
     return kw
 
 
@@ -133,7 +134,8 @@ def _reference(q, k, v, scale, kw):
     from autoflash.reference.forward import attention_ref, attention_varlen_ref
 
     if "cu_seqlens_q" in kw:
-        dense = {n: kw[n] for n in ("causal", "align", "window", "attention_chunk", "softcap", "alibi_slopes") if n in kw}
+        dense = {n: kw[n] for n in ("causal", "align", "window", "attention_chunk", "softcap", "alibi_slopes",
+                                    "seqused_q", "seqused_k") if n in kw}
         return attention_varlen_ref(q, k, v, kw["cu_seqlens_q"], kw["cu_seqlens_k"], scale=scale, **dense)
     return attention_ref(q, k, v, scale=scale, **kw)
 
@@ -173,29 +175,30 @@ def _backward_reference(dout, q, k, v, scale, kw):
 @torch.library.custom_op("autoflash::flash_fwd", mutates_args=(), device_types="cuda")
 def flash_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, alibi_slopes: Optional[torch.Tensor],
               key_bias: Optional[torch.Tensor], cu_seqlens_q: Optional[torch.Tensor],
-              cu_seqlens_k: Optional[torch.Tensor], scale: float, causal: bool, align: str, window_left: int,
+              cu_seqlens_k: Optional[torch.Tensor], seqused_q: Optional[torch.Tensor],
+              seqused_k: Optional[torch.Tensor], scale: float, causal: bool, align: str, window_left: int,
               window_right: int, attention_chunk: int, softcap: float, max_seqlen_q: int, max_seqlen_k: int,
               deterministic: bool) -> tuple[torch.Tensor, torch.Tensor]:
     """(out like q, lse fp32): dense q (B, Hq, Lq, D), k/v (B, Hkv, Lk, D), lse (B, Hq, Lq); packed
     (cu_seqlens given) q (total_q, Hq, D), k/v (total_k, Hkv, D), lse (Hq, total_q). `deterministic`
     is the backward's, kept for it. lse carries no gradient."""
     kw = _variant(causal, align, window_left, window_right, attention_chunk, softcap, alibi_slopes, key_bias,
-                  cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
+                  cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, seqused_q, seqused_k)
     return _forward_kernels(q, k, v, scale, kw)
 
 
 @flash_fwd.register_kernel("cpu")
-def _flash_fwd_cpu(q, k, v, alibi_slopes, key_bias, cu_seqlens_q, cu_seqlens_k, scale, causal, align, window_left,
+def _flash_fwd_cpu(q, k, v, alibi_slopes, key_bias, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, scale, causal, align, window_left,
                    window_right, attention_chunk, softcap, max_seqlen_q, max_seqlen_k, deterministic):
     kw = _variant(causal, align, window_left, window_right, attention_chunk, softcap, alibi_slopes, key_bias,
-                  cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
+                  cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, seqused_q, seqused_k)
     if emulating():
         return _forward_kernels(q, k, v, scale, kw)
     return _forward_reference(q, k, v, scale, kw)
 
 
 @flash_fwd.register_fake
-def _flash_fwd_fake(q, k, v, alibi_slopes, key_bias, cu_seqlens_q, cu_seqlens_k, scale, causal, align, window_left,
+def _flash_fwd_fake(q, k, v, alibi_slopes, key_bias, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, scale, causal, align, window_left,
                     window_right, attention_chunk, softcap, max_seqlen_q, max_seqlen_k, deterministic):
     lse_shape = (q.shape[1], q.shape[0]) if cu_seqlens_q is not None else q.shape[:-1]
     return torch.empty_like(q), q.new_empty(lse_shape, dtype=torch.float32)
@@ -204,34 +207,35 @@ def _flash_fwd_fake(q, k, v, alibi_slopes, key_bias, cu_seqlens_q, cu_seqlens_k,
 @torch.library.custom_op("autoflash::flash_bwd", mutates_args=(), device_types="cuda")
 def flash_bwd(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
               lse: torch.Tensor, alibi_slopes: Optional[torch.Tensor], key_bias: Optional[torch.Tensor],
-              cu_seqlens_q: Optional[torch.Tensor], cu_seqlens_k: Optional[torch.Tensor], scale: float,
+              cu_seqlens_q: Optional[torch.Tensor], cu_seqlens_k: Optional[torch.Tensor],
+              seqused_q: Optional[torch.Tensor], seqused_k: Optional[torch.Tensor], scale: float,
               causal: bool, align: str, window_left: int, window_right: int, attention_chunk: int, softcap: float,
               max_seqlen_q: int,
               max_seqlen_k: int, deterministic: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(dq, dk, dv) like (q, k, v) from the forward's out and lse; bit-reproducible with
     deterministic=True."""
     kw = _variant(causal, align, window_left, window_right, attention_chunk, softcap, alibi_slopes, key_bias,
-                  cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
+                  cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, seqused_q, seqused_k)
     return _backward_kernels(dout, q, k, v, out, lse, scale, deterministic, kw)
 
 
 @flash_bwd.register_kernel("cpu")
-def _flash_bwd_cpu(dout, q, k, v, out, lse, alibi_slopes, key_bias, cu_seqlens_q, cu_seqlens_k, scale, causal, align,
+def _flash_bwd_cpu(dout, q, k, v, out, lse, alibi_slopes, key_bias, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, scale, causal, align,
                    window_left, window_right, attention_chunk, softcap, max_seqlen_q, max_seqlen_k, deterministic):
     kw = _variant(causal, align, window_left, window_right, attention_chunk, softcap, alibi_slopes, key_bias,
-                  cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
+                  cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, seqused_q, seqused_k)
     if emulating():
         return _backward_kernels(dout, q, k, v, out, lse, scale, deterministic, kw)
     return _backward_reference(dout, q, k, v, scale, kw)
 
 
 @flash_bwd.register_fake
-def _flash_bwd_fake(dout, q, k, v, out, lse, alibi_slopes, key_bias, cu_seqlens_q, cu_seqlens_k, scale, causal, align,
+def _flash_bwd_fake(dout, q, k, v, out, lse, alibi_slopes, key_bias, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, scale, causal, align,
                     window_left, window_right, attention_chunk, softcap, max_seqlen_q, max_seqlen_k, deterministic):
     return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
 
 
-_TENSOR_INPUTS = ("q", "k", "v", "alibi_slopes", "key_bias", "cu_seqlens_q", "cu_seqlens_k")
+_TENSOR_INPUTS = ("q", "k", "v", "alibi_slopes", "key_bias", "cu_seqlens_q", "cu_seqlens_k", "seqused_q", "seqused_k")
 _SCALAR_INPUTS = ("scale", "causal", "align", "window_left", "window_right", "attention_chunk", "softcap",
                   "max_seqlen_q", "max_seqlen_k", "deterministic")
 
@@ -242,8 +246,8 @@ def _setup_context(ctx, inputs, output):
 
 
 def _backward(ctx, dout, _dlse):
-    q, k, v, alibi_slopes, key_bias, cu_q, cu_k, out, lse = ctx.saved_tensors
-    dq, dk, dv = flash_bwd(dout, q, k, v, out, lse, alibi_slopes, key_bias, cu_q, cu_k, *ctx.scalars)
+    q, k, v, alibi_slopes, key_bias, cu_q, cu_k, used_q, used_k, out, lse = ctx.saved_tensors
+    dq, dk, dv = flash_bwd(dout, q, k, v, out, lse, alibi_slopes, key_bias, cu_q, cu_k, used_q, used_k, *ctx.scalars)
     return (dq, dk, dv) + (None,) * (len(_TENSOR_INPUTS) - 3 + len(_SCALAR_INPUTS))
 
 

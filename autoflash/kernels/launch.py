@@ -172,27 +172,28 @@ class KernelParams:
 
 
 # The templates' signatures (templates/flash_fwd.cu.j2, flash_bwd.cu.j2), in order. Every kernel but
-# delta also takes the variants' arguments: pointers cu_seqlens_q cu_seqlens_k alibi_slopes key_bias;
+# delta also takes the variants' arguments: pointers cu_seqlens_q cu_seqlens_k seq_end_q seq_end_k
+# alibi_slopes key_bias;
 # scalars lse_sb lse_sh alibi_sb bias_sb (after the strides), window_left window_right chunk (after the
 # ints), softcap_in softcap_out (after the floats).
 # The forward also takes the decode switches' (kernels/decode.py): pointers cache_seqlens
 # cache_batch_idx cache_leftpad block_table o_accum lse_accum; block_table_sb (after bias_sb);
 # page_size num_splits qpack (after chunk).
-_VARIANT_POINTERS = ("cu_seqlens_q", "cu_seqlens_k", "alibi_slopes", "key_bias")
+_VARIANT_POINTERS = ("cu_seqlens_q", "cu_seqlens_k", "seq_end_q", "seq_end_k", "alibi_slopes", "key_bias")
 DECODE_POINTERS = ("cache_seqlens", "cache_batch_idx", "cache_leftpad", "block_table", "o_accum", "lse_accum")
 FWD_NAMES = ("q", "k", "v", "out", "lse", *_VARIANT_POINTERS, *DECODE_POINTERS)
-FWD_PARAMS = KernelParams(15, "q" * 17 + "i" * 9 + "fff")  # q k v o lse +4 +6; 4 x 3 strides +4 +1;
+FWD_PARAMS = KernelParams(17, "q" * 17 + "i" * 9 + "fff")  # q k v o lse +6 +6; 4 x 3 strides +4 +1;
 #                                                  seqlen_q seqlen_k group +3 +3; scale_log2 +2
 COMBINE_PARAMS = KernelParams(4, "q" * 5 + "iiii")  # o_accum lse_accum o lse; o and lse strides; batch
 #                                                  heads rows num_splits (templates/flash_combine.cu.j2)
 DELTA_PARAMS = KernelParams(3, "q" * 6 + "i")  # o dout delta; 2 x 3 strides; seqlen_q
-BWD_PARAMS = KernelParams(13, "q" * 22 + "iiiiii" + "ffff" + "i")  # q k v dout lse delta dq_accum dk dv +4;
+BWD_PARAMS = KernelParams(15, "q" * 22 + "iiiiii" + "ffff" + "i")  # q k v dout lse delta dq_accum dk dv +6;
 #                                       6 x 3 strides +4; seqlen_q seqlen_k group +3; scale scale_log2 +2; n_block0
 # The sm90 family's forward (templates/flash_fwd_sm90.cu.j2): q k v o maps; o (packed sequences' plain
-# stores) lse +4 variant pointers; o_sm o_sh lse_sb lse_sh alibi_sb bias_sb; seqlen_q seqlen_k group
+# stores) lse +6 variant pointers; o_sm o_sh lse_sb lse_sh alibi_sb bias_sb; seqlen_q seqlen_k group
 # window_left window_right chunk; scale_log2 softcap_in softcap_out.
 SM90_FWD_NAMES = ("q", "k", "v", "out", "out", "lse", *_VARIANT_POINTERS)
-SM90_FWD_PARAMS = KernelParams(6, "q" * 6 + "i" * 6 + "fff", maps=4)
+SM90_FWD_PARAMS = KernelParams(8, "q" * 6 + "i" * 6 + "fff", maps=4)
 # The sm90 family's backward (templates/flash_bwd_sm90.cu.j2): its delta kernel, o dout lse delta lse2;
 # o and dout strides, lse's two; seqlen_q padded_q. The main kernel: q k v dout maps; lse2 delta
 # dq_accum dk dv; dk and dv strides; seqlen_q seqlen_k padded_q group; scale scale_log2; n_block0.
@@ -200,7 +201,7 @@ SM90_DELTA_NAMES = ("out", "dout", "lse", "delta", "lse2")
 SM90_DELTA_PARAMS = KernelParams(5, "q" * 8 + "ii")
 SM90_BWD_NAMES = ("q", "k", "v", "dout", "lse2", "delta", "dq_accum", "dk", "dv")
 SM90_BWD_PARAMS = KernelParams(5, "q" * 6 + "iiii" + "ff" + "i", maps=4)
-DQ_PARAMS = KernelParams(11, "q" * 19 + "iiiiii" + "ffff")  # q k v dout lse delta dq +4; 5 x 3 strides +4;
+DQ_PARAMS = KernelParams(13, "q" * 19 + "iiiiii" + "ffff")  # q k v dout lse delta dq +6; 5 x 3 strides +4;
 #                                       seqlen_q seqlen_k group +3; scale scale_log2 +2 (the dQ pass)
 
 
@@ -320,7 +321,8 @@ def flash_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: 
                   window=(-1, -1), softcap: float = 0.0, alibi_slopes: torch.Tensor | None = None,
                   key_bias: torch.Tensor | None = None, cu_seqlens_q: torch.Tensor | None = None,
                   cu_seqlens_k: torch.Tensor | None = None, max_seqlen_q: int | None = None,
-                  max_seqlen_k: int | None = None, attention_chunk: int = 0):
+                  max_seqlen_k: int | None = None, attention_chunk: int = 0, seqused_q: torch.Tensor | None = None,
+                  seqused_k: torch.Tensor | None = None):
     """FlashAttention forward on CUDA tensors (CPU tensors inside autoflash.emulate(): the emulated GPU's
     kernel on the host emulator).
 
@@ -338,15 +340,19 @@ def flash_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: 
     every row's scores (-inf masks the key); cu_seqlens_q / cu_seqlens_k (int32, batch + 1) with
     max_seqlen_q / max_seqlen_k: packed sequences, q (total_q, heads_q, d), k, v (total_k, heads_kv,
     d), lse (heads_q, total_q). The cu_seqlens values are trusted (flash_attn_varlen_func checks them).
+    seqused_q / seqused_k (int32 (batch,), FlashAttention-3's) use only the first seqused[b] rows of
+    sequence b's span: the rows past seqused_q get out 0 and lse +inf, the keys past seqused_k are
+    not seen.
     """
     varlen, q4, k4, v4 = views(q, k, v, cu_seqlens_q, cu_seqlens_k)
     if varlen and 0 in (q.shape[0], k.shape[0]):  # no rows, or no keys for any row: nothing to launch
         return empty_forward(q, k, v, causal, scale, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
-                              alibi_slopes, softcap, window, align, attention_chunk)
+                              alibi_slopes, softcap, window, align, attention_chunk, seqused_q, seqused_k)
     dtype, scale, profile = _prepare(q4, k4, v4, causal, scale, "flash_forward")
     causal, variant = resolve(q4, k4, causal, align=align, window=window, softcap=softcap, alibi_slopes=alibi_slopes,
                               key_bias=key_bias, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k,
-                              max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k, attention_chunk=attention_chunk)
+                              max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k, attention_chunk=attention_chunk,
+                              seqused_q=seqused_q, seqused_k=seqused_k)
     b, hq, lq, d = q4.shape
     hkv, lk = k4.shape[1], k4.shape[2]
     if varlen:
@@ -357,6 +363,9 @@ def flash_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: 
     out = empty_like(q, "lhd" if varlen else "bhld", name="out", rows="q")
     lse = empty((hq, q.shape[0]) if varlen else (b, hq, lq), torch.float32, q.device, "hl" if varlen else "bhl",
                        name="lse", rows="q")
+    if variant.seqused:  # rows past seqused_q are never written: no key seen
+        out.zero_()
+        lse.fill_(math.inf)
     out4 = heads_view(out) if varlen else out
     if lq == 0:
         return out, lse
@@ -454,7 +463,8 @@ def flash_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torc
                    window=(-1, -1), softcap: float = 0.0, alibi_slopes: torch.Tensor | None = None,
                    key_bias: torch.Tensor | None = None, cu_seqlens_q: torch.Tensor | None = None,
                    cu_seqlens_k: torch.Tensor | None = None, max_seqlen_q: int | None = None,
-                   max_seqlen_k: int | None = None, attention_chunk: int = 0):
+                   max_seqlen_k: int | None = None, attention_chunk: int = 0, seqused_q: torch.Tensor | None = None,
+                   seqused_k: torch.Tensor | None = None):
     """FlashAttention backward: (dq, dk, dv) like (q, k, v), from the forward's out and lse
     (fp16/bf16 on tensor cores, fp32 on the SIMT path). The variant arguments are flash_forward's,
     as the forward got them.
@@ -467,6 +477,7 @@ def flash_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torc
     afterwards.
     """
     varlen, q4, k4, v4 = views(q, k, v, cu_seqlens_q, cu_seqlens_k)
+    used = dict(seqused_q=seqused_q, seqused_k=seqused_k)
     if varlen and 0 in (q.shape[0], k.shape[0]):  # no rows or no keys: every gradient is 0
         return torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
     dtype, scale, profile = _prepare(q4, k4, v4, causal, scale, "flash_backward")
@@ -474,7 +485,8 @@ def flash_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torc
         raise TypeError(f"deterministic: got {deterministic!r}, expected a bool")
     causal, variant = resolve(q4, k4, causal, align=align, window=window, softcap=softcap, alibi_slopes=alibi_slopes,
                               key_bias=key_bias, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k,
-                              max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k, attention_chunk=attention_chunk)
+                              max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k, attention_chunk=attention_chunk,
+                              **used)
     for name, t in (("out", out), ("dout", dout)):
         check_like(name, t, q)
         if varlen:
@@ -511,6 +523,9 @@ def flash_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torc
     dq_accum = None if dq_pass else zeros((*lse_shape, d), torch.float32, q.device, "hld" if varlen else "bhld",
                                                  name="dq_accum", rows="q", contiguous=True)
     dk_x, dv_x = kv_grad_buffers(k, v, hq, varlen)
+    if variant.seqused:  # key rows past seqused_k are never written: no gradient
+        dk_x.zero_()
+        dv_x.zero_()
     dk4, dv4 = (heads_view(dk_x), heads_view(dv_x)) if varlen else (dk_x, dv_x)
     n_blocks, split = math.ceil(lk / config.block_n), config.head_split
     extra_scalars = variant.scalars(lse)
@@ -527,6 +542,8 @@ def flash_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torc
 
     if dq_pass:
         dq = empty_like(q, "lhd" if varlen else "bhld", name="dq", rows="q")
+        if variant.seqused:
+            dq.zero_()
         dq4 = heads_view(dq) if varlen else dq
         for sequences, pointers in variant.runs(b) if lq else ():
             _call(fns[f"{config.name}_dq"], (math.ceil(lq / config.block_m), hq, sequences), config.threads,

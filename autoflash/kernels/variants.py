@@ -19,13 +19,15 @@ LOG2E = 1.4426950408889634
 @dataclasses.dataclass(frozen=True)
 class Variant:
     """One call's variant: `switches` for KernelConfig.replace, the kernels' extra pointers
-    (cu_seqlens_q, cu_seqlens_k, alibi_slopes, key_bias; None, a null pointer, where a switch is
-    off: the kernels never read it) and
+    (cu_seqlens_q, cu_seqlens_k, seq_end_q, seq_end_k, alibi_slopes, key_bias; None, a null pointer,
+    where a switch is off: the kernels never read it; seq_end is one past each packed sequence's last
+    row in use, cu_seqlens[1:] or cu_seqlens[:-1] + seqused), whether seqused cut any (`seqused`) and
     scalars (alibi and bias batch strides, window left, right and chunk, softcap's two factors)."""
 
     switches: dict
     pointers: tuple
     window: tuple[int, int, int]  # left, right, chunk (0: none)
+    seqused: bool
     alibi_sb: int
     bias_sb: int
     softcap: float
@@ -52,10 +54,11 @@ class Variant:
         rows, their LSE and dQ are indexed by absolute row. Dense batches are checked <= GRID_YZ_MAX."""
         if batch <= GRID_YZ_MAX:
             return ((batch, self.pointers),)
-        cu_q, cu_k, alibi, bias = self.pointers
+        cu_q, cu_k, end_q, end_k, alibi, bias = self.pointers
         per_sequence = alibi is not None and alibi.dim() == 2
         return tuple((min(GRID_YZ_MAX, batch - start),
-                      (cu_q[start:], cu_k[start:], alibi[start:] if per_sequence else alibi, bias))
+                      (cu_q[start:], cu_k[start:], end_q[start:], end_k[start:],
+                       alibi[start:] if per_sequence else alibi, bias))
                      for start in range(0, batch, GRID_YZ_MAX))
 
     def softcap_factors(self, scale: float) -> tuple[float, float]:
@@ -108,16 +111,27 @@ def _check_cu_seqlens(name: str, t, device: torch.device) -> int:
     return t.numel() - 1
 
 
+def _check_used(name: str, t, batch: int, device: torch.device) -> None:
+    """seqused_q / seqused_k metadata (dtype, shape, device); the values (0 <= used <= the span) are
+    the caller's to check, as cu_seqlens' are."""
+    if not isinstance(t, torch.Tensor):
+        raise TypeError(f"{name}: got {type(t).__name__}, expected an int32 tensor")
+    if t.dtype != torch.int32 or tuple(t.shape) != (batch,) or t.device != device or t.stride(0) != 1:
+        raise ValueError(f"{name}: got {tuple(t.shape)} {t.dtype} on {t.device}; expected a contiguous int32 tensor of "
+                         f"shape ({batch},) on {device}: the rows in use of each packed sequence")
+
+
 def resolve(q: torch.Tensor, k: torch.Tensor, causal: bool, *, align: str = "top_left", window=(-1, -1),
             softcap: float = 0.0, alibi_slopes=None, key_bias=None, cu_seqlens_q=None, cu_seqlens_k=None,
             max_seqlen_q=None, max_seqlen_k=None, cache_len: int | None = None,
-            attention_chunk: int = 0) -> tuple[bool, Variant]:
+            attention_chunk: int = 0, seqused_q=None, seqused_k=None) -> tuple[bool, Variant]:
     """(causal as the kernels run it, the Variant) of a call. q, k are (B, H, L, D) views (for packed
     sequences the (1, H, total, D) views of (total, H, D)). cache_len: a KV cache's capacity, its
     batches' key lengths being run-time values up to it (the alignment then always holds).
     attention_chunk > 0: chunked local attention (FlashAttention-3's), the chunk switch inside a
     window kernel: a causal call becomes the window (unbounded, 0), a call with no window the
-    window (unbounded, unbounded)."""
+    window (unbounded, unbounded). seqused_q / seqused_k (packed sequences only, FlashAttention-3's):
+    int32 (batch,), the rows of each sequence's cu_seqlens span in use."""
     if align not in ALIGNS:
         raise ValueError(f"align: got {align!r}, expected one of {ALIGNS}")
     varlen = cu_seqlens_q is not None or cu_seqlens_k is not None
@@ -131,6 +145,9 @@ def resolve(q: torch.Tensor, k: torch.Tensor, causal: bool, *, align: str = "top
             if isinstance(m, bool) or not isinstance(m, int) or m < 0:
                 raise ValueError(f"{name}: got {m!r}, expected an int >= 0 (the longest sequence)")
         lq, lk = max_seqlen_q, max_seqlen_k
+        for name, t in (("seqused_q", seqused_q), ("seqused_k", seqused_k)):
+            if t is not None:
+                _check_used(name, t, batch, q.device)
         if key_bias is not None:
             raise ValueError("key_bias: got a tensor with packed sequences; expected None (packed sequences carry "
                              "no padding to mask)")
@@ -138,6 +155,9 @@ def resolve(q: torch.Tensor, k: torch.Tensor, causal: bool, *, align: str = "top
         if max_seqlen_q is not None or max_seqlen_k is not None:
             raise ValueError("max_seqlen_q / max_seqlen_k: got a value without cu_seqlens; expected None")
         batch, lq, lk = q.shape[0], q.shape[2], k.shape[2] if cache_len is None else cache_len
+        if seqused_q is not None or seqused_k is not None:
+            raise ValueError("seqused_q / seqused_k: got a tensor without cu_seqlens; expected None (they count the "
+                             "rows of packed sequences in use)")
     hq = q.shape[1]
     causal, windowed, left, right = _window(window, causal, align, lq, lk)
     attention_chunk = chunk_size("attention_chunk", attention_chunk)
@@ -159,8 +179,16 @@ def resolve(q: torch.Tensor, k: torch.Tensor, causal: bool, *, align: str = "top
         align = "top_left"  # nothing to place, or both diagonals coincide: one kernel serves both
     switches = {"align": align, "window": windowed, "chunk": attention_chunk > 0, "softcap": softcap > 0, "alibi": alibi,
                 "key_bias": key_bias is not None, "varlen": varlen}
-    pointers = (cu_seqlens_q, cu_seqlens_k, alibi_slopes, key_bias)
-    return causal, Variant(switches, pointers, (left, right, attention_chunk), alibi_sb, bias_sb, float(softcap))
+    ends = (_seq_end(cu_seqlens_q, seqused_q), _seq_end(cu_seqlens_k, seqused_k)) if varlen else (None, None)
+    pointers = (cu_seqlens_q, cu_seqlens_k, *ends, alibi_slopes, key_bias)
+    return causal, Variant(switches, pointers, (left, right, attention_chunk), seqused_q is not None
+                           or seqused_k is not None, alibi_sb, bias_sb, float(softcap))
+
+
+def _seq_end(cu: torch.Tensor, used: torch.Tensor | None) -> torch.Tensor:
+    """One past each packed sequence's last row in use: cu[1:] (a view), or cu[:-1] + used (one small
+    device op; nothing is read back)."""
+    return cu[1:] if used is None else cu[:-1] + used
 
 
 # ---- packed sequences and configs, as the launcher needs them
@@ -191,13 +219,13 @@ def with_variant(config: KernelConfig, causal: bool, variant: Variant) -> Kernel
 
 
 def empty_forward(q, k, v, causal, scale, cu_q, cu_k, max_q, max_k, alibi_slopes, softcap, window, align,
-                  attention_chunk=0):
+                  attention_chunk=0, seqused_q=None, seqused_k=None):
     """Packed sequences with no query rows or no keys at all: out 0, lse +inf (no key seen), after
     the same argument checks as a launch."""
     if not (q.dtype == k.dtype == v.dtype) or q.dtype not in (torch.float16, torch.bfloat16):
         raise TypeError(f"q, k, v dtypes: got {q.dtype}, {k.dtype}, {v.dtype}; expected one of float16, bfloat16")
     resolve(heads_view(q), heads_view(k), causal, align=align, window=window, softcap=softcap,
             alibi_slopes=alibi_slopes, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k, max_seqlen_q=max_q, max_seqlen_k=max_k,
-            attention_chunk=attention_chunk)
+            attention_chunk=attention_chunk, seqused_q=seqused_q, seqused_k=seqused_k)
     check_scale(scale, q.shape[-1])
     return torch.zeros_like(q), torch.full((q.shape[1], q.shape[0]), math.inf, dtype=torch.float32, device=q.device)

@@ -170,6 +170,8 @@ def attention_varlen_ref(
     softcap: float = 0.0,
     alibi_slopes: torch.Tensor | None = None,
     attention_chunk: int = 0,
+    seqused_q: torch.Tensor | None = None,
+    seqused_k: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """attention_ref over packed sequences (flash-attn's varlen layout).
 
@@ -178,7 +180,9 @@ def attention_varlen_ref(
     entries from 0), with its own lengths, so its own bottom-right diagonal; ``alibi_slopes`` (Hq,)
     or (B, Hq), row b for sequence b. Returns out (total_q, Hq, D) and lse (Hq, total_q), the layout
     flash-attn 2 returns; a sequence with queries and no keys gets out 0 and lse +inf. Differentiable
-    in q, k, v (through the sequences that have keys).
+    in q, k, v (through the sequences that have keys). seqused_q / seqused_k (int32 (B,),
+    FlashAttention-3's): sequence b uses only the first seqused[b] rows of its span; the query rows
+    past them get out 0 and lse +inf.
     """
     _check_packed(q, k, v)
     cq = _check_cu_seqlens("cu_seqlens_q", cu_seqlens_q, q.shape[0])
@@ -193,24 +197,42 @@ def attention_varlen_ref(
     slopes = None if alibi_slopes is None else check_alibi_slopes(alibi_slopes, len(cq) - 1, hq, q.device)
     dtype = _upcast_dtype(q.dtype) if upcast else q.dtype
     lse_dtype = torch.float64 if q.dtype == torch.float64 else torch.float32
+    used_q = _check_used("seqused_q", seqused_q, cq)
+    used_k = _check_used("seqused_k", seqused_k, ck)
     outs = [torch.zeros(0, hq, d, dtype=dtype, device=q.device)]
     lses = [torch.zeros(hq, 0, dtype=lse_dtype, device=q.device)]
     for b in range(len(cq) - 1):
-        nq, nk = cq[b + 1] - cq[b], ck[b + 1] - ck[b]
-        if nq == 0:
-            continue
-        if nk == 0:
+        span, nq, nk = cq[b + 1] - cq[b], used_q[b], used_k[b]
+        unused = (torch.zeros(span - nq, hq, d, dtype=dtype, device=q.device),
+                  torch.full((hq, span - nq), float("inf"), dtype=lse_dtype, device=q.device))
+        if nq == 0 or nk == 0:
             outs.append(torch.zeros(nq, hq, d, dtype=dtype, device=q.device))
             lses.append(torch.full((hq, nq), float("inf"), dtype=lse_dtype, device=q.device))
+            outs.append(unused[0])
+            lses.append(unused[1])
             continue
-        qs = q[cq[b]:cq[b + 1]].transpose(0, 1).unsqueeze(0)
-        ks, vs = (t[ck[b]:ck[b + 1]].transpose(0, 1).unsqueeze(0) for t in (k, v))
+        qs = q[cq[b]:cq[b] + nq].transpose(0, 1).unsqueeze(0)
+        ks, vs = (t[ck[b]:ck[b] + nk].transpose(0, 1).unsqueeze(0) for t in (k, v))
         o, lse = attention_ref(qs, ks, vs, causal=causal, scale=scale, upcast=upcast, align=align, window=window,
                                softcap=softcap, alibi_slopes=None if slopes is None else slopes[b],
                                attention_chunk=attention_chunk)
-        outs.append(o[0].transpose(0, 1))
-        lses.append(lse[0])
+        outs += [o[0].transpose(0, 1), unused[0]]
+        lses += [lse[0], unused[1]]
     return torch.cat(outs), torch.cat(lses, dim=1)
+
+
+def _check_used(name: str, used, cu: list[int]) -> list[int]:
+    """The rows in use of each sequence: seqused's values (each within its span), or the spans."""
+    spans = [b - a for a, b in zip(cu, cu[1:])]
+    if used is None:
+        return spans
+    if not isinstance(used, torch.Tensor) or used.dtype != torch.int32 or tuple(used.shape) != (len(spans),):
+        got = f"{tuple(used.shape)} {used.dtype}" if isinstance(used, torch.Tensor) else type(used).__name__
+        raise ValueError(f"{name}: got {got}, expected an int32 tensor of shape ({len(spans)},)")
+    values = used.tolist()
+    if any(not 0 <= u <= s for u, s in zip(values, spans)):
+        raise ValueError(f"{name}: got {values[:16]}, expected 0 <= {name}[b] <= the span of sequence b {spans[:16]}")
+    return values
 
 
 def attention_tiled(

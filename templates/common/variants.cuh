@@ -100,18 +100,21 @@ struct ScoreMod {
 };
 
 // One sequence of a call: where its rows start and how many there are. Dense batches have
-// offset 0 and the call's lengths; packed (varlen) batches read them from cu_seqlens.
+// offset 0 and the call's lengths; packed (varlen) batches start at cu_seqlens[b] and end at
+// seq_end[b]: cu_seqlens[b + 1], or cu_seqlens[b] + seqused[b] where FlashAttention-3's seqused_q /
+// seqused_k leave the rest of the span unused (the launcher passes whichever, so no branch here).
 template <bool VARLEN>
 struct Seq {
   int q_off, k_off, seqlen_q, seqlen_k;
 
-  __device__ __forceinline__ Seq(const int* __restrict__ cu_q, const int* __restrict__ cu_k, int batch,
+  __device__ __forceinline__ Seq(const int* __restrict__ cu_q, const int* __restrict__ cu_k,
+                                 const int* __restrict__ end_q, const int* __restrict__ end_k, int batch,
                                  int max_q, int max_k) {
     if constexpr (VARLEN) {
       q_off = cu_q[batch];
       k_off = cu_k[batch];
-      seqlen_q = cu_q[batch + 1] - q_off;
-      seqlen_k = cu_k[batch + 1] - k_off;
+      seqlen_q = end_q[batch] - q_off;
+      seqlen_k = end_k[batch] - k_off;
     } else {
       q_off = k_off = 0;
       seqlen_q = max_q;
