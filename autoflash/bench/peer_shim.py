@@ -117,7 +117,8 @@ def pytest_runtest_makereport(item, call):
         return
     reason = ""
     if report.failed and call.excinfo is not None:
-        reason = f"{call.excinfo.typename}: {str(call.excinfo.value).splitlines()[0] if str(call.excinfo.value) else ''}"
+        text = str(call.excinfo.value)
+        reason = f"{call.excinfo.typename}: {text.splitlines()[0] if text else ''}"
     elif report.skipped:
         reason = str(report.longrepr[-1]) if isinstance(report.longrepr, tuple) else str(report.longrepr)
     with open(path, "a") as f:

@@ -54,8 +54,9 @@ def flash_attn_func(q, k, v, softmax_scale=None, causal=False, qv=None, q_descal
                     deterministic=False, sm_margin=0, return_attn_probs=False):
     """FlashAttention-3's flash_attn_func: q (batch, seqlen_q, heads, head_dim), k and v (batch, seqlen_k,
     heads_k, head_dim), heads_k dividing heads; causal, window_size and attention_chunk (> 0: only the
-    keys of the chunk holding query i's diagonal key) bottom-right aligned; softcap > 0 caps the scores. Returns out (batch, seqlen_q, heads, head_dim), or with return_attn_probs
-    (out, softmax_lse (batch, heads, seqlen_q) fp32). Differentiable in q, k, v."""
+    keys of the chunk holding query i's diagonal key) bottom-right aligned; softcap > 0 caps the
+    scores. Returns out (batch, seqlen_q, heads, head_dim), or with return_attn_probs (out,
+    softmax_lse (batch, heads, seqlen_q) fp32). Differentiable in q, k, v."""
     _unsupported(qv, q_descale, k_descale, v_descale)
     _check_hints(num_splits, pack_gqa, sm_margin)
     out = flash_api.flash_attn_func(q, k, v, 0.0, softmax_scale, causal, window_size, softcap, None, deterministic,

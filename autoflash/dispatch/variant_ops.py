@@ -188,8 +188,8 @@ def flash_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, alibi_slopes: O
 
 
 @flash_fwd.register_kernel("cpu")
-def _flash_fwd_cpu(q, k, v, alibi_slopes, key_bias, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, scale, causal, align, window_left,
-                   window_right, attention_chunk, softcap, max_seqlen_q, max_seqlen_k, deterministic):
+def _flash_fwd_cpu(q, k, v, alibi_slopes, key_bias, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, scale, causal,
+                   align, window_left, window_right, attention_chunk, softcap, max_seqlen_q, max_seqlen_k, deterministic):
     kw = _variant(causal, align, window_left, window_right, attention_chunk, softcap, alibi_slopes, key_bias,
                   cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, seqused_q, seqused_k)
     if emulating():
@@ -198,8 +198,9 @@ def _flash_fwd_cpu(q, k, v, alibi_slopes, key_bias, cu_seqlens_q, cu_seqlens_k, 
 
 
 @flash_fwd.register_fake
-def _flash_fwd_fake(q, k, v, alibi_slopes, key_bias, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, scale, causal, align, window_left,
-                    window_right, attention_chunk, softcap, max_seqlen_q, max_seqlen_k, deterministic):
+def _flash_fwd_fake(q, k, v, alibi_slopes, key_bias, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, scale, causal,
+                    align, window_left, window_right, attention_chunk, softcap, max_seqlen_q, max_seqlen_k,
+                    deterministic):
     lse_shape = (q.shape[1], q.shape[0]) if cu_seqlens_q is not None else q.shape[:-1]
     return torch.empty_like(q), q.new_empty(lse_shape, dtype=torch.float32)
 
@@ -220,8 +221,9 @@ def flash_bwd(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Ten
 
 
 @flash_bwd.register_kernel("cpu")
-def _flash_bwd_cpu(dout, q, k, v, out, lse, alibi_slopes, key_bias, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, scale, causal, align,
-                   window_left, window_right, attention_chunk, softcap, max_seqlen_q, max_seqlen_k, deterministic):
+def _flash_bwd_cpu(dout, q, k, v, out, lse, alibi_slopes, key_bias, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k,
+                   scale, causal, align, window_left, window_right, attention_chunk, softcap, max_seqlen_q,
+                   max_seqlen_k, deterministic):
     kw = _variant(causal, align, window_left, window_right, attention_chunk, softcap, alibi_slopes, key_bias,
                   cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, seqused_q, seqused_k)
     if emulating():
@@ -230,8 +232,9 @@ def _flash_bwd_cpu(dout, q, k, v, out, lse, alibi_slopes, key_bias, cu_seqlens_q
 
 
 @flash_bwd.register_fake
-def _flash_bwd_fake(dout, q, k, v, out, lse, alibi_slopes, key_bias, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, scale, causal, align,
-                    window_left, window_right, attention_chunk, softcap, max_seqlen_q, max_seqlen_k, deterministic):
+def _flash_bwd_fake(dout, q, k, v, out, lse, alibi_slopes, key_bias, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k,
+                    scale, causal, align, window_left, window_right, attention_chunk, softcap, max_seqlen_q,
+                    max_seqlen_k, deterministic):
     return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
 
 

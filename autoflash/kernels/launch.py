@@ -333,16 +333,16 @@ def flash_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: 
     1/sqrt(head_dim). Returns (out like q, lse (batch, heads_q, seqlen_q) fp32).
 
     Variants (fp16/bf16; each turns on its KernelConfig switch, on `config` too):
-    window=(left, right), -1 unbounded: keys i + diag - left .. i + diag + right (with causal, right
-    is 0); attention_chunk > 0 (FlashAttention-3's chunked local attention): as well, only the keys
-    of the chunk of attention_chunk keys that holds key i + diag; softcap > 0: scores cap * tanh(scale * s / cap); alibi_slopes fp32 (heads_q,) or
-    (batch, heads_q): scores - slope * |i + diag - j|; key_bias fp32 (batch, seqlen_k): added to
-    every row's scores (-inf masks the key); cu_seqlens_q / cu_seqlens_k (int32, batch + 1) with
-    max_seqlen_q / max_seqlen_k: packed sequences, q (total_q, heads_q, d), k, v (total_k, heads_kv,
-    d), lse (heads_q, total_q). The cu_seqlens values are trusted (flash_attn_varlen_func checks them).
-    seqused_q / seqused_k (int32 (batch,), FlashAttention-3's) use only the first seqused[b] rows of
-    sequence b's span: the rows past seqused_q get out 0 and lse +inf, the keys past seqused_k are
-    not seen.
+    window=(left, right), -1 unbounded: keys i + diag - left .. i + diag + right (with causal, right is
+    0); attention_chunk > 0 (FlashAttention-3's chunked local attention): as well, only the keys of the
+    chunk of attention_chunk keys that holds key i + diag; softcap > 0: scores cap * tanh(scale * s /
+    cap); alibi_slopes fp32 (heads_q,) or (batch, heads_q): scores - slope * |i + diag - j|; key_bias
+    fp32 (batch, seqlen_k): added to every row's scores (-inf masks the key); cu_seqlens_q /
+    cu_seqlens_k (int32, batch + 1) with max_seqlen_q / max_seqlen_k: packed sequences, q (total_q,
+    heads_q, d), k, v (total_k, heads_kv, d), lse (heads_q, total_q). The cu_seqlens values are trusted
+    (flash_attn_varlen_func checks them). seqused_q / seqused_k (int32 (batch,), FlashAttention-3's) use
+    only the first seqused[b] rows of sequence b's span: the rows past seqused_q get out 0 and lse +inf,
+    the keys past seqused_k are not seen.
     """
     varlen, q4, k4, v4 = views(q, k, v, cu_seqlens_q, cu_seqlens_k)
     if varlen and 0 in (q.shape[0], k.shape[0]):  # no rows, or no keys for any row: nothing to launch
