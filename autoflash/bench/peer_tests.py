@@ -59,7 +59,9 @@ def run(args) -> tuple[list[dict], str]:
     test = _test_file(args.fa3)
     stamp = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d")
     args.out.mkdir(parents=True, exist_ok=True)
-    lines = args.out / f"{stamp}-fa3-{args.gpu}-seed{args.seed}.jsonl"
+    import autoflash
+
+    lines = args.out / f"{stamp}-fa3-{args.gpu}-seed{args.seed}-{_revision_of(Path(autoflash.__file__).parent)}.jsonl"
     lines.unlink(missing_ok=True)
     env = dict(os.environ, FLASH_ATTENTION_DISABLE_FP8="TRUE", AUTOFLASH_PEER_GPU=args.gpu,
                AUTOFLASH_PEER_SAMPLE=str(args.sample), AUTOFLASH_PEER_SEED=str(args.seed),
@@ -105,7 +107,7 @@ def summarize(records: list[dict]) -> dict:
 def render(summary: dict, command: str, source: str) -> str:
     out = [f"# FlashAttention-3's hopper/test_flash_attn.py on autoflash (emulated {summary['gpu']})", "",
            f"command: `{command}`", f"date: {summary['date']}", f"autoflash: {summary['autoflash']}",
-           f"flash-attention checkout: {summary['checkout']}", f"records: {source}", "",
+           f"flash-attention checkout: {summary['checkout']}", f"records: {Path(source).name}", "",
            "Emulated on the CPU (autoflash.emulate), not timed; fp8 left out (a separate issue). The tests' own",
            "assertions and tolerances decide. A failure that names a feature is autoflash refusing it by name.", "",
            f"cases run: {summary['cases']}  outcomes: {summary['outcomes']}", "",
@@ -127,7 +129,7 @@ def main(argv: list[str] | None = None) -> int:
     records, source = run(args)
     summary = summarize(records)
     summary.update(gpu=args.gpu, date=datetime.date.today().isoformat(), autoflash=_revision(autoflash),
-                   checkout=_revision_of(args.fa3))
+                   checkout=f"{args.fa3} git {_revision_of(args.fa3)}")
     command = "python -m autoflash.bench peer-tests " + " ".join(argv if argv is not None else sys.argv[1:])
     text = render(summary, command, source)
     Path(source).with_suffix(".md").write_text(text)
@@ -136,13 +138,16 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _revision(module) -> str:
-    root = Path(module.__file__).resolve().parent.parent
-    return f"{getattr(module, '__version__', '?')} git {_revision_of(root)}"
+    return f"{getattr(module, '__version__', '?')} git {_revision_of(Path(module.__file__).resolve().parent)}"
 
 
 def _revision_of(path: Path) -> str:
+    """The short commit of the git checkout holding `path` (+ "-dirty" with uncommitted changes), or
+    "nogit"."""
     try:
-        return subprocess.run(["git", "-C", str(path), "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
-                              check=True).stdout.strip() or str(path)
+        run = lambda *a: subprocess.run(["git", "-C", str(path), *a], capture_output=True, text=True,  # noqa: E731
+                                        check=True).stdout.strip()
+        return run("rev-parse", "--short", "HEAD") + ("-dirty" if run("status", "--porcelain", "--untracked-files=no")
+                                                      else "")
     except (OSError, subprocess.CalledProcessError):
-        return str(path)
+        return "nogit"

@@ -157,6 +157,20 @@ def _sm90_biased_keys(head_dim: int, block_n: int) -> int:
     return min(block_n, 128 if head_dim <= 128 else 96 if head_dim <= 192 else 64)
 
 
+def _chunked_keys(family: str, head_dim: int, block_n: int, switches: dict) -> int:
+    """block_n of a forward with attention chunks beside a score modifier (a key bias, or softcap with
+    ALiBi): each masked tile computes its rows' chunk limits (an integer division by the run-time
+    chunk) while the modifier's values are live, and ptxas (NVRTC 13.5) spilled 12-96 bytes on the
+    sm80 family's 64-key tiles above d = 144 and 16 bytes on the sm90 family's 80-key tile at
+    d = 256: 32 keys there on sm80, 64 on sm90 (both clean)."""
+    modified = switches.get("key_bias") or (switches.get("softcap") and switches.get("alibi"))
+    if not (switches.get("chunk") and modified):
+        return block_n
+    if family == "sm90":
+        return min(block_n, 64) if head_dim > 240 else block_n
+    return min(block_n, 32) if head_dim > 144 else block_n
+
+
 def sm90_applies(head_dim: int, dtype: str, profile: GpuProfile) -> bool:
     """Whether the built-in forward on this GPU is the sm90 family: an sm_90 GPU (H100, H200), 16-bit
     inputs, a head dim wgmma's k steps cover (a multiple of 16)."""
@@ -359,7 +373,8 @@ def call_default(direction: str, head_dim: int, dtype: str, causal: bool, switch
     switches (Variant.switches: align and VARIANTS) turned on. The sm90 family's plain default where
     sm90_fallback allows it (a window takes the causal tiles, as FlashAttention-3's is_causal or
     is_local; a key bias beside softcap or ALiBi fewer keys a tile, _sm90_biased_keys); else the sm80
-    family's, with the tiles for variant kernels where any switch is on."""
+    family's, with the tiles for variant kernels where any switch is on. Attention chunks beside a
+    score modifier take fewer keys a tile on either family (_chunked_keys)."""
     default = default_config if direction == "fwd" else default_backward_config
     banded = causal or bool(switches.get("window"))
     if not sm90_fallback(switches, direction):
@@ -367,6 +382,11 @@ def call_default(direction: str, head_dim: int, dtype: str, causal: bool, switch
         if plain.family == "sm90":  # the plain tiles take the switches
             if switches.get("key_bias") and (switches.get("softcap") or switches.get("alibi")):
                 plain = plain.replace(block_n=_sm90_biased_keys(head_dim, plain.block_n))
+            if direction == "fwd":
+                plain = plain.replace(block_n=_chunked_keys("sm90", head_dim, plain.block_n, switches))
             return plain.replace(causal=causal, **switches)
     heavy = switches.get("align", "top_left") != "top_left" or any(switches.get(f) for f in VARIANTS)
-    return default(head_dim, dtype, banded, profile, heavy).replace(causal=causal, **switches)
+    config = default(head_dim, dtype, banded, profile, heavy)
+    if direction == "fwd":
+        config = config.replace(block_n=_chunked_keys("sm80", head_dim, config.block_n, switches))
+    return config.replace(causal=causal, **switches)
