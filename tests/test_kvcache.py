@@ -249,8 +249,8 @@ def test_the_op_passes_opcheck():
     """autoflash::flash_kvcache (CPU reference path): schema with its mutated caches, fake tensors."""
     q, k_cache, v_cache, k, v, cos, sin, seqlens = _op_inputs(torch.Generator().manual_seed(1))
     torch.library.opcheck(torch.ops.autoflash.flash_kvcache.default,
-                          (q, k_cache, v_cache, k, v, cos, sin, seqlens, 0, None, None, None, None, None, None, True,
-                           -1, -1, 0.0, True, 0))
+                          (q, k_cache, v_cache, k, v, cos, sin, None, seqlens, 0, None, None, None, None, None, None,
+                           True, -1, -1, 0, 0.0, True, 0))
 
 
 def test_torch_compile_fullgraph_matches_eager():

@@ -67,7 +67,9 @@ def run(args) -> tuple[list[dict], str]:
                AUTOFLASH_PEER_SAMPLE=str(args.sample), AUTOFLASH_PEER_SEED=str(args.seed),
                AUTOFLASH_PEER_MAX_ELEMENTS=str(args.max_elements), AUTOFLASH_PEER_REPORT=str(lines.resolve()),
                AUTOFLASH_PEER_EXCLUDE=args.exclude,
-               PYTHONPATH=os.pathsep.join([str(test.parent), *filter(None, [os.environ.get("PYTHONPATH")])]))
+               # the test file's folder (its test_util, padding) and the autoflash this command runs
+               PYTHONPATH=os.pathsep.join([str(test.parent), str(Path(autoflash.__file__).resolve().parent.parent),
+                                           *filter(None, [os.environ.get("PYTHONPATH")])]))
     cmd = [sys.executable, "-m", "pytest", "-p", "autoflash.bench.peer_shim", "-q", "-p", "no:cacheprovider",
            "--rootdir", str(test.parent), str(test), "-o", "addopts=", "-W", "ignore"]
     cmd += ["-k", args.keyword] if args.keyword else []

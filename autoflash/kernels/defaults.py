@@ -158,17 +158,18 @@ def _sm90_biased_keys(head_dim: int, block_n: int) -> int:
 
 
 def _chunked_keys(family: str, head_dim: int, block_n: int, switches: dict) -> int:
-    """block_n of a forward with attention chunks beside a score modifier (a key bias, or softcap with
-    ALiBi): each masked tile computes its rows' chunk limits (an integer division by the run-time
-    chunk) while the modifier's values are live, and ptxas (NVRTC 13.5) spilled 12-96 bytes on the
-    sm80 family's 64-key tiles above d = 144 and 16 bytes on the sm90 family's 80-key tile at
-    d = 256: 32 keys there on sm80, 64 on sm90 (both clean)."""
-    modified = switches.get("key_bias") or (switches.get("softcap") and switches.get("alibi"))
-    if not (switches.get("chunk") and modified):
+    """block_n of a forward with attention chunks: each masked tile computes its rows' chunk limits
+    (an integer division by the run-time chunk). Beside a score modifier (a key bias, or softcap with
+    ALiBi) ptxas (NVRTC 13.5) spilled 12-96 bytes on the sm80 family's 64-key tiles above d = 144 and
+    16 bytes on the sm90 family's 80-key tile at d = 256; alone, 28 bytes at d = 232 under 12.9 and
+    13.0.88 (where the window kernel without chunks spills 12 already). 32 keys there on sm80, 64 on
+    sm90: clean under every NVRTC (bench/results/compile/)."""
+    if not switches.get("chunk"):
         return block_n
+    modified = switches.get("key_bias") or (switches.get("softcap") and switches.get("alibi"))
     if family == "sm90":
-        return min(block_n, 64) if head_dim > 240 else block_n
-    return min(block_n, 32) if head_dim > 144 else block_n
+        return min(block_n, 64) if modified and head_dim > 240 else block_n
+    return min(block_n, 32) if head_dim > 224 or (modified and head_dim > 144) else block_n
 
 
 def sm90_applies(head_dim: int, dtype: str, profile: GpuProfile) -> bool:
