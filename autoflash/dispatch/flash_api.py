@@ -78,7 +78,10 @@ def _check_qkv(q, k, v, layout: str) -> Dims:
         raise ValueError(f"device: got {q.device}, expected CUDA tensors (or CPU tensors: the kernels emulated inside "
                          "autoflash.emulate(), else the PyTorch reference)")
     if k.shape != v.shape:
-        raise ValueError(f"k and v shapes: got {tuple(k.shape)} and {tuple(v.shape)}; expected them equal")
+        different_dv = k.dim() == v.dim() and k.shape[:-1] == v.shape[:-1]
+        raise ValueError(f"k and v shapes: got {tuple(k.shape)} and {tuple(v.shape)}; expected them equal"
+                         + (" (a V head dim different from Q and K's, FlashAttention-3's headdim_v, is not run yet)"
+                            if different_dv else ""))
     shape = dict(zip(names, q.shape))
     shape_k = dict(zip(names, k.shape))
     d = shape["head_dim"]
