@@ -102,6 +102,7 @@ def test_varlen_and_packed_qkv_with_gqa(launched):
     (lambda q: fa3.flash_attn_with_kvcache(q, q, q, cache_seqlens=4,
                                            cu_seqlens_q=torch.tensor([0, 8], dtype=torch.int32)), "cu_seqlens_q"),
     (lambda q: fa3.flash_attn_func(q, q, q, num_splits=-1), "num_splits"),
+    (lambda q: fa3.flash_attn_with_kvcache(q, q, q, cache_seqlens=4, rotary_seqlens=[1]), "rotary_seqlens"),
     (lambda q: fa3.flash_attn_func(q, q, torch.cat([q, q], -1)), "k and v shapes"),  # dv != d, named as such
     (lambda q: fa3.flash_attn_with_kvcache(q, q, q, cache_seqlens=4, scheduler_metadata=torch.zeros(7)),
      "scheduler_metadata"),

@@ -111,9 +111,7 @@ def pytest_runtest_makereport(item, call):
     outcome = yield
     report = outcome.get_result()
     path = os.environ.get("AUTOFLASH_PEER_REPORT")
-    if not path or not (report.when == "call" or report.outcome != "passed"):
-        return
-    if report.when == "teardown" and report.outcome == "passed":
+    if not path or (report.when != "call" and report.outcome == "passed"):  # a call, or a failed setup/teardown
         return
     reason = ""
     if report.failed and call.excinfo is not None:

@@ -31,7 +31,7 @@ import torch.nn.functional as F
 
 from autoflash.dispatch import variant_ops  # registers torch.ops.autoflash.flash_fwd / flash_bwd
 from autoflash.dispatch.policy import REFERENCE, cpu_fallback, fall_back, is_strict
-from autoflash.kernels.checks import checks_values, chunk_size, window_pair
+from autoflash.kernels.checks import checks_values, chunk_size, int32_vector, window_pair
 from autoflash.kernels.config import ALIGNS, HEAD_DIM_MAX, HEAD_DIM_MIN, HEAD_DIM_STEP
 
 __all__ = ["attention_variant", "flash_attn_func", "flash_attn_kvpacked_func", "flash_attn_qkvpacked_func",
@@ -222,11 +222,7 @@ def _check_used(name: str, used, batch: int, lengths: list[int] | None, device: 
     (read where checks_values allows) lie within each sequence's span."""
     if used is None:
         return None
-    if not isinstance(used, torch.Tensor):
-        raise TypeError(f"{name}: got {type(used).__name__}, expected None or a torch.int32 tensor")
-    if used.dtype != torch.int32 or tuple(used.shape) != (batch,) or used.device != device:
-        raise ValueError(f"{name}: got {tuple(used.shape)} {used.dtype} on {used.device}; expected int32 of shape "
-                         f"({batch},) on {device}: the rows in use of each sequence")
+    int32_vector(name, used, batch, device, ": the rows in use of each sequence")
     if lengths is not None:
         values = used.tolist()
         if any(not 0 <= u <= n for u, n in zip(values, lengths)):
@@ -334,9 +330,8 @@ def _run(q, k, v, *, scale: float, causal: bool, align: str, window: tuple[int, 
     if reason is not None:
         fall_back(entry, reason, strict, REFERENCE, explain=f"autoflash.explain(autoflash.{entry}, ...)")
     out, lse = torch.ops.autoflash.flash_fwd(q, k, v, alibi_slopes, key_bias, cu_q, cu_k, used_q, used_k, scale,
-                                             causal, align,
-                                             window[0], window[1], attention_chunk, softcap, max_q, max_k,
-                                             deterministic)
+                                             causal, align, window[0], window[1], attention_chunk, softcap, max_q,
+                                             max_k, deterministic)
     return (out if width == d else out[..., :d]), lse
 
 

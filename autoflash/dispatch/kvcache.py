@@ -75,18 +75,6 @@ def _check_values(shape: CacheShape, cache_seqlens, cache_batch_idx, cache_leftp
                          f"expected indices of k_cache's {num_pages} pages")
 
 
-def _check_rotary_seqlens(rotary_seqlens, shape: CacheShape, device) -> None:
-    """FlashAttention-3's rotary_seqlens: None or int32 (batch,) on q's device (it only moves the
-    rotary positions; without rotary_cos it changes nothing, as in FA3)."""
-    if rotary_seqlens is None:
-        return
-    if not isinstance(rotary_seqlens, torch.Tensor) or rotary_seqlens.dtype != torch.int32 \
-            or tuple(rotary_seqlens.shape) != (shape.batch,) or rotary_seqlens.device != device:
-        got = (f"{tuple(rotary_seqlens.shape)} {rotary_seqlens.dtype} on {rotary_seqlens.device}"
-               if isinstance(rotary_seqlens, torch.Tensor) else type(rotary_seqlens).__name__)
-        raise ValueError(f"rotary_seqlens: got {got}; expected an int32 tensor of shape ({shape.batch},) on {device}")
-
-
 def _check_rotary_values(rotary_seqlens: torch.Tensor, shape: CacheShape, positions: int) -> None:
     """Each sequence's rotary rows inside rotary_cos, where checks_values allows (as _check_values)."""
     if not checks_values(rotary_seqlens.device):
@@ -179,7 +167,7 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
     it as a single node."""
     shape = check_kvcache(q, k_cache, v_cache, k=k, v=v, rotary_cos=rotary_cos, rotary_sin=rotary_sin,
                           cache_seqlens=cache_seqlens, cache_batch_idx=cache_batch_idx, cache_leftpad=cache_leftpad,
-                          block_table=block_table, any_head_dim=True)
+                          block_table=block_table, any_head_dim=True, rotary_seqlens=rotary_seqlens)
     _check_flag("causal", causal)
     _check_flag("rotary_interleaved", rotary_interleaved)
     _check_flag("return_softmax_lse", return_softmax_lse)
@@ -302,13 +290,12 @@ def flash_kvcache(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
     window = (window_left, window_right)
     shape = check_kvcache(q, k_cache, v_cache, k=k, v=v, rotary_cos=rotary_cos, rotary_sin=rotary_sin,
                           cache_seqlens=seqlens, cache_batch_idx=cache_batch_idx, cache_leftpad=cache_leftpad,
-                          block_table=block_table)
+                          block_table=block_table, rotary_seqlens=rotary_seqlens)
     scale = check_scale(softmax_scale, shape.head_dim)
     # The variant arguments' own checks, before the cache is touched (the kernels' path runs them again).
     resolve(q.transpose(1, 2), k_cache.transpose(1, 2), causal, align="bottom_right", window=window,
             softcap=softcap, alibi_slopes=alibi_slopes, key_bias=key_bias, cache_len=shape.capacity,
             attention_chunk=attention_chunk)
-    _check_rotary_seqlens(rotary_seqlens, shape, q.device)
     _check_values(shape, seqlens, cache_batch_idx, cache_leftpad, block_table, k_cache.shape[0], k_cache.shape[0])
     if rotary_cos is not None and rotary_seqlens is not None:
         _check_rotary_values(rotary_seqlens, shape, rotary_cos.shape[0])
@@ -366,8 +353,7 @@ def attention_over_cache(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.
     fp32 (batch, k_cache rows) or None: a padding mask as -inf, read by the kernel (no value is read
     here), indexed from each sequence's first key (after its left padding)."""
     out, _ = flash_kvcache(q, k_cache, v_cache, None, None, None, None, None, None, seqlen, None, cache_leftpad, None,
-                           None,
-                           key_bias, scale, causal, window[0], window[1], 0, float(softcap), False, 0)
+                           None, key_bias, scale, causal, window[0], window[1], 0, float(softcap), False, 0)
     return out
 
 

@@ -187,6 +187,18 @@ def window_pair(name: str, window) -> tuple[int, int]:
     return left, right
 
 
+def int32_vector(name: str, t, batch: int, device: torch.device, what: str = "") -> torch.Tensor:
+    """`t` checked as an int32 tensor of shape (batch,) on `device` (a per-sequence index or length:
+    cache_seqlens, cache_batch_idx, cache_leftpad, seqused_q / seqused_k, rotary_seqlens); `what`
+    says what it holds in the error."""
+    if not isinstance(t, torch.Tensor):
+        raise TypeError(f"{name}: got {type(t).__name__}, expected a torch.Tensor")
+    if t.dtype != torch.int32 or tuple(t.shape) != (batch,) or t.device != device:
+        raise ValueError(f"{name}: got {tuple(t.shape)} {t.dtype} on {t.device}; expected int32 of shape ({batch},) "
+                         f"on {device}{what}")
+    return t
+
+
 def chunk_size(name: str, chunk) -> int:
     """An attention chunk's size (FlashAttention-3's attention_chunk) as an int >= 0, 0 for no
     chunking, from an int or any integer scalar (numpy integers, a 0-d integer tensor)."""

@@ -14,7 +14,7 @@ import math
 
 import torch
 
-from autoflash.kernels.checks import DTYPE_NAMES, GRID_YZ_MAX, check_chunked_layout, check_scale
+from autoflash.kernels.checks import DTYPE_NAMES, GRID_YZ_MAX, check_chunked_layout, check_scale, int32_vector
 from autoflash.kernels.config import HEAD_DIM_MAX, HEAD_DIM_MIN, HEAD_DIM_STEP, KernelConfig
 from autoflash.kernels.defaults import default_decode_config
 from autoflash.kernels.gpus import GpuProfile
@@ -50,15 +50,9 @@ def _tensor(name: str, t) -> torch.Tensor:
     return t
 
 
-def _int32_vector(name: str, t, batch: int, device: torch.device) -> None:
-    _tensor(name, t)
-    if t.dtype != torch.int32 or tuple(t.shape) != (batch,) or t.device != device:
-        raise ValueError(f"{name}: got {tuple(t.shape)} {t.dtype} on {t.device}; expected int32 of shape ({batch},) "
-                         f"on {device}")
-
-
 def check_kvcache(q, k_cache, v_cache, *, k=None, v=None, rotary_cos=None, rotary_sin=None, cache_seqlens=None,
-                  cache_batch_idx=None, cache_leftpad=None, block_table=None, any_head_dim: bool = False) -> CacheShape:
+                  cache_batch_idx=None, cache_leftpad=None, block_table=None, any_head_dim: bool = False,
+                  rotary_seqlens=None) -> CacheShape:
     """Metadata checks of a flash_attn_with_kvcache call (shapes, dtypes, devices, layouts: nothing
     that reads a value); raises ValueError / TypeError with what was got and what is accepted.
     The kernel's head dims only, unless `any_head_dim` (1..HEAD_DIM_MAX: the caller zero-pads)."""
@@ -127,16 +121,18 @@ def check_kvcache(q, k_cache, v_cache, *, k=None, v=None, rotary_cos=None, rotar
             raise ValueError(f"k_cache: got {rows} cache rows for batch {batch}; expected {batch}, or "
                              f"cache_batch_idx to pick rows")
         if cache_batch_idx is not None:
-            _int32_vector("cache_batch_idx", cache_batch_idx, batch, q.device)
+            int32_vector("cache_batch_idx", cache_batch_idx, batch, q.device)
     if cache_leftpad is not None:
-        _int32_vector("cache_leftpad", cache_leftpad, batch, q.device)
+        int32_vector("cache_leftpad", cache_leftpad, batch, q.device)
+    if rotary_seqlens is not None:  # FlashAttention-3's: it only moves the rotary positions (nothing without rotary_cos)
+        int32_vector("rotary_seqlens", rotary_seqlens, batch, q.device, ": where each sequence's rotary starts")
     if cache_seqlens is None or isinstance(cache_seqlens, bool):
         raise TypeError(f"cache_seqlens: got {cache_seqlens!r}, expected an int or an int32 tensor ({batch},)")
     if isinstance(cache_seqlens, int):
         if cache_seqlens < 0:
             raise ValueError(f"cache_seqlens: got {cache_seqlens}, expected >= 0")
     else:
-        _int32_vector("cache_seqlens", cache_seqlens, batch, q.device)
+        int32_vector("cache_seqlens", cache_seqlens, batch, q.device)
 
     seqlen_new = 0
     if (k is None) != (v is None):

@@ -477,7 +477,6 @@ def flash_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torc
     afterwards.
     """
     varlen, q4, k4, v4 = views(q, k, v, cu_seqlens_q, cu_seqlens_k)
-    used = dict(seqused_q=seqused_q, seqused_k=seqused_k)
     if varlen and 0 in (q.shape[0], k.shape[0]):  # no rows or no keys: every gradient is 0
         return torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
     dtype, scale, profile = _prepare(q4, k4, v4, causal, scale, "flash_backward")
@@ -486,7 +485,7 @@ def flash_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torc
     causal, variant = resolve(q4, k4, causal, align=align, window=window, softcap=softcap, alibi_slopes=alibi_slopes,
                               key_bias=key_bias, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k,
                               max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k, attention_chunk=attention_chunk,
-                              **used)
+                              seqused_q=seqused_q, seqused_k=seqused_k)
     for name, t in (("out", out), ("dout", dout)):
         check_like(name, t, q)
         if varlen:

@@ -10,7 +10,7 @@ import math
 
 import torch
 
-from autoflash.kernels.checks import GRID_YZ_MAX, check_scale, chunk_size, window_pair
+from autoflash.kernels.checks import GRID_YZ_MAX, check_scale, chunk_size, int32_vector, window_pair
 from autoflash.kernels.config import ALIGNS, KernelConfig
 
 LOG2E = 1.4426950408889634
@@ -112,13 +112,11 @@ def _check_cu_seqlens(name: str, t, device: torch.device) -> int:
 
 
 def _check_used(name: str, t, batch: int, device: torch.device) -> None:
-    """seqused_q / seqused_k metadata (dtype, shape, device); the values (0 <= used <= the span) are
-    the caller's to check, as cu_seqlens' are."""
-    if not isinstance(t, torch.Tensor):
-        raise TypeError(f"{name}: got {type(t).__name__}, expected an int32 tensor")
-    if t.dtype != torch.int32 or tuple(t.shape) != (batch,) or t.device != device or t.stride(0) != 1:
-        raise ValueError(f"{name}: got {tuple(t.shape)} {t.dtype} on {t.device}; expected a contiguous int32 tensor of "
-                         f"shape ({batch},) on {device}: the rows in use of each packed sequence")
+    """seqused_q / seqused_k metadata (dtype, shape, device, contiguous); the values (0 <= used <= the
+    span) are the caller's to check, as cu_seqlens' are."""
+    int32_vector(name, t, batch, device, ": the rows in use of each packed sequence")
+    if t.stride(0) != 1:
+        raise ValueError(f"{name}: got stride {t.stride(0)}; expected a contiguous tensor")
 
 
 def resolve(q: torch.Tensor, k: torch.Tensor, causal: bool, *, align: str = "top_left", window=(-1, -1),

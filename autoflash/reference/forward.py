@@ -7,7 +7,7 @@ import math
 
 import torch
 
-from autoflash.kernels.checks import check_qkv_shapes
+from autoflash.kernels.checks import check_qkv_shapes, int32_vector
 from autoflash.kernels.config import KernelConfig
 from autoflash.reference.variants import (
     NO_WINDOW,
@@ -197,8 +197,8 @@ def attention_varlen_ref(
     slopes = None if alibi_slopes is None else check_alibi_slopes(alibi_slopes, len(cq) - 1, hq, q.device)
     dtype = _upcast_dtype(q.dtype) if upcast else q.dtype
     lse_dtype = torch.float64 if q.dtype == torch.float64 else torch.float32
-    used_q = _check_used("seqused_q", seqused_q, cq)
-    used_k = _check_used("seqused_k", seqused_k, ck)
+    used_q = _check_used("seqused_q", seqused_q, cq, q.device)
+    used_k = _check_used("seqused_k", seqused_k, ck, q.device)
     outs = [torch.zeros(0, hq, d, dtype=dtype, device=q.device)]
     lses = [torch.zeros(hq, 0, dtype=lse_dtype, device=q.device)]
     for b in range(len(cq) - 1):
@@ -221,14 +221,12 @@ def attention_varlen_ref(
     return torch.cat(outs), torch.cat(lses, dim=1)
 
 
-def _check_used(name: str, used, cu: list[int]) -> list[int]:
+def _check_used(name: str, used, cu: list[int], device: torch.device) -> list[int]:
     """The rows in use of each sequence: seqused's values (each within its span), or the spans."""
     spans = [b - a for a, b in zip(cu, cu[1:])]
     if used is None:
         return spans
-    if not isinstance(used, torch.Tensor) or used.dtype != torch.int32 or tuple(used.shape) != (len(spans),):
-        got = f"{tuple(used.shape)} {used.dtype}" if isinstance(used, torch.Tensor) else type(used).__name__
-        raise ValueError(f"{name}: got {got}, expected an int32 tensor of shape ({len(spans)},)")
+    int32_vector(name, used, len(spans), device)
     values = used.tolist()
     if any(not 0 <= u <= s for u, s in zip(values, spans)):
         raise ValueError(f"{name}: got {values[:16]}, expected 0 <= {name}[b] <= the span of sequence b {spans[:16]}")
