@@ -82,12 +82,15 @@ SM90_VARIANT_SETS = (dict(window=True, softcap=True, alibi=True, varlen=True, al
 
 # Decode (KV-cache) switch sets the decode defaults are held to: the cache alone, bottom-right causal
 # over pages split across blocks, window + softcap + ALiBi split, causal with a key bias
-# (autoflash.hf's padding masks), and attention chunks over pages split (Llama 4's decode).
+# (autoflash.hf's padding masks), attention chunks over pages split (Llama 4's decode), and packed
+# queries (FlashAttention-3's varlen KV-cache calls) causal over pages split and under the heaviest.
 DECODE_SETS = (dict(),
                dict(causal=True, align="bottom_right", paged=True, split=True),
                dict(window=True, softcap=True, alibi=True, align="bottom_right", split=True),
                dict(causal=True, align="bottom_right", key_bias=True, split=True),
-               dict(window=True, chunk=True, align="bottom_right", paged=True, split=True))
+               dict(window=True, chunk=True, align="bottom_right", paged=True, split=True),
+               dict(causal=True, align="bottom_right", varlen=True, paged=True, split=True),
+               dict(window=True, softcap=True, alibi=True, varlen=True, align="bottom_right", split=True))
 
 
 def defaults():

@@ -99,8 +99,10 @@ def test_varlen_and_packed_qkv_with_gqa(launched):
     (lambda q: fa3.flash_attn_varlen_func(q[0], q[0], q[0], torch.tensor([0, 8], dtype=torch.int32),
                                           torch.tensor([0, 8], dtype=torch.int32), 8, 8,
                                           seqused_k=torch.tensor([4])), "seqused_k"),  # int64
-    (lambda q: fa3.flash_attn_with_kvcache(q, q, q, cache_seqlens=4,
-                                           cu_seqlens_q=torch.tensor([0, 8], dtype=torch.int32)), "cu_seqlens_q"),
+    (lambda q: fa3.flash_attn_with_kvcache(q[0], q, q, cache_seqlens=4,  # packed queries need max_seqlen_q
+                                           cu_seqlens_q=torch.tensor([0, 8], dtype=torch.int32)), "max_seqlen_q"),
+    (lambda q: fa3.flash_attn_with_kvcache(q, q, q, cache_seqlens=4, cu_seqlens_q=torch.tensor([0, 8]),
+                                           max_seqlen_q=8), "q"),  # 4-D q: not packed
     (lambda q: fa3.flash_attn_func(q, q, q, num_splits=-1), "num_splits"),
     (lambda q: fa3.flash_attn_with_kvcache(q, q, q, cache_seqlens=4, rotary_seqlens=[1]), "rotary_seqlens"),
     (lambda q: fa3.flash_attn_func(q, q, torch.cat([q, q], -1)), "k and v shapes"),  # dv != d, named as such

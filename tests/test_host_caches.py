@@ -375,8 +375,8 @@ def test_the_packing_follows_the_templates_signatures(direction):
 def test_parameters_sit_at_their_c_offsets():
     # templates/flash_fwd.cu.j2: 17 pointers, 17 long long, 9 int, 3 float; flash_bwd.cu.j2 likewise
     assert [o for o, _ in launch.FWD_PARAMS.spans] == [8 * i for i in range(34)] + [272 + 4 * i for i in range(12)]
-    # flash_combine.cu.j2: 4 pointers, 5 long long, 4 int
-    assert [o for o, _ in launch.COMBINE_PARAMS.spans] == [8 * i for i in range(9)] + [72 + 4 * i for i in range(4)]
+    # flash_combine.cu.j2: 6 pointers, 5 long long, 4 int
+    assert [o for o, _ in launch.COMBINE_PARAMS.spans] == [8 * i for i in range(11)] + [88 + 4 * i for i in range(4)]
     assert launch.DELTA_PARAMS.struct.size == 76
     # 15 pointers and 22 long long end at 296; 6 int, 4 float, n_block0
     assert [o for o, _ in launch.BWD_PARAMS.spans][-11:] == [296 + 4 * i for i in range(11)]

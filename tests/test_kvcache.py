@@ -178,6 +178,82 @@ def test_kvcache_meets_flashattention_rule(target, variant, dtype, d, draw):
     _split_agrees(t, index, used.to(torch.int32), kw, dt)
 
 
+def _packed_case(draw: int, variant: str, d: int, dev: str, dt):
+    """FlashAttention-3's varlen KV-cache call (its test_flash_attn_kvcache with varlen_q): queries
+    and new keys packed by cu_seqlens_q / cu_seqlens_k_new, each sequence its own lengths (0 among
+    them), over one draw's layout, heads, rotary and splits."""
+    case = _case(draw)
+    rng, (hq, hkv) = case["rng"], HEADS[case["heads"]]
+    g = torch.Generator().manual_seed(1000 + draw)
+    b, capacity = 3, 150
+    lens_q = [rng.randint(1, 40) for _ in range(b)]
+    lens_q[rng.randrange(b)] = rng.choice((0, 1))
+    lens_new = [rng.randint(0, 9) for _ in range(b)] if case["new_kv"] else [0] * b
+    seqlens = [rng.randint(0, capacity - max(n, q)) for n, q in zip(lens_new, lens_q)]  # rotary rows within cos
+    t, index, _ = _inputs(dict(case, pair=(1, capacity), new_kv=False), d, dt, dev, g)
+    t["q"] = torch.randn(sum(lens_q), hq, d, generator=g).to(dev, dt)
+    if case["new_kv"]:
+        t["k"], t["v"] = (torch.randn(sum(lens_new), hkv, d, generator=g).to(dev, dt) for _ in range(2))
+        if case["rotary"]:
+            style, fraction = case["rotary"]
+            cap = t["k_cache"].shape[1] * (index["block_table"].shape[1] if index["block_table"] is not None else 1)
+            half = int(d * fraction) // 16 * 8
+            t["rotary_cos"], t["rotary_sin"] = (torch.randn(cap, half, generator=g).to(dev, dt) for _ in range(2))
+    if index["cache_leftpad"] is not None:
+        index["cache_leftpad"] = torch.tensor([rng.randint(0, s) for s in seqlens], dtype=torch.int32, device=dev)
+    index["cache_seqlens"] = torch.tensor(seqlens, dtype=torch.int32, device=dev)
+    cu = lambda lens: torch.tensor([0, *torch.tensor(lens).cumsum(0).tolist()], dtype=torch.int32, device=dev)  # noqa
+    packed = dict(cu_seqlens_q=cu(lens_q), max_seqlen_q=max(lens_q) or 1,
+                  cu_seqlens_k_new=cu(lens_new) if case["new_kv"] else None)
+    kw = _variant_kw(VARIANTS[variant], b, hq, dev, g)
+    return case, t, index, packed, kw, seqlens, lens_q, lens_new
+
+
+@pytest.mark.sweep
+@pytest.mark.parametrize("draw", range(12))
+@pytest.mark.parametrize("variant", sorted(VARIANTS))
+def test_packed_queries_and_new_keys_meet_flashattention_rule(target, variant, draw):
+    """Each packed sequence against the dense reference of that sequence alone (batch 1, its own
+    cache row or pages): the same out and LSE rows, and the cache after the call bit-equal."""
+    dev, dt, d = device(target), TORCH_DTYPES["bf16" if draw % 2 else "fp16"], 64 if draw % 3 else 128
+    case, t, index, packed, kw, seqlens, lens_q, lens_new = _packed_case(draw, variant, d, dev, dt)
+    interleaved = bool(case["rotary"]) and case["rotary"][0] == "interleaved"
+    k_cache, v_cache = t["k_cache"].cpu(), t["v_cache"].cpu()
+    outs, lses, torch_outs = [], [], []
+    q_at, new_at = 0, 0
+    for b in range(len(seqlens)):  # sequence by sequence, each a dense batch of one
+        one = {"q": t["q"][q_at:q_at + lens_q[b]].unsqueeze(0), "k_cache": k_cache, "v_cache": v_cache}
+        if "k" in t:
+            one["k"], one["v"] = (t[n][new_at:new_at + lens_new[b]].unsqueeze(0) for n in ("k", "v"))
+            one.update({n: t[n] for n in ("rotary_cos", "rotary_sin") if n in t})
+        row = index["cache_batch_idx"][b:b + 1] if index["cache_batch_idx"] is not None else torch.tensor([b])
+        idx = dict(cache_seqlens=None, block_table=None, cache_batch_idx=None, cache_leftpad=None)
+        if index["block_table"] is not None:
+            idx["block_table"] = index["block_table"][b:b + 1]
+        else:
+            idx["cache_batch_idx"] = row.to(torch.int32)
+        if index["cache_leftpad"] is not None:
+            idx["cache_leftpad"] = index["cache_leftpad"][b:b + 1]
+        one_kw = dict(kw, alibi_slopes=kw["alibi_slopes"][b:b + 1]) if "alibi_slopes" in kw else kw
+        k_cache, v_cache, ref_out, ref_lse, torch_out = _reference(one, idx, [seqlens[b]], one_kw, interleaved)
+        outs.append(ref_out[0]), lses.append(ref_lse[0]), torch_outs.append(torch_out[0])
+        q_at, new_at = q_at + lens_q[b], new_at + lens_new[b]
+    ref_out, ref_lse, torch_out = torch.cat(outs), torch.cat(lses, dim=1), torch.cat(torch_outs)
+
+    out, lse = flash_attn_with_kvcache(t["q"], t["k_cache"], t["v_cache"], t.get("k"), t.get("v"),
+                                       t.get("rotary_cos"), t.get("rotary_sin"), rotary_interleaved=interleaved,
+                                       num_splits=case["splits"], return_softmax_lse=True, **index, **kw, **packed)
+    what = f"{case['layout']} {case['heads']} q {lens_q} new {lens_new} seqlens {seqlens} rotary {case['rotary']}"
+    assert out.shape == t["q"].shape and lse.shape == (t["q"].shape[1], t["q"].shape[0])
+    assert torch.equal(t["k_cache"].cpu(), k_cache) and torch.equal(t["v_cache"].cpu(), v_cache), f"cache ({what})"
+    ok, err, bound = within_tolerance(out.cpu()[None].transpose(1, 2), ref_out[None].transpose(1, 2),
+                                      torch_out[None].transpose(1, 2), softcap=kw.get("softcap", 0.0))
+    assert ok, f"out: err {err:.3e} > bound {bound:.3e} ({what})"
+    finite = torch.isfinite(ref_lse)
+    assert torch.equal(torch.isfinite(lse.cpu()), finite), f"rows that see no key ({what})"
+    assert (lse.cpu()[finite] - ref_lse[finite]).abs().max().item() <= 1e-3 if finite.any() else True
+
+
 def test_int_cache_seqlens_and_no_new_keys(target):
     """An int cache_seqlens is every sequence's length; without k, v the cache is only read."""
     dev = device(target)
@@ -250,7 +326,7 @@ def test_the_op_passes_opcheck():
     q, k_cache, v_cache, k, v, cos, sin, seqlens = _op_inputs(torch.Generator().manual_seed(1))
     torch.library.opcheck(torch.ops.autoflash.flash_kvcache.default,
                           (q, k_cache, v_cache, k, v, cos, sin, None, seqlens, 0, None, None, None, None, None, None,
-                           True, -1, -1, 0, 0.0, True, 0))
+                           None, None, None, True, -1, -1, 0, 0.0, True, 0))
 
 
 def test_torch_compile_fullgraph_matches_eager():

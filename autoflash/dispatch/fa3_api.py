@@ -8,18 +8,19 @@ dispatch/kvcache.py): the same custom ops, autograd and torch.compile support, t
 CPU tensors inside autoflash.emulate() and the same reference fallback outside it.
 
 What FlashAttention-3 has and autoflash does not run raises ValueError naming the argument: fp8
-inputs with descales (q_descale, k_descale, v_descale), qv, and in flash_attn_with_kvcache
-cu_seqlens_q and cu_seqlens_k_new. attention_chunk, seqused_q / seqused_k and rotary_seqlens run
-as FA3 runs them. num_splits, pack_gqa and sm_margin are scheduling choices that do not change the result: they are checked and
-taken as FA3 takes them where autoflash has the same choice (num_splits of the KV-cache kernel), and
-otherwise left to autoflash's own plan (the dense forward never splits; autoflash folds query heads
-into one tile where the KV-cache kernel pays for it; it uses every SM)."""
+inputs with descales (q_descale, k_descale, v_descale) and qv. attention_chunk, seqused_q / seqused_k,
+rotary_seqlens and flash_attn_with_kvcache's packed queries and new keys (cu_seqlens_q,
+cu_seqlens_k_new) run as FA3 runs them. num_splits, pack_gqa and sm_margin are scheduling choices that
+do not change the result: they are checked and taken as FA3 takes them where autoflash has the same
+choice (num_splits of the KV-cache kernel), and otherwise left to autoflash's own plan (the dense
+forward never splits; autoflash folds query heads into one tile where the KV-cache kernel pays for
+it; it uses every SM)."""
 from __future__ import annotations
 
 import torch
 
 from autoflash.dispatch import flash_api, kvcache
-from autoflash.kernels.checks import chunk_size
+from autoflash.kernels.checks import chunk_size, cu_seqlens_vector
 
 __all__ = ["flash_attn_combine", "flash_attn_func", "flash_attn_qkvpacked_func", "flash_attn_varlen_func",
            "flash_attn_with_kvcache", "get_scheduler_metadata"]
@@ -119,11 +120,9 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, qv=None, rotary
     """FlashAttention-3's flash_attn_with_kvcache: flash-attn 2.x's (autoflash.flash_attn_with_kvcache)
     with page_table for block_table. scheduler_metadata is get_scheduler_metadata's plan (its split
     count); num_splits 0 chooses, as FA3's. Returns out, or with return_softmax_lse (out,
-    softmax_lse). rotary_seqlens moves the rotary positions as FA3's does. Varlen queries (cu_seqlens_q,
-    cu_seqlens_k_new) are not run."""
-    _refuse("cu_seqlens_q", cu_seqlens_q, "varlen queries in flash_attn_with_kvcache yet")
-    _refuse("cu_seqlens_k_new", cu_seqlens_k_new, "varlen appended keys in flash_attn_with_kvcache yet")
-    _refuse("max_seqlen_q", max_seqlen_q, "varlen queries in flash_attn_with_kvcache yet")
+    softmax_lse). rotary_seqlens moves the rotary positions as FA3's does. cu_seqlens_q (with
+    max_seqlen_q) packs q as (total_q, heads, head_dim) and cu_seqlens_k_new packs k and v, as in FA3;
+    the LSE of packed queries is (heads, total_q)."""
     _unsupported(qv, q_descale, k_descale, v_descale)
     _check_hints(num_splits, pack_gqa, sm_margin)
     if scheduler_metadata is not None:
@@ -132,7 +131,8 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, qv=None, rotary
                                            cache_batch_idx, cache_leftpad, page_table, softmax_scale, causal,
                                            window_size, softcap, rotary_interleaved, None, num_splits,
                                            return_softmax_lse, attention_chunk=attention_chunk,
-                                           rotary_seqlens=rotary_seqlens)
+                                           rotary_seqlens=rotary_seqlens, cu_seqlens_q=cu_seqlens_q,
+                                           cu_seqlens_k_new=cu_seqlens_k_new, max_seqlen_q=max_seqlen_q)
 
 
 # get_scheduler_metadata's plan: int32 [PLAN_TAG, num_splits] (FA3's own metadata is its scheduler's
@@ -151,8 +151,6 @@ def get_scheduler_metadata(batch_size, max_seqlen_q, max_seqlen_k, num_heads_q, 
     over the SMs)."""
     from autoflash.kernels.decode import MAX_SPLITS
 
-    _refuse("cu_seqlens_q", cu_seqlens_q, "varlen queries in flash_attn_with_kvcache yet")
-    _refuse("cu_seqlens_k_new", cu_seqlens_k_new, "varlen appended keys in flash_attn_with_kvcache yet")
     attention_chunk = chunk_size("attention_chunk", attention_chunk)
     _check_hints(num_splits, pack_gqa, sm_margin)
     if headdim_v not in (None, headdim):
@@ -167,6 +165,9 @@ def get_scheduler_metadata(batch_size, max_seqlen_q, max_seqlen_k, num_heads_q, 
                          f"dividing num_heads_q")
     if not isinstance(cache_seqlens, torch.Tensor):
         raise TypeError(f"cache_seqlens: got {type(cache_seqlens).__name__}, expected an int32 torch.Tensor")
+    for name, cu in (("cu_seqlens_q", cu_seqlens_q), ("cu_seqlens_k_new", cu_seqlens_k_new)):
+        if cu is not None and cu_seqlens_vector(name, cu, cache_seqlens.device) != batch_size:
+            raise ValueError(f"{name}: got {cu.numel()} entries, expected batch_size + 1 = {batch_size + 1}")
     if num_splits == 0:
         num_splits = _choose_splits(batch_size, max_seqlen_q, max_seqlen_k + max_seqlen_k_new, num_heads_q,
                                     num_heads_kv, headdim, qkv_dtype, page_size, causal, window_size, has_softcap,

@@ -25,7 +25,7 @@ from autoflash.dispatch.policy import REFERENCE, cpu_fallback, emulating, fall_b
 from autoflash.dispatch.variant_ops import _like
 from autoflash.kernels.checks import check_scale, chunk_size, chunked, checks_values, window_pair
 from autoflash.kernels.decode import CacheShape, check_kvcache
-from autoflash.kernels.variants import resolve
+from autoflash.kernels.variants import heads_view, resolve
 
 __all__ = ["flash_attn_with_kvcache"]
 
@@ -37,18 +37,27 @@ def _check_flag(name: str, value) -> bool:
 
 
 def _check_values(shape: CacheShape, cache_seqlens, cache_batch_idx, cache_leftpad, block_table, num_pages: int,
-                  cache_rows: int) -> None:
+                  cache_rows: int, cu_seqlens_q=None, cu_seqlens_k_new=None, total_q: int = 0) -> None:
     """The index tensors' values, read once where checks_values allows (CPU tensors; on CUDA only
     with AUTOFLASH_CHECK_VALUES=1, a synchronisation per call; never under torch.compile or CUDA
     graph capture): lengths within the cache, the left padding within them, rows and pages that
-    exist. By default a CUDA call trusts them, as flash-attn does."""
-    tensors = [t for t in (cache_seqlens, cache_batch_idx, cache_leftpad, block_table) if isinstance(t, torch.Tensor)]
+    exist, packed rows' cumulative lengths. By default a CUDA call trusts them, as flash-attn does."""
+    tensors = [t for t in (cache_seqlens, cache_batch_idx, cache_leftpad, block_table, cu_seqlens_q, cu_seqlens_k_new)
+               if isinstance(t, torch.Tensor)]
     if not tensors or not checks_values(tensors[0].device):
         return
     device = tensors[0].device
+    for name, cu, total, longest in (("cu_seqlens_q", cu_seqlens_q, total_q, shape.seqlen_q),
+                                     ("cu_seqlens_k_new", cu_seqlens_k_new, shape.seqlen_new, shape.seqlen_new)):
+        if cu is not None:
+            values = cu.tolist()
+            lengths = [b - a for a, b in zip(values, values[1:])]
+            if values[0] != 0 or values[-1] != total or min(lengths) < 0 or max(lengths) > longest:
+                raise ValueError(f"{name}: got {values[:16]}{' ...' if len(values) > 16 else ''}; expected 0 first, "
+                                 f"non-decreasing, {total} (the packed rows) last, no sequence longer than {longest}")
     seqlens = cache_seqlens if isinstance(cache_seqlens, torch.Tensor) else \
         torch.full((shape.batch,), cache_seqlens, dtype=torch.int32, device=device)
-    used = seqlens.long() + shape.seqlen_new
+    used = seqlens.long() + (cu_seqlens_k_new.diff().long() if cu_seqlens_k_new is not None else shape.seqlen_new)
     checks = {"seqlens": ((seqlens < 0) | (used > shape.capacity)).any()}
     if cache_leftpad is not None:
         checks["leftpad"] = ((cache_leftpad < 0) | (cache_leftpad > seqlens)).any()
@@ -61,7 +70,8 @@ def _check_values(shape: CacheShape, cache_seqlens, cache_batch_idx, cache_leftp
     flags = dict(zip(checks, torch.stack(list(checks.values())).tolist()))
     if flags["seqlens"]:
         got = seqlens.tolist()
-        raise ValueError(f"cache_seqlens: got {got[:16]}{' ...' if len(got) > 16 else ''} with {shape.seqlen_new} new "
+        new = "cu_seqlens_k_new's" if cu_seqlens_k_new is not None else shape.seqlen_new
+        raise ValueError(f"cache_seqlens: got {got[:16]}{' ...' if len(got) > 16 else ''} with {new} new "
                          f"keys; expected 0 <= cache_seqlens and cache_seqlens + seqlen_new <= {shape.capacity} (the "
                          f"cache's rows per sequence)")
     if flags.get("leftpad"):
@@ -76,22 +86,39 @@ def _check_values(shape: CacheShape, cache_seqlens, cache_batch_idx, cache_leftp
 
 
 def _check_rotary_values(rotary_seqlens: torch.Tensor, shape: CacheShape, positions: int) -> None:
-    """Each sequence's rotary rows inside rotary_cos, where checks_values allows (as _check_values)."""
+    """Each sequence's rotary rows inside rotary_cos, where checks_values allows (as _check_values);
+    packed new keys are counted as the longest sequence's at most (their total)."""
     if not checks_values(rotary_seqlens.device):
         return
-    rows = max(shape.seqlen_q, shape.seqlen_new)
+    rows = max(shape.seqlen_q, 0 if shape.packed_new else shape.seqlen_new)
     if bool(((rotary_seqlens < 0) | (rotary_seqlens.long() + rows > positions)).any()):
         raise ValueError(f"rotary_seqlens: got {rotary_seqlens.tolist()[:16]}; expected 0 <= rotary_seqlens and "
                          f"rotary_seqlens + {rows} <= {positions} (rotary_cos's positions)")
 
 
-def _positions(cache_seqlens, batch: int, n: int, device, same: bool) -> torch.Tensor:
-    """(batch, n) int64 positions: row i of sequence b at cache_seqlens[b] + i, its absolute cache
-    row, left padding or not (flash-attn's rule; every row at cache_seqlens[b] when `same`)."""
+def _rows(batch: int, n: int, cu: torch.Tensor | None, device) -> tuple[torch.Tensor, torch.Tensor]:
+    """(sequence, index in it) of each row, int64 (N,) each: the batch * n rows of a (batch, n, ...)
+    layout in order, or the cu-packed rows (sequence b: rows cu[b] .. cu[b + 1] - 1, N = n)."""
+    if cu is None:
+        return (torch.arange(batch, device=device).repeat_interleave(n), torch.arange(n, device=device).repeat(batch))
+    row = torch.arange(n, device=device)
+    seq = torch.searchsorted(cu[1:].long(), row, right=True)
+    return seq, row - cu.long()[seq]
+
+
+def _positions(cache_seqlens, batch: int, n: int, device, same: bool, cu: torch.Tensor | None = None) -> torch.Tensor:
+    """(1, N) int64 positions of the rows _rows lists: row i of sequence b at cache_seqlens[b] + i, its
+    absolute cache row, left padding or not (flash-attn's rule; every row at cache_seqlens[b] when
+    `same`). No value is read back: a device op per call."""
     start = cache_seqlens.long() if isinstance(cache_seqlens, torch.Tensor) else \
         torch.full((batch,), cache_seqlens, dtype=torch.long, device=device)
-    steps = torch.zeros(n, dtype=torch.long, device=device) if same else torch.arange(n, device=device)
-    return start[:, None] + steps[None, :]
+    seq, index = _rows(batch, n, cu, device)
+    return (start[seq] if same else start[seq] + index).unsqueeze(0)
+
+
+def _flat(x: torch.Tensor, packed: bool) -> torch.Tensor:
+    """x's rows as (1, N, heads, d): a packed (N, heads, d) or a (batch, n, heads, d) layout."""
+    return x.unsqueeze(0) if packed else x.reshape(1, -1, *x.shape[2:])
 
 
 def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, positions: torch.Tensor,
@@ -116,24 +143,26 @@ def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, position
 
 
 def _append(cache: torch.Tensor, new: torch.Tensor, cache_seqlens, cache_batch_idx, block_table,
-            page_size: int | None) -> None:
-    """new[b, i] into sequence b's row cache_seqlens[b] + i, in place (dense rows or pages)."""
-    b, n = new.shape[:2]
-    positions = _positions(cache_seqlens, b, n, new.device, False)
+            page_size: int | None, batch: int, cu_new: torch.Tensor | None) -> None:
+    """New key i of sequence b into its row cache_seqlens[b] + i, in place (dense rows or pages): new
+    (batch, n, heads_kv, d), or packed (total_new, heads_kv, d) with cu_new."""
+    n = new.shape[0] if cu_new is not None else new.shape[1]
+    seq, _ = _rows(batch, n, cu_new, new.device)
+    positions = _positions(cache_seqlens, batch, n, new.device, False, cu_new)[0]
     if block_table is not None:
-        rows = block_table.long().gather(1, positions // page_size)
+        rows = block_table.long()[seq, positions // page_size]
         positions = positions % page_size
     else:
-        rows = (cache_batch_idx.long() if cache_batch_idx is not None
-                else torch.arange(b, device=new.device))[:, None].expand(b, n)
-    cache.index_put_((rows, positions), new)
+        rows = cache_batch_idx.long()[seq] if cache_batch_idx is not None else seq
+    cache.index_put_((rows, positions), _flat(new, cu_new is not None)[0])
 
 
 def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None, rotary_sin=None, cache_seqlens=None,
                             cache_batch_idx=None, cache_leftpad=None, block_table=None, softmax_scale=None,
                             causal=False, window_size=(-1, -1), softcap=0.0, rotary_interleaved=True,
                             alibi_slopes=None, num_splits=0, return_softmax_lse=False, *, attention_chunk=0,
-                            rotary_seqlens=None, strict=None):
+                            rotary_seqlens=None, cu_seqlens_q=None, cu_seqlens_k_new=None, max_seqlen_q=None,
+                            strict=None):
     """Attention of q over a KV cache, appending new keys and values first (flash-attn 2.x).
 
     q: (batch, seqlen_q, heads, head_dim). k_cache, v_cache: (batch_cache, seqlen_cache, heads_kv,
@@ -155,6 +184,10 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
     and the shape, 1 never splits, n > 1 splits the keys n ways. Returns out (batch, seqlen_q, heads,
     head_dim), and with return_softmax_lse also the natural-log LSE (batch, heads, seqlen_q) fp32
     (+inf for rows that see no key, whose out is 0).
+    Keyword only, FlashAttention-3's varlen calls: cu_seqlens_q (int32 (batch + 1,)) with max_seqlen_q
+    packs q as (total_q, heads, head_dim), sequence b its rows cu_seqlens_q[b] .. cu_seqlens_q[b + 1] - 1,
+    each bottom-right aligned on its own keys (out (total_q, heads, head_dim), LSE (heads, total_q));
+    cu_seqlens_k_new packs k and v as (total_new, heads_kv, head_dim) the same way.
 
     Head dims 1..256 off the kernels' grid (not multiples of 8 in 32..256) run zero-padded, as
     flash_attn_func's do: the caches are copied padded for the call (and, when k and v are appended,
@@ -167,7 +200,8 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
     it as a single node."""
     shape = check_kvcache(q, k_cache, v_cache, k=k, v=v, rotary_cos=rotary_cos, rotary_sin=rotary_sin,
                           cache_seqlens=cache_seqlens, cache_batch_idx=cache_batch_idx, cache_leftpad=cache_leftpad,
-                          block_table=block_table, any_head_dim=True, rotary_seqlens=rotary_seqlens)
+                          block_table=block_table, any_head_dim=True, rotary_seqlens=rotary_seqlens,
+                          cu_seqlens_q=cu_seqlens_q, max_seqlen_q=max_seqlen_q, cu_seqlens_k_new=cu_seqlens_k_new)
     _check_flag("causal", causal)
     _check_flag("rotary_interleaved", rotary_interleaved)
     _check_flag("return_softmax_lse", return_softmax_lse)
@@ -186,7 +220,7 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
     reason = cpu_fallback(q)
     if explaining_now():
         raise Captured(KvCacheCall(q, k_cache, shape, alibi_slopes, causal, window_size, float(softcap), num_splits,
-                                   reason, width, attention_chunk))
+                                   reason, width, attention_chunk, cu_seqlens_q, max_seqlen_q))
     if reason is not None:
         fall_back("flash_attn_with_kvcache", reason, strict, REFERENCE,
                   explain="autoflash.explain(autoflash.flash_attn_with_kvcache, ...)")
@@ -195,8 +229,9 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
         q, k, v, k_cache, v_cache = (None if t is None else _pad(t, width) for t in (q, k, v, k_cache, v_cache))
     out, lse = flash_kvcache(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, rotary_seqlens, seqlens_tensor,
                              cache_seqlens if seqlens_tensor is None else 0, cache_batch_idx, cache_leftpad,
-                             block_table, alibi_slopes, None, scale, causal, window_size[0], window_size[1],
-                             attention_chunk, float(softcap), rotary_interleaved, num_splits)
+                             block_table, cu_seqlens_q, cu_seqlens_k_new, max_seqlen_q, alibi_slopes, None, scale,
+                             causal, window_size[0], window_size[1], attention_chunk, float(softcap),
+                             rotary_interleaved, num_splits)
     if width != d:
         if k is not None:
             for cache, padded in zip(caches, (k_cache, v_cache)):
@@ -224,6 +259,8 @@ class KvCacheCall:
     fallback: Optional[str]
     head_dim: int
     attention_chunk: int = 0
+    cu_seqlens_q: Optional[torch.Tensor] = None
+    max_seqlen_q: Optional[int] = None
 
 
 def kernel_plan(profile, call: KvCacheCall):
@@ -234,9 +271,11 @@ def kernel_plan(profile, call: KvCacheCall):
     from autoflash.kernels.decode import decode_launch, packed_heads
 
     shape = dataclasses.replace(call.shape, head_dim=call.head_dim)
-    causal, variant = resolve(call.q.transpose(1, 2), call.k_cache.transpose(1, 2), call.causal, align="bottom_right",
+    q = heads_view(call.q) if shape.packed_q else call.q.transpose(1, 2)
+    causal, variant = resolve(q, call.k_cache.transpose(1, 2), call.causal, align="bottom_right",
                               window=call.window, softcap=call.softcap, alibi_slopes=call.alibi_slopes,
-                              cache_len=shape.capacity, attention_chunk=call.attention_chunk)
+                              cache_len=shape.capacity, attention_chunk=call.attention_chunk,
+                              cu_seqlens_q=call.cu_seqlens_q, max_seqlen_q=call.max_seqlen_q)
     tuned, tuned_splits = select_decode(profile, call.q, shape)
     runs_tuned = tuned is not None and not _has_switches(call.window, call.softcap, call.alibi_slopes, None,
                                                          call.attention_chunk)
@@ -276,7 +315,9 @@ def flash_kvcache(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                   v: Optional[torch.Tensor], rotary_cos: Optional[torch.Tensor], rotary_sin: Optional[torch.Tensor],
                   rotary_seqlens: Optional[torch.Tensor], cache_seqlens: Optional[torch.Tensor], cache_seqlens_int: int,
                   cache_batch_idx: Optional[torch.Tensor], cache_leftpad: Optional[torch.Tensor],
-                  block_table: Optional[torch.Tensor], alibi_slopes: Optional[torch.Tensor],
+                  block_table: Optional[torch.Tensor], cu_seqlens_q: Optional[torch.Tensor],
+                  cu_seqlens_k_new: Optional[torch.Tensor], max_seqlen_q: Optional[int],
+                  alibi_slopes: Optional[torch.Tensor],
                   key_bias: Optional[torch.Tensor], softmax_scale: Optional[float], causal: bool, window_left: int,
                   window_right: int, attention_chunk: int, softcap: float, rotary_interleaved: bool,
                   num_splits: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -285,41 +326,47 @@ def flash_kvcache(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
     tensor, or None and cache_seqlens_int for every sequence. key_bias: fp32 (batch, capacity) added
     to each sequence's key scores, -inf masking a key (not flash-attn's: autoflash.hf's padding masks,
     see attention_over_cache). rotary_seqlens: FlashAttention-3's rotary positions (int32 (batch,)),
-    where sequence b's rotary starts instead of at cache_seqlens[b]."""
+    where sequence b's rotary starts instead of at cache_seqlens[b]. cu_seqlens_q (with max_seqlen_q)
+    and cu_seqlens_k_new: packed queries and new keys (FlashAttention-3's), LSE then (heads, total_q)."""
     seqlens = cache_seqlens if cache_seqlens is not None else cache_seqlens_int
     window = (window_left, window_right)
     shape = check_kvcache(q, k_cache, v_cache, k=k, v=v, rotary_cos=rotary_cos, rotary_sin=rotary_sin,
                           cache_seqlens=seqlens, cache_batch_idx=cache_batch_idx, cache_leftpad=cache_leftpad,
-                          block_table=block_table, rotary_seqlens=rotary_seqlens)
+                          block_table=block_table, rotary_seqlens=rotary_seqlens, cu_seqlens_q=cu_seqlens_q,
+                          max_seqlen_q=max_seqlen_q, cu_seqlens_k_new=cu_seqlens_k_new)
     scale = check_scale(softmax_scale, shape.head_dim)
     # The variant arguments' own checks, before the cache is touched (the kernels' path runs them again).
-    resolve(q.transpose(1, 2), k_cache.transpose(1, 2), causal, align="bottom_right", window=window,
-            softcap=softcap, alibi_slopes=alibi_slopes, key_bias=key_bias, cache_len=shape.capacity,
-            attention_chunk=attention_chunk)
-    _check_values(shape, seqlens, cache_batch_idx, cache_leftpad, block_table, k_cache.shape[0], k_cache.shape[0])
+    resolve(heads_view(q) if shape.packed_q else q.transpose(1, 2), k_cache.transpose(1, 2), causal,
+            align="bottom_right", window=window, softcap=softcap, alibi_slopes=alibi_slopes, key_bias=key_bias,
+            cache_len=shape.capacity, attention_chunk=attention_chunk, cu_seqlens_q=cu_seqlens_q,
+            max_seqlen_q=max_seqlen_q)
+    _check_values(shape, seqlens, cache_batch_idx, cache_leftpad, block_table, k_cache.shape[0], k_cache.shape[0],
+                  cu_seqlens_q, cu_seqlens_k_new, q.shape[0])
     if rotary_cos is not None and rotary_seqlens is not None:
         _check_rotary_values(rotary_seqlens, shape, rotary_cos.shape[0])
 
     if rotary_cos is not None:  # with k, v (check_kvcache): flash-attn rotates as it appends
         local = window != (-1, -1) or attention_chunk > 0
         start = seqlens if rotary_seqlens is None else rotary_seqlens
-        q = apply_rotary(q, rotary_cos, rotary_sin,
-                         _positions(start, shape.batch, shape.seqlen_q, q.device, same=not (causal or local)),
-                         rotary_interleaved)
-        k = apply_rotary(k, rotary_cos, rotary_sin, _positions(start, shape.batch, shape.seqlen_new, q.device, False),
-                         rotary_interleaved)
+        n_q = q.shape[0] if shape.packed_q else shape.seqlen_q
+        q = apply_rotary(_flat(q, shape.packed_q), rotary_cos, rotary_sin,
+                         _positions(start, shape.batch, n_q, q.device, not (causal or local), cu_seqlens_q),
+                         rotary_interleaved).reshape(q.shape)
+        k = apply_rotary(_flat(k, shape.packed_new), rotary_cos, rotary_sin,
+                         _positions(start, shape.batch, shape.seqlen_new, q.device, False, cu_seqlens_k_new),
+                         rotary_interleaved).reshape(k.shape)
     if k is not None:
-        _append(k_cache, k, seqlens, cache_batch_idx, block_table, shape.page_size)
-        _append(v_cache, v, seqlens, cache_batch_idx, block_table, shape.page_size)
+        for cache, new in ((k_cache, k), (v_cache, v)):
+            _append(cache, new, seqlens, cache_batch_idx, block_table, shape.page_size, shape.batch, cu_seqlens_k_new)
     seqused = seqlens
     if shape.seqlen_new:  # the keys in use after the append
-        seqused = seqlens + shape.seqlen_new
+        seqused = seqlens + (cu_seqlens_k_new.diff() if shape.packed_new else shape.seqlen_new)
         if isinstance(seqused, torch.Tensor):
             seqused = seqused.to(torch.int32)
 
     kw = dict(cache_batch_idx=cache_batch_idx, cache_leftpad=cache_leftpad, block_table=block_table, causal=causal,
               scale=scale, window=window, softcap=softcap, alibi_slopes=alibi_slopes, key_bias=key_bias,
-              attention_chunk=attention_chunk)
+              attention_chunk=attention_chunk, cu_seqlens_q=cu_seqlens_q)
     if q.device.type == "cpu" and not emulating():
         out, lse = _reference(q, k_cache, v_cache, seqused, shape, kw)
     else:
@@ -331,15 +378,17 @@ def flash_kvcache(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
         if _has_switches(window, softcap, alibi_slopes, key_bias, attention_chunk):  # the built-in tiles, the tuned split count
             config = None
         out, lse = flash_decode(chunked(q), k_cache, v_cache, seqused, num_splits=num_splits or tuned_splits,
-                                config=config, **kw)
+                                config=config, max_seqlen_q=max_seqlen_q, **kw)
     return _like(out, q), lse.contiguous()  # the strides the fake implementation promises
 
 
 @flash_kvcache.register_fake
 def _flash_kvcache_fake(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, rotary_seqlens, cache_seqlens,
-                        cache_seqlens_int,
-                        cache_batch_idx, cache_leftpad, block_table, alibi_slopes, key_bias, softmax_scale, causal,
-                        window_left, window_right, attention_chunk, softcap, rotary_interleaved, num_splits):
+                        cache_seqlens_int, cache_batch_idx, cache_leftpad, block_table, cu_seqlens_q, cu_seqlens_k_new,
+                        max_seqlen_q, alibi_slopes, key_bias, softmax_scale, causal, window_left, window_right,
+                        attention_chunk, softcap, rotary_interleaved, num_splits):
+    if cu_seqlens_q is not None:  # packed (total_q, heads, d): LSE (heads, total_q)
+        return torch.empty_like(q), q.new_empty((q.shape[1], q.shape[0]), dtype=torch.float32)
     b, lq, h, _ = q.shape
     return torch.empty_like(q), q.new_empty((b, h, lq), dtype=torch.float32)
 
@@ -353,7 +402,8 @@ def attention_over_cache(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.
     fp32 (batch, k_cache rows) or None: a padding mask as -inf, read by the kernel (no value is read
     here), indexed from each sequence's first key (after its left padding)."""
     out, _ = flash_kvcache(q, k_cache, v_cache, None, None, None, None, None, None, seqlen, None, cache_leftpad, None,
-                           None, key_bias, scale, causal, window[0], window[1], 0, float(softcap), False, 0)
+                           None, None, None, None, key_bias, scale, causal, window[0], window[1], 0, float(softcap),
+                           False, 0)
     return out
 
 
@@ -363,9 +413,11 @@ def _reference(q, k_cache, v_cache, seqused, shape: CacheShape, kw: dict):
 
     lengths = seqused.tolist() if isinstance(seqused, torch.Tensor) else [seqused] * shape.batch
     leftpad = kw["cache_leftpad"].tolist() if kw["cache_leftpad"] is not None else None
+    cu = kw["cu_seqlens_q"]
     out, lse = attention_kvcache_ref(q, k_cache, v_cache, lengths, cache_leftpad=leftpad,
                                      block_table=kw["block_table"], cache_batch_idx=kw["cache_batch_idx"],
                                      causal=kw["causal"], scale=kw["scale"], window=kw["window"],
                                      softcap=kw["softcap"], alibi_slopes=kw["alibi_slopes"], key_bias=kw["key_bias"],
-                                     attention_chunk=kw["attention_chunk"])
+                                     attention_chunk=kw["attention_chunk"],
+                                     cu_seqlens_q=cu.tolist() if cu is not None else None)
     return out.to(q.dtype), lse

@@ -99,7 +99,7 @@ def check_qkv(q, k, v) -> str:
 def is_chunked_layout(t: torch.Tensor) -> bool:
     """The kernels move 16-byte chunks: a contiguous last dim, 16-byte aligned rows and start."""
     align = 16 // t.element_size()
-    return t.stride(-1) == 1 and not any(s % align for s in t.stride()[:3]) and t.data_ptr() % 16 == 0
+    return t.stride(-1) == 1 and not any(s % align for s in t.stride()[:-1]) and t.data_ptr() % 16 == 0
 
 
 def chunked(t: torch.Tensor) -> torch.Tensor:
@@ -120,10 +120,10 @@ def check_chunked_layout(name: str, t: torch.Tensor) -> None:
     align = 16 // t.element_size()
     if t.stride(-1) != 1:
         raise ValueError(f"{name}: got stride {t.stride(-1)} on the last dim, expected 1 (contiguous head_dim)")
-    if any(s % align for s in t.stride()[:3]) or t.data_ptr() % 16:
+    if any(s % align for s in t.stride()[:-1]) or t.data_ptr() % 16:
         raise ValueError(
             f"{name}: got strides {t.stride()} (data_ptr % 16 = {t.data_ptr() % 16}); expected the "
-            f"first three strides to be multiples of {align} elements and a 16-byte aligned start"
+            f"strides but the last to be multiples of {align} elements and a 16-byte aligned start"
         )
 
 
@@ -197,6 +197,18 @@ def int32_vector(name: str, t, batch: int, device: torch.device, what: str = "")
         raise ValueError(f"{name}: got {tuple(t.shape)} {t.dtype} on {t.device}; expected int32 of shape ({batch},) "
                          f"on {device}{what}")
     return t
+
+
+def cu_seqlens_vector(name: str, t, device: torch.device) -> int:
+    """Metadata checks of cumulative lengths (dtype, shape, device, contiguous); returns the batch size.
+    The values (0 first, non-decreasing, last = total) are the caller's to check: reading them would
+    synchronise."""
+    if not isinstance(t, torch.Tensor):
+        raise TypeError(f"{name}: got {type(t).__name__}, expected an int32 tensor")
+    if t.dtype != torch.int32 or t.dim() != 1 or t.numel() < 2 or t.device != device or t.stride(0) != 1:
+        raise ValueError(f"{name}: got {tuple(t.shape)} {t.dtype} on {t.device}; expected a contiguous 1-D int32 "
+                         f"tensor of batch + 1 >= 2 cumulative lengths on {device}")
+    return t.numel() - 1
 
 
 def chunk_size(name: str, chunk) -> int:

@@ -194,6 +194,7 @@ class KernelConfig:
     # kvcache: batch b's keys are cache rows [leftpad[b], cache_seqlens[b]) of cache batch
     # cache_batch_idx[b]; a run-time `qpack` folds the query heads sharing a K/V head into one
     # block's rows (row r is query r / qpack), so each K/V tile is read once per (batch, kv-head).
+    # With varlen the queries are packed (cu_seqlens_q, FlashAttention-3's); the keys stay the cache's.
     kvcache: bool = False
     paged: bool = False     # the cache in pages of a multiple of block_n rows, through an int32 block table
     split: bool = False     # the key range split across blocks: fp32 partial O and LSE, merged by <name>_combine
@@ -304,9 +305,6 @@ class KernelConfig:
         if (self.paged or self.split) and not self.kvcache:
             raise ValueError(f"KernelConfig: got {', '.join(decode)} without kvcache; paging and splitting are "
                              f"switches of the KV-cache kernel (expected kvcache=True)")
-        if self.kvcache and self.varlen:
-            raise ValueError("KernelConfig: got kvcache with varlen; a KV cache carries its per-batch lengths itself "
-                             "(expected varlen=False)")
 
     def _validate_family(self) -> None:
         if self.family not in FAMILIES:

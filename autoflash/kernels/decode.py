@@ -14,11 +14,12 @@ import math
 
 import torch
 
-from autoflash.kernels.checks import DTYPE_NAMES, GRID_YZ_MAX, check_chunked_layout, check_scale, int32_vector
+from autoflash.kernels.checks import DTYPE_NAMES, GRID_YZ_MAX, check_chunked_layout, check_scale, cu_seqlens_vector, \
+    int32_vector
 from autoflash.kernels.config import HEAD_DIM_MAX, HEAD_DIM_MIN, HEAD_DIM_STEP, KernelConfig
 from autoflash.kernels.defaults import default_decode_config
 from autoflash.kernels.gpus import GpuProfile
-from autoflash.kernels.variants import LOG2E, resolve, with_variant
+from autoflash.kernels.variants import LOG2E, heads_view, resolve, with_variant
 
 MAX_SPLITS = 128  # FlashAttention-2's cap on num_splits (flash_api.cpp, set_params_splitkv)
 PAGE_MULTIPLE = 16  # page sizes the kernels take: multiples of the smallest key tile
@@ -37,7 +38,9 @@ class CacheShape:
     head_dim: int
     capacity: int
     page_size: int | None
-    seqlen_new: int  # rows of new k / v to append (0: none)
+    seqlen_new: int  # rows of new k / v to append (0: none); packed_new: all sequences' together
+    packed_q: bool = False  # q (total_q, heads, d) through cu_seqlens_q; seqlen_q is max_seqlen_q
+    packed_new: bool = False  # k, v (total_new, heads_kv, d) through cu_seqlens_k_new
 
     @property
     def group(self) -> int:
@@ -52,13 +55,20 @@ def _tensor(name: str, t) -> torch.Tensor:
 
 def check_kvcache(q, k_cache, v_cache, *, k=None, v=None, rotary_cos=None, rotary_sin=None, cache_seqlens=None,
                   cache_batch_idx=None, cache_leftpad=None, block_table=None, any_head_dim: bool = False,
-                  rotary_seqlens=None) -> CacheShape:
+                  rotary_seqlens=None, cu_seqlens_q=None, max_seqlen_q=None, cu_seqlens_k_new=None) -> CacheShape:
     """Metadata checks of a flash_attn_with_kvcache call (shapes, dtypes, devices, layouts: nothing
     that reads a value); raises ValueError / TypeError with what was got and what is accepted.
-    The kernel's head dims only, unless `any_head_dim` (1..HEAD_DIM_MAX: the caller zero-pads)."""
+    The kernel's head dims only, unless `any_head_dim` (1..HEAD_DIM_MAX: the caller zero-pads).
+    cu_seqlens_q (with max_seqlen_q) packs q as (total_q, heads, head_dim), cu_seqlens_k_new packs
+    the new k and v as (total_new, heads_kv, head_dim): FlashAttention-3's varlen KV-cache calls."""
+    packed_q, packed_new = cu_seqlens_q is not None, cu_seqlens_k_new is not None
     for name, t in (("q", q), ("k_cache", k_cache), ("v_cache", v_cache)):
         _tensor(name, t)
-        if t.dim() != 4:
+        if name == "q" and packed_q:
+            if t.dim() != 3:
+                raise ValueError(f"q: got shape {tuple(t.shape)} with cu_seqlens_q, expected 3 dims (total_q, heads, "
+                                 f"head_dim)")
+        elif t.dim() != 4:
             raise ValueError(f"{name}: got shape {tuple(t.shape)}, expected 4 dims (batch, seqlen, heads, head_dim)"
                              + (" or, paged, (num_pages, page_size, heads_kv, head_dim)" if name != "q" else ""))
     if q.dtype not in (torch.float16, torch.bfloat16) or not (q.dtype == k_cache.dtype == v_cache.dtype):
@@ -67,7 +77,18 @@ def check_kvcache(q, k_cache, v_cache, *, k=None, v=None, rotary_cos=None, rotar
     if not (q.device == k_cache.device == v_cache.device):
         raise ValueError(f"q, k_cache, v_cache devices: got {q.device}, {k_cache.device}, {v_cache.device}; "
                          f"expected one device")
-    batch, seqlen_q, heads, d = q.shape
+    if packed_q:
+        total_q, heads, d = q.shape
+        batch = cu_seqlens_vector("cu_seqlens_q", cu_seqlens_q, q.device)
+        if isinstance(max_seqlen_q, bool) or not isinstance(max_seqlen_q, int) or max_seqlen_q < 1:
+            raise ValueError(f"max_seqlen_q: got {max_seqlen_q!r} with cu_seqlens_q, expected an int >= 1 (the longest "
+                             f"sequence's queries)")
+        seqlen_q = max_seqlen_q
+    else:
+        if max_seqlen_q is not None:
+            raise ValueError(f"max_seqlen_q: got {max_seqlen_q!r} without cu_seqlens_q, expected None")
+        batch, seqlen_q, heads, d = q.shape
+        total_q = batch * seqlen_q
     if k_cache.shape != v_cache.shape:
         raise ValueError(f"k_cache and v_cache shapes differ: got {tuple(k_cache.shape)} and {tuple(v_cache.shape)}")
     rows, length, heads_kv, dk = k_cache.shape
@@ -79,7 +100,7 @@ def check_kvcache(q, k_cache, v_cache, *, k=None, v=None, rotary_cos=None, rotar
     if not any_head_dim and not native:
         raise ValueError(f"head_dim: got {d}, expected a multiple of {HEAD_DIM_STEP} in [{HEAD_DIM_MIN}, "
                          f"{HEAD_DIM_MAX}] (flash_attn_with_kvcache pads other head dims)")
-    if min(batch, seqlen_q, heads, heads_kv, rows) == 0:
+    if min(batch, seqlen_q, total_q, heads, heads_kv, rows) == 0:
         raise ValueError(f"empty input: got q {tuple(q.shape)}, k_cache {tuple(k_cache.shape)}; expected batch, "
                          f"seqlen_q, heads, heads_kv and cache rows >= 1")
     if heads % heads_kv:
@@ -137,17 +158,24 @@ def check_kvcache(q, k_cache, v_cache, *, k=None, v=None, rotary_cos=None, rotar
     seqlen_new = 0
     if (k is None) != (v is None):
         raise ValueError("k, v: got one of them; expected both (new keys and values to append) or neither")
+    if packed_new and k is None:
+        raise ValueError("cu_seqlens_k_new: got a tensor without k, v; expected None (it packs the new keys)")
     if k is not None:
         for name, t in (("k", k), ("v", v)):
             _tensor(name, t)
-            if t.dim() != 4 or t.shape[0] != batch or t.shape[2:] != (heads_kv, d) or t.dtype != q.dtype \
-                    or t.device != q.device:
-                raise ValueError(f"{name}: got {tuple(t.shape)} {t.dtype} on {t.device}; expected ({batch}, "
-                                 f"seqlen_new, {heads_kv}, {d}) {q.dtype} on {q.device}")
+            lead = t.shape[:1] if packed_new else t.shape[:2]
+            if t.dim() != len(lead) + 2 or (not packed_new and t.shape[0] != batch) or t.shape[len(lead):] != \
+                    (heads_kv, d) or t.dtype != q.dtype or t.device != q.device:
+                want = "total_new" if packed_new else f"{batch}, seqlen_new"
+                raise ValueError(f"{name}: got {tuple(t.shape)} {t.dtype} on {t.device}; expected ({want}, {heads_kv}, "
+                                 f"{d}) {q.dtype} on {q.device}")
         if k.shape != v.shape:
             raise ValueError(f"k and v shapes differ: got {tuple(k.shape)} and {tuple(v.shape)}")
-        seqlen_new = k.shape[1]
-        if isinstance(cache_seqlens, int) and cache_seqlens + seqlen_new > capacity:
+        if packed_new and cu_seqlens_vector("cu_seqlens_k_new", cu_seqlens_k_new, q.device) != batch:
+            raise ValueError(f"cu_seqlens_k_new: got {cu_seqlens_k_new.numel()} entries, expected batch + 1 = "
+                             f"{batch + 1}")
+        seqlen_new = k.shape[0] if packed_new else k.shape[1]
+        if isinstance(cache_seqlens, int) and not packed_new and cache_seqlens + seqlen_new > capacity:
             raise ValueError(f"cache_seqlens: got {cache_seqlens} with {seqlen_new} new keys; the cache holds "
                              f"{capacity} per sequence (expected cache_seqlens + seqlen_new <= {capacity})")
     elif isinstance(cache_seqlens, int) and cache_seqlens > capacity:
@@ -175,7 +203,7 @@ def check_kvcache(q, k_cache, v_cache, *, k=None, v=None, rotary_cos=None, rotar
         if rotary_cos.shape[0] < capacity:
             raise ValueError(f"rotary_cos: got {rotary_cos.shape[0]} positions; expected at least the cache's "
                              f"{capacity} (seqlen_ro >= seqlen_cache)")
-    return CacheShape(batch, seqlen_q, heads, heads_kv, d, capacity, page_size, seqlen_new)
+    return CacheShape(batch, seqlen_q, heads, heads_kv, d, capacity, page_size, seqlen_new, packed_q, packed_new)
 
 
 def choose_num_splits(blocks: int, sm_count: int, key_tiles: int, max_splits: int = MAX_SPLITS) -> int:
@@ -242,7 +270,7 @@ def flash_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, 
                  block_table: torch.Tensor | None = None, causal: bool = False, scale: float | None = None,
                  window=(-1, -1), softcap: float = 0.0, alibi_slopes: torch.Tensor | None = None,
                  key_bias: torch.Tensor | None = None, num_splits: int = 0, config: KernelConfig | None = None,
-                 attention_chunk: int = 0):
+                 attention_chunk: int = 0, cu_seqlens_q: torch.Tensor | None = None, max_seqlen_q: int | None = None):
     """Attention of q (batch, seqlen_q, heads, d) over a KV cache on CUDA tensors (CPU tensors inside
     autoflash.emulate(): the emulated kernels), flash-attn's layout. cache_seqlens (int or int32
     (batch,)): each batch's keys, rows [cache_leftpad[b], cache_seqlens[b]) of cache row
@@ -252,12 +280,16 @@ def flash_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, 
     num_splits: 0 chooses (choose_num_splits), 1 runs unsplit, n > 1 splits the keys n ways (at most
     MAX_SPLITS and the key tiles). key_bias: fp32 (batch, capacity), added to the scores of each
     sequence's key j (counted from its first, left padding excluded; -inf masks it): a padding mask
-    without reading its values (autoflash.hf). Returns (out like q, lse (batch, heads, seqlen_q) fp32)."""
+    without reading its values (autoflash.hf). cu_seqlens_q (int32 (batch + 1,)) with max_seqlen_q packs
+    the queries as (total_q, heads, d), sequence b's rows cu_seqlens_q[b] .. cu_seqlens_q[b + 1] - 1
+    (FlashAttention-3's varlen KV-cache call; values trusted). Returns (out like q, lse (batch, heads,
+    seqlen_q) fp32; packed: (heads, total_q))."""
     from autoflash.kernels.launch import COMBINE_PARAMS, FWD_NAMES, FWD_PARAMS, _call, empty, empty_like, \
         kernel_functions, profile_for
 
     shape = check_kvcache(q, k_cache, v_cache, cache_seqlens=cache_seqlens, cache_batch_idx=cache_batch_idx,
-                          cache_leftpad=cache_leftpad, block_table=block_table)
+                          cache_leftpad=cache_leftpad, block_table=block_table, cu_seqlens_q=cu_seqlens_q,
+                          max_seqlen_q=max_seqlen_q)
     check_chunked_layout("q", q)
     if not isinstance(causal, bool):
         raise TypeError(f"causal: got {causal!r}, expected a bool")
@@ -265,25 +297,38 @@ def flash_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, 
         raise ValueError(f"num_splits: got {num_splits!r}, expected an int >= 0 (0 chooses)")
     profile = profile_for(q, "flash_attn_with_kvcache")
     dtype, scale = DTYPE_NAMES[q.dtype], check_scale(scale, shape.head_dim)
-    b, lq, hq, d = q.shape
+    packed = shape.packed_q
+    b, lq, hq, d = shape.batch, shape.seqlen_q, shape.heads, shape.head_dim
     hkv, g = shape.heads_kv, shape.group
-    causal, variant = resolve(q.transpose(1, 2), k_cache.transpose(1, 2), causal, align="bottom_right",
-                              window=window, softcap=softcap, alibi_slopes=alibi_slopes, key_bias=key_bias,
-                              cache_len=shape.capacity, attention_chunk=attention_chunk)
+    causal, variant = resolve(heads_view(q) if packed else q.transpose(1, 2), k_cache.transpose(1, 2), causal,
+                              align="bottom_right", window=window, softcap=softcap, alibi_slopes=alibi_slopes,
+                              key_bias=key_bias, cache_len=shape.capacity, attention_chunk=attention_chunk,
+                              cu_seqlens_q=cu_seqlens_q, max_seqlen_q=max_seqlen_q)
     qpack = packed_heads(shape, alibi_slopes)
     heads, rows = hq // qpack, lq * qpack
     config, num_splits = decode_launch(shape, dtype, profile, causal, variant, config, num_splits, qpack)
     m_blocks = math.ceil(rows / config.block_m)
 
-    if qpack > 1:  # (B, Lq, Hkv * g, d) -> (B, Hkv, Lq * g, d): row i * g + j is query i of head kv * g + j
-        q4 = q.reshape(b, lq, hkv, g, d).permute(0, 2, 1, 3, 4).reshape(b, hkv, rows, d)
-        out4 = empty_like(q4, "bhld", name="out")
+    # Packed queries are one batch row of (1, heads, total rows, d), no batch stride: sequence b's
+    # rows start at cu_seqlens_q[b] (in rows of qpack folded heads: the kernel's cu_seqlens scaled).
+    lead = (q.shape[0],) if packed else (b, lq)
+    if qpack > 1:  # (..., Hkv * g, d) -> (B, Hkv, Lq * g, d): row i * g + j is query i of head kv * g + j
+        n = math.prod(lead)
+        q4 = q.reshape(*lead, hkv, g, d).movedim(-3, 0 if packed else 1)
+        q4 = q4.reshape(1 if packed else b, hkv, (n if packed else lq) * g, d)
+        out4 = empty(q4.shape[1:], q.dtype, q.device, "hld", name="out", rows="q").unsqueeze(0) if packed else \
+            empty(q4.shape, q.dtype, q.device, "bhld", name="out")
+        variant = dataclasses.replace(variant, pointers=tuple(
+            t * qpack if i < 4 and t is not None else t for i, t in enumerate(variant.pointers)))
     else:
-        q4 = q.transpose(1, 2)
-        out = empty_like(q, "blhd", name="out")
-        out4 = out.transpose(1, 2)
+        q4 = heads_view(q) if packed else q.transpose(1, 2)
+        out = empty_like(q, "lhd" if packed else "blhd", name="out", rows="q" if packed else None)
+        out4 = heads_view(out) if packed else out.transpose(1, 2)
     k4, v4 = k_cache.transpose(1, 2), v_cache.transpose(1, 2)  # pages: (num_pages, Hkv, page_size, d)
-    lse4 = empty((b, heads, rows), torch.float32, q.device, "bhl", name="lse")
+    lse4 = empty((heads, q4.shape[2]) if packed else (b, heads, rows), torch.float32, q.device,
+                 "hl" if packed else "bhl", name="lse", rows="q" if packed else None)
+    lse_strides = (0, lse4.stride(0)) if packed else lse4.stride()[:2]
+    batch_strides = lambda t: (0 if packed else t.stride(0), *t.stride()[1:3])  # noqa: E731
 
     device = q.device
     # Index tensors the call does not have go as null pointers (the template's defaults: every
@@ -299,7 +344,7 @@ def flash_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, 
 
     fns = kernel_functions(config, profile, q)
     strides = lambda t: t.stride()[:3]  # noqa: E731 -- (batch or page, head, row)
-    scalars = (*strides(q4), *strides(k4), *strides(v4), *strides(out4), *lse4.stride()[:2], variant.alibi_sb,
+    scalars = (*batch_strides(q4), *strides(k4), *strides(v4), *batch_strides(out4), *lse_strides, variant.alibi_sb,
                variant.bias_sb,
                block_table.stride(0) if block_table is not None else 0,
                rows, cache_seqlens if seqused is None else shape.capacity, 1 if qpack > 1 else g, *variant.window,
@@ -311,11 +356,13 @@ def flash_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, 
     if split:
         n_rows = b * heads * rows
         _call(fns[f"{config.name}_combine"], (math.ceil(n_rows / COMBINE_ROWS_PER_BLOCK), 1, 1),
-              32 * COMBINE_ROWS_PER_BLOCK, 0, device, COMBINE_PARAMS, (o_accum, lse_accum, out4, lse4),
-              (*strides(out4), *lse4.stride()[:2], b, heads, rows, num_splits),
-              ("o_accum", "lse_accum", "out", "lse"))
-    if qpack > 1:  # back to (B, Lq, Hq, d) and (B, Hq, Lq)
-        out = out4.reshape(b, hkv, lq, g, d).permute(0, 2, 1, 3, 4).reshape(b, lq, hq, d)
-        lse = lse4.reshape(b, hkv, lq, g).permute(0, 1, 3, 2).reshape(b, hq, lq)
+              32 * COMBINE_ROWS_PER_BLOCK, 0, device, COMBINE_PARAMS,
+              (o_accum, lse_accum, out4, lse4, variant.pointers[0], variant.pointers[2]),
+              (*batch_strides(out4), *lse_strides, b, heads, rows, num_splits),
+              ("o_accum", "lse_accum", "out", "lse", "q_starts", "q_ends"))
+    if qpack > 1:  # back to q's layout: (B, Lq, Hq, d) and (B, Hq, Lq), packed (total, Hq, d) and (Hq, total)
+        out = out4.reshape(*([] if packed else [b]), hkv, *lead[-1:], g, d).movedim(-4, -3).reshape(*lead, hq, d)
+        lse = lse4.reshape(*([] if packed else [b]), hkv, lead[-1], g).movedim(-1, -2).reshape(
+            *([] if packed else [b]), hq, lead[-1])
         return out, lse
     return out, lse4

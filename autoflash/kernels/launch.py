@@ -184,8 +184,8 @@ DECODE_POINTERS = ("cache_seqlens", "cache_batch_idx", "cache_leftpad", "block_t
 FWD_NAMES = ("q", "k", "v", "out", "lse", *_VARIANT_POINTERS, *DECODE_POINTERS)
 FWD_PARAMS = KernelParams(17, "q" * 17 + "i" * 9 + "fff")  # q k v o lse +6 +6; 4 x 3 strides +4 +1;
 #                                                  seqlen_q seqlen_k group +3 +3; scale_log2 +2
-COMBINE_PARAMS = KernelParams(4, "q" * 5 + "iiii")  # o_accum lse_accum o lse; o and lse strides; batch
-#                                                  heads rows num_splits (templates/flash_combine.cu.j2)
+COMBINE_PARAMS = KernelParams(6, "q" * 5 + "iiii")  # o_accum lse_accum o lse q_starts q_ends; o and lse
+#                                    strides; batch heads rows num_splits (templates/flash_combine.cu.j2)
 DELTA_PARAMS = KernelParams(3, "q" * 6 + "i")  # o dout delta; 2 x 3 strides; seqlen_q
 BWD_PARAMS = KernelParams(15, "q" * 22 + "iiiiii" + "ffff" + "i")  # q k v dout lse delta dq_accum dk dv +6;
 #                                       6 x 3 strides +4; seqlen_q seqlen_k group +3; scale scale_log2 +2; n_block0

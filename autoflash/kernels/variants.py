@@ -10,7 +10,7 @@ import math
 
 import torch
 
-from autoflash.kernels.checks import GRID_YZ_MAX, check_scale, chunk_size, int32_vector, window_pair
+from autoflash.kernels.checks import GRID_YZ_MAX, check_scale, chunk_size, cu_seqlens_vector, int32_vector, window_pair
 from autoflash.kernels.config import ALIGNS, KernelConfig
 
 LOG2E = 1.4426950408889634
@@ -100,17 +100,6 @@ def _check_fp32(name: str, t, shapes: tuple[tuple[int, ...], ...], device: torch
                          f"contiguous last dim")
 
 
-def _check_cu_seqlens(name: str, t, device: torch.device) -> int:
-    """Metadata checks (dtype, shape, device); returns the batch size. The values (0 first,
-    non-decreasing, last = total) are the caller's to check: reading them would synchronise."""
-    if not isinstance(t, torch.Tensor):
-        raise TypeError(f"{name}: got {type(t).__name__}, expected an int32 tensor")
-    if t.dtype != torch.int32 or t.dim() != 1 or t.numel() < 2 or t.device != device or t.stride(0) != 1:
-        raise ValueError(f"{name}: got {tuple(t.shape)} {t.dtype} on {t.device}; expected a contiguous 1-D int32 "
-                         f"tensor of batch + 1 >= 2 cumulative lengths on {device}")
-    return t.numel() - 1
-
-
 def _check_used(name: str, t, batch: int, device: torch.device) -> None:
     """seqused_q / seqused_k metadata (dtype, shape, device, contiguous); the values (0 <= used <= the
     span) are the caller's to check, as cu_seqlens' are."""
@@ -129,15 +118,24 @@ def resolve(q: torch.Tensor, k: torch.Tensor, causal: bool, *, align: str = "top
     attention_chunk > 0: chunked local attention (FlashAttention-3's), the chunk switch inside a
     window kernel: a causal call becomes the window (unbounded, 0), a call with no window the
     window (unbounded, unbounded). seqused_q / seqused_k (packed sequences only, FlashAttention-3's):
-    int32 (batch,), the rows of each sequence's cu_seqlens span in use."""
+    int32 (batch,), the rows of each sequence's cu_seqlens span in use. With cache_len, cu_seqlens_q and
+    max_seqlen_q alone pack a KV cache's queries (FlashAttention-3's flash_attn_with_kvcache)."""
     if align not in ALIGNS:
         raise ValueError(f"align: got {align!r}, expected one of {ALIGNS}")
     varlen = cu_seqlens_q is not None or cu_seqlens_k is not None
-    if varlen:
+    if varlen and cache_len is not None:  # a KV cache's packed queries: its keys come from the cache
+        if cu_seqlens_k is not None or seqused_q is not None or seqused_k is not None or key_bias is not None:
+            raise ValueError("cu_seqlens_k, seqused_q, seqused_k, key_bias: got one with a KV cache's packed queries; "
+                             "expected None (the cache's lengths count its keys)")
+        batch = cu_seqlens_vector("cu_seqlens_q", cu_seqlens_q, q.device)
+        if isinstance(max_seqlen_q, bool) or not isinstance(max_seqlen_q, int) or max_seqlen_q < 0:
+            raise ValueError(f"max_seqlen_q: got {max_seqlen_q!r}, expected an int >= 0 (the longest sequence)")
+        lq, lk = max_seqlen_q, cache_len
+    elif varlen:
         if cu_seqlens_q is None or cu_seqlens_k is None:
             raise ValueError("cu_seqlens_q, cu_seqlens_k: got one of them; expected both (packed sequences) or neither")
-        batch = _check_cu_seqlens("cu_seqlens_q", cu_seqlens_q, q.device)
-        if _check_cu_seqlens("cu_seqlens_k", cu_seqlens_k, q.device) != batch:
+        batch = cu_seqlens_vector("cu_seqlens_q", cu_seqlens_q, q.device)
+        if cu_seqlens_vector("cu_seqlens_k", cu_seqlens_k, q.device) != batch:
             raise ValueError(f"cu_seqlens_k: got {cu_seqlens_k.numel()} entries, expected cu_seqlens_q's {batch + 1}")
         for name, m in (("max_seqlen_q", max_seqlen_q), ("max_seqlen_k", max_seqlen_k)):
             if isinstance(m, bool) or not isinstance(m, int) or m < 0:
@@ -177,8 +175,12 @@ def resolve(q: torch.Tensor, k: torch.Tensor, causal: bool, *, align: str = "top
         align = "top_left"  # nothing to place, or both diagonals coincide: one kernel serves both
     switches = {"align": align, "window": windowed, "chunk": attention_chunk > 0, "softcap": softcap > 0, "alibi": alibi,
                 "key_bias": key_bias is not None, "varlen": varlen}
-    ends = (_seq_end(cu_seqlens_q, seqused_q), _seq_end(cu_seqlens_k, seqused_k)) if varlen else (None, None)
-    pointers = (cu_seqlens_q, cu_seqlens_k, *ends, alibi_slopes, key_bias)
+    if varlen and cache_len is not None:  # the kernels read no key bounds there; valid pointers all the same
+        end_q = _seq_end(cu_seqlens_q, None)
+        pointers = (cu_seqlens_q, cu_seqlens_q, end_q, end_q, alibi_slopes, key_bias)
+    else:
+        ends = (_seq_end(cu_seqlens_q, seqused_q), _seq_end(cu_seqlens_k, seqused_k)) if varlen else (None, None)
+        pointers = (cu_seqlens_q, cu_seqlens_k, *ends, alibi_slopes, key_bias)
     return causal, Variant(switches, pointers, (left, right, attention_chunk), seqused_q is not None
                            or seqused_k is not None, alibi_sb, bias_sb, float(softcap))
 

@@ -57,19 +57,22 @@ def attention_kvcache_ref(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch
                           cache_leftpad: list[int] | None = None, block_table=None, cache_batch_idx=None,
                           causal: bool = False, scale: float | None = None, window=(-1, -1), softcap: float = 0.0,
                           alibi_slopes: torch.Tensor | None = None, key_bias: torch.Tensor | None = None,
-                          upcast: bool = True, attention_chunk: int = 0):
+                          upcast: bool = True, attention_chunk: int = 0, cu_seqlens_q: list[int] | None = None):
     """Attention of q (batch, seqlen_q, heads, d) over sequence b's cache rows [leftpad[b],
     seqused[b]), bottom-right aligned (flash-attn's), batch row by batch row. Returns out (batch,
     seqlen_q, heads, d) in the compute dtype and lse (batch, heads, seqlen_q); a row that sees no key
     gets out 0 and lse +inf. key_bias (batch, >= max seqused) fp32 is added to sequence b's key j,
-    counted from its first key; attention_chunk counts chunks from it too."""
+    counted from its first key; attention_chunk counts chunks from it too. cu_seqlens_q: q packed as
+    (total_q, heads, d), sequence b its rows cu_seqlens_q[b] .. cu_seqlens_q[b + 1] - 1; out is then
+    (total_q, heads, d) and lse (heads, total_q)."""
     outs, lses = [], []
-    for b in range(q.shape[0]):
+    for b in range(len(seqused)):
         start = cache_leftpad[b] if cache_leftpad is not None else 0
         k = cache_rows(k_cache, b, start, seqused[b], block_table, cache_batch_idx)
         v = cache_rows(v_cache, b, start, seqused[b], block_table, cache_batch_idx)
-        qb = q[b:b + 1].transpose(1, 2)
-        if k.shape[0] == 0:
+        qb = (q[cu_seqlens_q[b]:cu_seqlens_q[b + 1]].unsqueeze(0) if cu_seqlens_q is not None else q[b:b + 1])
+        qb = qb.transpose(1, 2)
+        if k.shape[0] == 0 or qb.shape[2] == 0:  # no key (or, packed, no query) in this sequence
             dtype = torch.float64 if q.dtype == torch.float64 else torch.float32 if upcast else q.dtype
             outs.append(torch.zeros(qb.shape, dtype=dtype))
             lses.append(torch.full(qb.shape[:3], float("inf"), dtype=torch.float32))
@@ -81,4 +84,6 @@ def attention_kvcache_ref(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch
                                alibi_slopes=slopes, key_bias=bias, attention_chunk=attention_chunk)
         outs.append(o)
         lses.append(lse.float())
+    if cu_seqlens_q is not None:
+        return torch.cat(outs, dim=2)[0].transpose(0, 1), torch.cat(lses, dim=2)[0]
     return torch.cat(outs).transpose(1, 2), torch.cat(lses)
