@@ -2,7 +2,8 @@
 (autoflash.bench.peer_shim). A stand-in for FlashAttention-3's hopper/ folder, written the way its
 tests are (imports of flash_attn_interface and test_util, tensors on "cuda", torch.cuda calls),
 goes through the real command: its passing case passes on the emulated H100's sm90 kernels, its
-failing cases are reported with their cause, and the draw honours the size limit and the seed."""
+failing cases are reported with their cause, and the draw honours the size limit and the seed; and
+a stand-in for FlashAttention-2's tests/ folder on the emulated A100."""
 import json
 import textwrap
 
@@ -76,6 +77,53 @@ def test_the_command_runs_a_peer_test_file_on_the_emulator(tmp_path):
     assert any(cause.startswith("FlashAttention-3's qv") for cause in summary["causes"]), summary["causes"]
     report = next(out.glob("*.md")).read_text()
     assert "| test_output | 2 | 0 | 0 |" in report and "on the sm90 family: 100%" in report
+
+
+FA2_LIKE = '''
+import torch
+from flash_attn import flash_attn_func
+from flash_attn.bert_padding import pad_input
+from flash_attn.flash_attn_interface import USE_TRITON_ROCM
+from flash_attn.layers.rotary import apply_rotary_emb
+
+SM80 = torch.cuda.get_device_capability("cuda") == (8, 0)
+
+
+def test_output():
+    assert SM80 and not USE_TRITON_ROCM and torch.cuda.get_device_properties("cuda").total_memory > 16 * 2**30
+    q = torch.randn(2, 33, 2, 64, device="cuda", dtype=torch.float16)
+    out = flash_attn_func(q, q, q, causal=True)
+    assert pad_input(out, q.shape) is out
+
+
+def test_rotary():
+    x = torch.randn(2, 5, 3, 32, device="cuda")
+    cos, sin = torch.ones(8, 8, device="cuda"), torch.zeros(8, 8, device="cuda")
+    assert torch.equal(apply_rotary_emb(x, cos, sin, seqlen_offsets=torch.tensor([0, 3])), x)
+
+
+def test_dropout():
+    q = torch.randn(1, 8, 2, 64, device="cuda", dtype=torch.bfloat16)
+    flash_attn_func(q, q, q, 0.17)
+'''
+
+
+def test_the_command_runs_flashattention_2s_test_file_on_an_emulated_a100(tmp_path):
+    """FA2's layout: tests/test_flash_attn.py importing flash_attn and the checkout's own pure-PyTorch
+    flash_attn/bert_padding.py; the launches are the sm80 family's, dropout a named refusal."""
+    checkout = tmp_path / "checkout"
+    (checkout / "tests").mkdir(parents=True)
+    (checkout / "flash_attn").mkdir()
+    (checkout / "tests" / "test_flash_attn.py").write_text(textwrap.dedent(FA2_LIKE))
+    (checkout / "flash_attn" / "bert_padding.py").write_text("def pad_input(x, shape):\n    return x\n")
+    out = tmp_path / "out"
+    assert peer_tests.main(["--fa2", str(checkout), "--sample", "0", "--workers", "0", "--out", str(out)]) == 0
+    records = [json.loads(line) for path in out.glob("*.jsonl") for line in path.read_text().splitlines()]
+    by_test = {r["test"].split("::")[1]: r for r in records}
+    assert by_test["test_output"]["outcome"] == "passed" and by_test["test_output"]["families"] == ["sm80"]
+    assert by_test["test_rotary"]["outcome"] == "passed"
+    assert by_test["test_dropout"]["outcome"] == "failed" and "dropout_p: got 0.17" in by_test["test_dropout"]["reason"]
+    assert next(out.glob("*-fa2-a100-*.md")).read_text().startswith("# FlashAttention-2's tests/test_flash_attn.py")
 
 
 def test_the_draw_is_seeded_and_sized():

@@ -4,9 +4,14 @@ FlashAttention-2's tests/test_flash_attn.py) against autoflash on the host emula
 
 What it changes, and nothing else:
 - `flash_attn_interface` (FA3) and `flash_attn` (FA2) import autoflash's interfaces of the same names;
+  `flash_attn`'s pure-PyTorch helpers (bert_padding) come from the checkout (AUTOFLASH_PEER_FA2_PACKAGE),
+  `flash_attn.layers.rotary.apply_rotary_emb` (a Triton kernel there) is autoflash's PyTorch rotary, and
+  `flash_attn.flash_attn_interface` holds what the tests read besides the API (USE_TRITON_ROCM False,
+  _get_block_size_n for dropout masks, which autoflash does not have: it raises);
 - tensors the tests put on "cuda" are made on the CPU, and every test runs inside
   autoflash.emulate(GPU), so each kernel call runs the emulated GPU's kernel;
-- torch.cuda.get_device_capability answers the emulated GPU's, torch.cuda.synchronize does nothing;
+- torch.cuda.get_device_capability and get_device_properties answer the emulated GPU's,
+  torch.cuda.synchronize does nothing;
 - the collection is cut to tests whose problem fits the emulator (AUTOFLASH_PEER_MAX_ELEMENTS, the
   product of the sequence lengths), less the test functions named in AUTOFLASH_PEER_EXCLUDE, and
   sampled (AUTOFLASH_PEER_SAMPLE cases, AUTOFLASH_PEER_SEED).
@@ -47,23 +52,63 @@ class CudaOnCpu(torch.overrides.TorchFunctionMode):
         return func(*args, **kwargs)
 
 
+def apply_rotary_emb(x, cos, sin, interleaved=False, inplace=False, seqlen_offsets=0, cu_seqlens=None,
+                     max_seqlen=None):
+    """flash_attn.layers.rotary.apply_rotary_emb for the tests' references, in PyTorch: x (batch, seqlen,
+    heads, d) rotated on its first 2 * cos.shape[1] dims, row i of batch b at seqlen_offsets[b] + i."""
+    from autoflash.dispatch.kvcache import apply_rotary
+
+    if cu_seqlens is not None:
+        raise NotImplementedError("apply_rotary_emb with cu_seqlens: not in the peer shim")
+    b, n = x.shape[:2]
+    offsets = seqlen_offsets.long() if isinstance(seqlen_offsets, torch.Tensor) else \
+        torch.full((b,), int(seqlen_offsets), dtype=torch.long)
+    out = apply_rotary(x, cos, sin, offsets[:, None] + torch.arange(n)[None, :], interleaved)
+    return x.copy_(out) if inplace else out
+
+
+def _block_size_n(*args, **kwargs):
+    raise NotImplementedError("_get_block_size_n: the block size of FlashAttention-2's dropout mask; autoflash has no "
+                              "attention dropout")
+
+
+def _module(name: str, package: bool = False, **attributes) -> types.ModuleType:
+    module = types.ModuleType(name)
+    if package:
+        module.__path__ = []
+    module.__dict__.update(attributes)
+    sys.modules.setdefault(name, module)
+    return module
+
+
 def _alias_modules() -> None:
     import autoflash
     from autoflash import flash_attn_interface
 
     sys.modules["flash_attn_interface"] = flash_attn_interface
-    fa2 = types.ModuleType("flash_attn")
-    for name in ("flash_attn_func", "flash_attn_varlen_func", "flash_attn_qkvpacked_func", "flash_attn_kvpacked_func",
-                 "flash_attn_varlen_qkvpacked_func", "flash_attn_varlen_kvpacked_func", "flash_attn_with_kvcache"):
-        setattr(fa2, name, getattr(autoflash, name))
-    fa2.__version__ = "2.8.3"  # the API autoflash follows
-    sys.modules.setdefault("flash_attn", fa2)
+    api = {name: getattr(autoflash, name) for name in (
+        "flash_attn_func", "flash_attn_varlen_func", "flash_attn_qkvpacked_func", "flash_attn_kvpacked_func",
+        "flash_attn_varlen_qkvpacked_func", "flash_attn_varlen_kvpacked_func", "flash_attn_with_kvcache")}
+    fa2 = _module("flash_attn", True, __version__="2.8.3", **api)  # the API autoflash follows
+    checkout = os.environ.get("AUTOFLASH_PEER_FA2_PACKAGE")  # its flash_attn/: bert_padding and the like
+    if checkout:
+        fa2.__path__ = [checkout]
+    fa2.flash_attn_interface = _module("flash_attn.flash_attn_interface", USE_TRITON_ROCM=False,
+                                       _get_block_size_n=_block_size_n, **api)
+    fa2.layers = _module("flash_attn.layers", True)
+    fa2.layers.rotary = _module("flash_attn.layers.rotary", apply_rotary_emb=apply_rotary_emb)
 
 
 def pytest_configure(config):
+    from autoflash.kernels.gpus import get_profile
+
     _alias_modules()
     capability = _CAPABILITY.get(GPU, (9, 0))
+    profile = get_profile(GPU)
+    properties = types.SimpleNamespace(name=f"{GPU} (emulated)", major=capability[0], minor=capability[1],
+                                       total_memory=80 * 2**30, multi_processor_count=profile.sm_count)
     torch.cuda.get_device_capability = lambda *a, **k: capability
+    torch.cuda.get_device_properties = lambda *a, **k: properties
     torch.cuda.synchronize = lambda *a, **k: None
     torch.cuda.empty_cache = lambda *a, **k: None
 

@@ -1,13 +1,16 @@
-"""FlashAttention-3's own test file (hopper/test_flash_attn.py) run against autoflash on the host
-emulator, as an FA3 user would run it: its tests, assertions and tolerances unchanged, the import of
-`flash_attn_interface` answered by autoflash.flash_attn_interface, "cuda" tensors on the CPU inside
+"""FlashAttention-3's own test file (hopper/test_flash_attn.py), or FlashAttention-2's
+(tests/test_flash_attn.py), run against autoflash on the host emulator, as a flash-attn user would run
+it: its tests, assertions and tolerances unchanged, the imports of `flash_attn_interface` (FA3) and
+`flash_attn` (FA2) answered by autoflash's interfaces, "cuda" tensors on the CPU inside
 autoflash.emulate(GPU) (autoflash.bench.peer_shim). What autoflash does not run fails the test that
 asks for it, with the ValueError naming the feature: those failures are counted by feature.
 
     python -m autoflash.bench peer-tests --fa3 ~/flash-attention --sample 60 --seed 0
+    python -m autoflash.bench peer-tests --fa2 ~/flash-attention --sample 60 --seed 0   # on an emulated A100
 
-Needs a checkout of Dao-AILab/flash-attention (its hopper/ test files; nothing is built) and einops
-(FA3's tests import it). fp8 is left out (FLASH_ATTENTION_DISABLE_FP8, a separate issue). Cases
+Needs a checkout of Dao-AILab/flash-attention (its test files and flash_attn/'s pure-PyTorch helpers;
+nothing is built) and einops (the tests import it). fp8 is left out (FLASH_ATTENTION_DISABLE_FP8, a
+separate issue); FA2's dropout cases fail on autoflash's named refusal (it has no dropout). Cases
 whose seqlen_q x seqlen_k exceeds --max-elements are left out (the emulator runs a 1024 x 1024
 backward in minutes); the rest are sampled with --seed. The report (--out) holds every case's
 outcome, the first line of each failure, and the kernel families each case launched: the share of
@@ -33,13 +36,17 @@ EXCLUDED = ("test_flash_attn_race_condition",)
 def make_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m autoflash.bench peer-tests", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--fa3", type=Path, required=True, metavar="CHECKOUT",
-                   help="a flash-attention checkout (its hopper/test_flash_attn.py is run)")
+    peer = p.add_mutually_exclusive_group(required=True)
+    peer.add_argument("--fa3", type=Path, metavar="CHECKOUT",
+                      help="a flash-attention checkout: its hopper/test_flash_attn.py is run (FlashAttention-3)")
+    peer.add_argument("--fa2", type=Path, metavar="CHECKOUT",
+                      help="a flash-attention checkout: its tests/test_flash_attn.py is run (FlashAttention-2)")
     p.add_argument("--sample", type=int, default=60, help="cases drawn from those that fit (default 60; 0: all)")
     p.add_argument("--seed", type=int, default=0, help="the draw's seed (default 0)")
     p.add_argument("--max-elements", type=int, default=256 * 256, metavar="N",
                    help="leave out cases with seqlen_q x seqlen_k above N (default 65536)")
-    p.add_argument("--gpu", default="h100", choices=("h100", "h200"), help="the emulated GPU (default h100)")
+    p.add_argument("--gpu", default=None, choices=("a100", "h100", "h200"),
+                   help="the emulated GPU (default h100 with --fa3, a100 with --fa2)")
     p.add_argument("-k", dest="keyword", default=None, help="pytest -k expression, applied before the draw")
     p.add_argument("--exclude", default=",".join(EXCLUDED), metavar="NAMES",
                    help=f"comma-separated test functions left out (default {','.join(EXCLUDED)}: a GPU stress test)")
@@ -48,22 +55,34 @@ def make_parser() -> argparse.ArgumentParser:
     return p
 
 
-def _test_file(checkout: Path) -> Path:
-    for candidate in (checkout / "hopper" / "test_flash_attn.py", checkout / "test_flash_attn.py"):
-        if candidate.is_file():
-            return candidate
-    raise SystemExit(f"--fa3: got {checkout}; expected a flash-attention checkout holding hopper/test_flash_attn.py")
+PEERS = {"fa3": ("hopper/test_flash_attn.py", "FlashAttention-3's hopper/test_flash_attn.py", "h100"),
+         "fa2": ("tests/test_flash_attn.py", "FlashAttention-2's tests/test_flash_attn.py", "a100")}
+
+
+def _peer(args) -> tuple[str, Path]:
+    """(fa3 or fa2, the checkout)."""
+    return ("fa3", args.fa3) if args.fa3 is not None else ("fa2", args.fa2)
+
+
+def _test_file(peer: str, checkout: Path) -> Path:
+    test = checkout / PEERS[peer][0]
+    if not test.is_file():
+        raise SystemExit(f"--{peer}: got {checkout}; expected a flash-attention checkout holding {PEERS[peer][0]}")
+    return test
 
 
 def run(args) -> tuple[list[dict], str]:
-    test = _test_file(args.fa3)
+    peer, checkout = _peer(args)
+    test = _test_file(peer, checkout)
     stamp = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d")
     args.out.mkdir(parents=True, exist_ok=True)
     import autoflash
 
-    lines = args.out / f"{stamp}-fa3-{args.gpu}-seed{args.seed}-{_revision_of(Path(autoflash.__file__).parent)}.jsonl"
+    revision = _revision_of(Path(autoflash.__file__).parent)
+    lines = args.out / f"{stamp}-{peer}-{args.gpu}-seed{args.seed}-{revision}.jsonl"
     lines.unlink(missing_ok=True)
     env = dict(os.environ, FLASH_ATTENTION_DISABLE_FP8="TRUE", AUTOFLASH_PEER_GPU=args.gpu,
+               AUTOFLASH_PEER_FA2_PACKAGE=str((checkout / "flash_attn").resolve()),
                AUTOFLASH_PEER_SAMPLE=str(args.sample), AUTOFLASH_PEER_SEED=str(args.seed),
                AUTOFLASH_PEER_MAX_ELEMENTS=str(args.max_elements), AUTOFLASH_PEER_REPORT=str(lines.resolve()),
                AUTOFLASH_PEER_EXCLUDE=args.exclude,
@@ -107,11 +126,14 @@ def summarize(records: list[dict]) -> dict:
 
 
 def render(summary: dict, command: str, source: str) -> str:
-    out = [f"# FlashAttention-3's hopper/test_flash_attn.py on autoflash (emulated {summary['gpu']})", "",
+    out = [f"# {PEERS[summary['peer']][1]} on autoflash (emulated {summary['gpu']})", "",
            f"command: `{command}`", f"date: {summary['date']}", f"autoflash: {summary['autoflash']}",
            f"flash-attention checkout: {summary['checkout']}", f"records: {Path(source).name}", "",
-           "Emulated on the CPU (autoflash.emulate), not timed; fp8 left out (a separate issue). The tests' own",
-           "assertions and tolerances decide. A failure that names a feature is autoflash refusing it by name.", "",
+           "Emulated on the CPU (autoflash.emulate), not timed; " + (
+               "fp8 left out (a separate issue)." if summary["peer"] == "fa3" else
+               "dropout cases fail on autoflash's refusal (it has no attention dropout)."),
+           "The tests' own assertions and tolerances decide. A failure that names a feature is autoflash refusing",
+           "it by name.", "",
            f"cases run: {summary['cases']}  outcomes: {summary['outcomes']}", "",
            "| test | passed | failed | skipped |", "|---|---|---|---|"]
     for name, c in summary["per_function"].items():
@@ -128,10 +150,12 @@ def main(argv: list[str] | None = None) -> int:
     import autoflash
 
     args = make_parser().parse_args(argv)
+    peer, checkout = _peer(args)
+    args.gpu = args.gpu or PEERS[peer][2]
     records, source = run(args)
     summary = summarize(records)
-    summary.update(gpu=args.gpu, date=datetime.date.today().isoformat(), autoflash=_revision(autoflash),
-                   checkout=f"{args.fa3} git {_revision_of(args.fa3)}")
+    summary.update(peer=peer, gpu=args.gpu, date=datetime.date.today().isoformat(), autoflash=_revision(autoflash),
+                   checkout=f"{checkout} git {_revision_of(checkout)}")
     command = "python -m autoflash.bench peer-tests " + " ".join(argv if argv is not None else sys.argv[1:])
     text = render(summary, command, source)
     Path(source).with_suffix(".md").write_text(text)
