@@ -35,9 +35,9 @@ names it); --standalone inlines them, so the one file compiles with no -I (and c
 directives, which would point into templates the file travels without).
 
 The switch flags (--causal, --bottom-right, --window, --chunk, --softcap, --alibi, --key-bias,
---varlen, --kvcache, --paged, --split, --dq-pass, --v-in-regs) add the name's suffixes (_causal, _br,
-_win, _chunk, _cap, _alibi, _kbias, _varlen, _kvc, _paged, _split, _dqpass, _vregs); they combine with --default
-(the GPU's built-in tiles for a kernel with those switches, as the launcher picks them) or with
+--varlen, --kvcache, --paged, --gather, --split, --dq-pass, --v-in-regs) add the name's suffixes
+(_causal, _br, _win, _chunk, _cap, _alibi, _kbias, _varlen, _kvc, _paged, _gather, _split, _dqpass,
+_vregs); they combine with --default (the GPU's built-in tiles for a kernel with those switches, as the launcher picks them) or with
 --block-m/--block-n/--warps/--stages. Window sizes, the cap, slopes, biases and lengths are kernel
 arguments at run time, so no flag takes them. A kernel name stands alone: it already fixes every field.
 
@@ -74,6 +74,8 @@ SWITCHES: tuple[tuple[str, str, object, str], ...] = (
      "forward, fp16/bf16: keys from a KV cache (flash_attn_with_kvcache), query heads of a K/V head folded into "
      "one block's rows; --default then picks the decode tiles (_kvc)"),
     ("--paged", "paged", True, "with --kvcache: the cache in pages through an int32 block table (_paged)"),
+    ("--gather", "gather", True,
+     "with --paged: each key row gathered from its own page (pages of any size, left-padded sequences) (_gather)"),
     ("--split", "split", True,
      "with --kvcache: the key range split across blocks, fp32 partials merged by the source's <name>_combine "
      "kernel (_split)"),
@@ -185,11 +187,13 @@ def default_for(head_dim: int, dtype: str, direction: str, switches: dict[str, o
         if dtype == "fp32":
             raise ValueError("--kvcache: got --dtype fp32; the KV-cache kernel runs on tensor cores (expected fp16 "
                              "or bf16)")
-        if page_size is not None and (page_size <= 0 or page_size % 16):
-            raise ValueError(f"--page-size: got {page_size}, expected a positive multiple of 16 (the smallest key "
-                             f"tile)")
+        if page_size is not None and page_size <= 0:
+            raise ValueError(f"--page-size: got {page_size}, expected a positive number of rows")
+        if page_size is not None and page_size % 16:  # pages smaller than any key tile: gathered row by row
+            switches = {**switches, "gather": True}
         heavy = any(switches.get(f) for f in ("window", "chunk", "softcap", "alibi", "key_bias"))
-        base = default_decode_config(head_dim, dtype, profile, page_size, heavy)
+        gather = bool(switches.get("gather"))
+        base = default_decode_config(head_dim, dtype, profile, None if gather else page_size, heavy, gather)
     else:
         variant = {k: switches[k] for k in ("align", *VARIANTS) if k in switches}
         base = call_default(direction, head_dim, dtype, bool(switches.get("causal")), variant, profile)

@@ -90,13 +90,14 @@ def _parser() -> argparse.ArgumentParser:
                              "capacity, each sequence holding a random number of keys, one none)")
     c.add_argument("--kvcache", action="store_true", help="run flash_attn_with_kvcache instead of the prefill kernels")
     c.add_argument("--new", type=int, default=0, metavar="N", help="append N new keys and values first")
-    c.add_argument("--paged", type=int, default=0, metavar="PAGE", help="a paged cache of PAGE-row pages")
+    c.add_argument("--paged", type=int, default=0, metavar="PAGE", help="a paged cache of PAGE-row pages (any size: "
+                   "multiples of 16 read a key tile at a time, others gathered row by row)")
     c.add_argument("--splits", type=int, default=0, metavar="N", help="num_splits (0 chooses)")
     c.add_argument("--rotary", choices=("none", "interleaved", "neox"), default="none",
                    help="rotary embeddings on q and the new keys, over half the head dim")
-    c.add_argument("--leftpad", action="store_true", help="random left padding per sequence (dense cache)")
-    c.add_argument("--batch-idx", action="store_true", help="a cache with more rows than the batch, picked by "
-                   "cache_batch_idx (dense cache)")
+    c.add_argument("--leftpad", action="store_true", help="random left padding per sequence")
+    c.add_argument("--batch-idx", action="store_true", help="a cache (or block table) with more rows than the "
+                   "batch, picked by cache_batch_idx")
     p.add_argument("--config", metavar="NAME", help="a kernel name, e.g. fwd_hd128_bf16_causal_m128n64w8s2 "
                    "(a bwd_... name checks the backward); dtype, head dim and causal follow from it")
     return p

@@ -22,26 +22,23 @@ def check_kvcache(args, shape, dtype, causal) -> list[tuple[str, bool, float, fl
     device = "cpu" if args.emulate else "cuda"
     g = torch.Generator().manual_seed(args.seed)
     rng = random.Random(args.seed)
-    if args.paged and (args.leftpad or args.batch_idx):
-        raise ValueError("--paged: a paged cache takes no --leftpad or --batch-idx (flash-attn's rule)")
-
     def flash_layout(n, h, length):  # (n, length, h, d) with guard bands after rows and sequences
         return guarded_randn(n, h, length, d, dt, g, layout="bshd").transpose(1, 2).to(device)
 
     q = flash_layout(b, hq, lq)
     new = args.new
     block_table = batch_idx = leftpad = None
+    rows = b + 2 if args.batch_idx else b  # cache rows, or block-table rows when paged
     if args.paged:
         per_seq = -(-capacity // args.paged)
-        pages = b * per_seq + 1
+        pages = rows * per_seq + 1
         k_cache, v_cache = flash_layout(pages, hkv, args.paged), flash_layout(pages, hkv, args.paged)
-        block_table = torch.randperm(pages, generator=g)[:b * per_seq].reshape(b, per_seq).to(torch.int32)
+        block_table = torch.randperm(pages, generator=g)[:rows * per_seq].reshape(rows, per_seq).to(torch.int32)
         capacity = per_seq * args.paged
     else:
-        rows = b + 2 if args.batch_idx else b
         k_cache, v_cache = flash_layout(rows, hkv, capacity), flash_layout(rows, hkv, capacity)
-        if args.batch_idx:
-            batch_idx = torch.randperm(rows, generator=g)[:b].to(torch.int32)
+    if args.batch_idx:
+        batch_idx = torch.randperm(rows, generator=g)[:b].to(torch.int32)
     if new > capacity:
         raise ValueError(f"--new: got {new}, expected at most the cache's {capacity} rows")
     seqlens = [rng.randint(0, capacity - new) for _ in range(b)]

@@ -82,15 +82,19 @@ SM90_VARIANT_SETS = (dict(window=True, softcap=True, alibi=True, varlen=True, al
 
 # Decode (KV-cache) switch sets the decode defaults are held to: the cache alone, bottom-right causal
 # over pages split across blocks, window + softcap + ALiBi split, causal with a key bias
-# (autoflash.hf's padding masks), attention chunks over pages split (Llama 4's decode), and packed
-# queries (FlashAttention-3's varlen KV-cache calls) causal over pages split and under the heaviest.
+# (autoflash.hf's padding masks), attention chunks over pages split (Llama 4's decode), packed queries
+# (FlashAttention-3's varlen KV-cache calls) causal over pages split and under the heaviest, and pages
+# gathered row by row (any page size, left padding) causal split and with every switch at once.
 DECODE_SETS = (dict(),
                dict(causal=True, align="bottom_right", paged=True, split=True),
                dict(window=True, softcap=True, alibi=True, align="bottom_right", split=True),
                dict(causal=True, align="bottom_right", key_bias=True, split=True),
                dict(window=True, chunk=True, align="bottom_right", paged=True, split=True),
                dict(causal=True, align="bottom_right", varlen=True, paged=True, split=True),
-               dict(window=True, softcap=True, alibi=True, varlen=True, align="bottom_right", split=True))
+               dict(window=True, softcap=True, alibi=True, varlen=True, align="bottom_right", split=True),
+               dict(causal=True, align="bottom_right", paged=True, gather=True, split=True),
+               dict(window=True, chunk=True, softcap=True, alibi=True, varlen=True, align="bottom_right", paged=True,
+                    gather=True, split=True))
 
 
 def defaults():
@@ -121,8 +125,8 @@ def switched_defaults():
                 if not (direction == "fwd" and arch == "sm_90" and d % 16 == 0)]
     h100 = ARCH_PROFILES["sm_90"]
     variants += [(_variant_default("fwd", d, v, h100), "sm_90") for d in range(32, 257, 16) for v in SM90_VARIANT_SETS]
-    decode = [(default_decode_config(d, dt, prof, 256 if v.get("paged") else None, "window" in v or "key_bias" in v)
-               .replace(**v), arch)
+    decode = [(default_decode_config(d, dt, prof, 256 if v.get("paged") and not v.get("gather") else None,
+                                     "window" in v or "key_bias" in v, bool(v.get("gather"))).replace(**v), arch)
               for d in HEAD_DIMS for dt in ("fp16", "bf16") for v in DECODE_SETS[1:]
               for arch, prof in ARCH_PROFILES.items()]
     return variants + decode
@@ -216,7 +220,10 @@ def test_the_sampled_grid_compiles():
 def test_every_default_is_held_to_one_of_its_switch_sets_each_run():
     drawn = {_switch_key(j) for j in defaults()}
     assert {_switch_key(j) for j in switched_defaults()} <= drawn
-    assert len(switched_defaults()) == 4 * len({_switch_key(j) for j in switched_defaults()})
+    per_key = collections.Counter(_switch_key(j) for j in switched_defaults())
+    # four variant sets per forward/backward key (the sm90 forward's own four), the decode sets past the plain cache
+    assert {n for key, n in per_key.items() if not key[1]} == {len(VARIANT_SETS)} == {len(SM90_VARIANT_SETS)}
+    assert {n for key, n in per_key.items() if key[1]} == {len(DECODE_SETS) - 1}
 
 
 @pytest.mark.slow

@@ -182,7 +182,8 @@ def test_nvrtc_builtins_are_found_beside_the_library(tmp_path):
 
 def _every_default_kernel():
     """Every default config of both families and every kernel kind: forward, backward (atomics and
-    the dQ pass), the KV-cache kernel split and paged with its combine, the variant kernels, on the
+    the dQ pass), the KV-cache kernel split and paged with its combine (and with packed queries over
+    gathered pages), the variant kernels, on the
     A100 (sm_80) and the H100 (sm_90: the sm90 family where it applies)."""
     from autoflash.kernels.defaults import default_decode_config
 
@@ -197,6 +198,8 @@ def _every_default_kernel():
                 causal=False, window=True, softcap=True, alibi=True, varlen=True, align="bottom_right"), prof.arch))
             configs.add((default_backward_config(d, "bf16", False, prof, True).replace(key_bias=True), prof.arch))
             configs.add((default_decode_config(d, "bf16", prof, 256).replace(paged=True, split=True), prof.arch))
+            configs.add((default_decode_config(d, "bf16", prof, None, False, True).replace(  # FA3's varlen, pages of 4
+                causal=True, align="bottom_right", varlen=True, paged=True, gather=True, split=True), prof.arch))
     configs.add((default_backward_config(64, "bf16", True, a100).replace(dq="pass"), "sm_80"))
     configs.add((default_config(64, "fp32", False, a100), "sm_80"))
     configs = sorted(configs, key=lambda x: (x[0].name, x[1]))

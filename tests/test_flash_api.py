@@ -459,7 +459,8 @@ VARLEN_BAD = {
                                                                          "Python int"),
     "alibi_batch": (dict(alibi_slopes=torch.zeros(3, 4)), ValueError, r"expected \(4,\) or \(2, 4\)"),
     "head_dim": (dict(q=_q(5, 4, 300)), ValueError, "head_dim: got q"),
-    "block_table": (dict(block_table=torch.zeros(2, 1, dtype=torch.int32)), ValueError, "block_table: got Tensor"),
+    "block_table_unpaged_k": (dict(block_table=torch.zeros(2, 1, dtype=torch.int32)), ValueError,
+                              r"k: got shape \(5, 2, 64\) with a block_table, expected a paged cache"),
     "four_dims": (dict(q=_q(1, 5, 4, 64)), ValueError, r"expected 3 dims \(total, heads, head_dim\)"),
 }
 

@@ -1,8 +1,8 @@
 """flash_attn_with_kvcache on the decode kernels against the references, flash-attn's
 test_flash_attn_kvcache grid at emulator sizes: seqlen_q 1..128, new k/v appended or not, dense and
-paged caches (page sizes 16..256), cache_seqlens including 0, cache_batch_idx and left padding,
-rotary (GPT-J and GPT-NeoX, part or all of the head dim), MHA/GQA/MQA, causal, windows, softcap,
-ALiBi and FlashAttention-3's attention chunks, unsplit and split. Each case checks:
+paged caches (page sizes 1, 5 and 16..256), cache_seqlens including 0, cache_batch_idx and left
+padding on both, rotary (GPT-J and GPT-NeoX, part or all of the head dim), MHA/GQA/MQA, causal,
+windows, softcap, ALiBi and FlashAttention-3's attention chunks, unsplit and split. Each case checks:
 - out within FlashAttention-3's rule (2x PyTorch's own error in the input dtype, 3x with a softcap,
   both against the fp32 reference, plus twice the reference's rounding in the input dtype:
   autoflash.reference.forward.within_tolerance), the LSE within 1e-3;
@@ -34,7 +34,10 @@ VARIANTS = {
 }
 # flash-attn's (seqlen_q, seqlen_k) pairs scaled to the emulator: seqlen_k is the cache's capacity
 PAIRS = ((1, 128), (1, 339), (3, 299), (16, 200), (64, 256), (128, 128), (5, 17))
-LAYOUTS = ("dense", "batch_idx", "leftpad", "paged-16", "paged-64", "paged-256")
+# paged-P: pages of P rows; sizes that no key tile divides (1, 5: FA3 tests 1 and 4) and left padding
+# make the kernel gather each row from its page; +batch_idx picks block-table rows (FA3's).
+LAYOUTS = ("dense", "batch_idx", "leftpad", "paged-16", "paged-64", "paged-256", "paged-1", "paged-5+batch_idx",
+           "paged-16+leftpad", "paged-64+batch_idx")
 HEADS = {"mha": (4, 4), "gqa": (6, 2), "mqa": (3, 1)}
 ROTARY = (None, ("interleaved", 0.5), ("interleaved", 1.0), ("neox", 0.5), ("neox", 1.0))
 
@@ -57,20 +60,20 @@ def _inputs(case: dict, d: int, dt, dev: str, g: torch.Generator):
     seqlens[rng.randrange(b)] = 0  # an empty cache among them
     t = {"q": torch.randn(b, lq, hq, d, generator=g).to(dev, dt)}
     block_table = batch_idx = leftpad = None
+    rows = b + 2 if "batch_idx" in layout else b  # cache rows, or block-table rows when paged
     if layout.startswith("paged"):
-        page = int(layout.split("-")[1])
+        page = int(layout.split("+")[0].split("-")[1])
         per_seq = -(-capacity // page)
-        pages = b * per_seq + 2
+        pages = rows * per_seq + 2
         t["k_cache"], t["v_cache"] = (torch.randn(pages, page, hkv, d, generator=g).to(dev, dt) for _ in range(2))
-        block_table = torch.randperm(pages, generator=g)[:b * per_seq].reshape(b, per_seq).to(torch.int32)
+        block_table = torch.randperm(pages, generator=g)[:rows * per_seq].reshape(rows, per_seq).to(torch.int32)
         capacity = per_seq * page
     else:
-        rows = b + 2 if layout == "batch_idx" else b
         t["k_cache"], t["v_cache"] = (torch.randn(rows, capacity, hkv, d, generator=g).to(dev, dt) for _ in range(2))
-        if layout == "batch_idx":
-            batch_idx = torch.randperm(rows, generator=g)[:b].to(torch.int32)
-        if layout == "leftpad":
-            leftpad = torch.tensor([rng.randint(0, s) for s in seqlens], dtype=torch.int32)
+    if "batch_idx" in layout:
+        batch_idx = torch.randperm(rows, generator=g)[:b].to(torch.int32)
+    if "leftpad" in layout:
+        leftpad = torch.tensor([rng.randint(0, s) for s in seqlens], dtype=torch.int32)
     if new:
         t["k"], t["v"] = (torch.randn(b, new, hkv, d, generator=g).to(dev, dt) for _ in range(2))
     if case["rotary"] and new:  # rotary goes with an append (flash-attn's rule)
@@ -252,6 +255,40 @@ def test_packed_queries_and_new_keys_meet_flashattention_rule(target, variant, d
     finite = torch.isfinite(ref_lse)
     assert torch.equal(torch.isfinite(lse.cpu()), finite), f"rows that see no key ({what})"
     assert (lse.cpu()[finite] - ref_lse[finite]).abs().max().item() <= 1e-3 if finite.any() else True
+
+
+@pytest.mark.parametrize("page, kw", [(16, dict(causal=True)), (5, dict(window_size=(9, 3))), (32, dict())])
+def test_paged_prefill_matches_the_unpaged_call(target, page, kw):
+    """flash-attn's flash_attn_varlen_func with a block_table (a paged prefill: FA2's
+    test_flash_attn_varlen_causal): the same out and LSE as the call on the keys laid out packed, up
+    to the fp32 summation order of different key tiles; forward only."""
+    from autoflash import flash_attn_varlen_func
+
+    dev, dt = device(target), torch.bfloat16
+    g = torch.Generator().manual_seed(page)
+    lens_q, lens_k, hq, hkv, d = [7, 0, 19], [30, 11, 45], 6, 2, 64
+    cu = lambda lens: torch.tensor([0, *torch.tensor(lens).cumsum(0).tolist()], dtype=torch.int32)  # noqa: E731
+    q = torch.randn(sum(lens_q), hq, d, generator=g).to(dt)
+    k, v = (torch.randn(sum(lens_k), hkv, d, generator=g).to(dt) for _ in range(2))
+    per_seq = -(-max(lens_k) // page)
+    table = torch.randperm(3 * per_seq + 1, generator=g)[:3 * per_seq].reshape(3, per_seq).to(torch.int32)
+    k_pages, v_pages = (torch.randn(3 * per_seq + 1, page, hkv, d, generator=g).to(dt) for _ in range(2))
+    for b, (start, n) in enumerate(zip(cu(lens_k)[:-1].tolist(), lens_k)):  # sequence b's keys into its pages
+        for j in range(n):
+            k_pages[table[b, j // page], j % page] = k[start + j]
+            v_pages[table[b, j // page], j % page] = v[start + j]
+    args = (cu(lens_q).to(dev), cu(lens_k).to(dev), max(lens_q), max(lens_k))
+    want, want_lse, _ = flash_attn_varlen_func(q.to(dev), k.to(dev), v.to(dev), *args, return_attn_probs=True, **kw)
+    q_grad = q.to(dev).requires_grad_()
+    out, lse, _ = flash_attn_varlen_func(q_grad, k_pages.to(dev), v_pages.to(dev), *args, return_attn_probs=True,
+                                         block_table=table.to(dev), **kw)
+    assert out.shape == q.shape and lse.shape == (hq, sum(lens_q))
+    finite = torch.isfinite(want_lse)
+    assert torch.equal(torch.isfinite(lse), finite)
+    assert torch.allclose(lse[finite], want_lse[finite], rtol=1e-5, atol=1e-5)
+    assert (out.float() - want.float()).abs().max().item() <= 2 * torch.finfo(dt).eps * want.float().abs().max()
+    with pytest.raises(RuntimeError, match="flash_attn_varlen_func with a block_table is forward only"):
+        out.float().sum().backward()
 
 
 def test_int_cache_seqlens_and_no_new_keys(target):

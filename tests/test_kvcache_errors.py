@@ -35,8 +35,6 @@ CASES = {
     "cache_seqlens missing": (False, dict(cache_seqlens=None), "cache_seqlens: got None"),
     "paged past the table": (True, dict(cache_seqlens=torch.tensor([64, 0], dtype=torch.int32)),
                              "cache_seqlens + seqlen_new <= 64"),
-    "page size": (True, dict(k_cache=torch.zeros(6, 24, HK, D, dtype=torch.bfloat16),
-                             v_cache=torch.zeros(6, 24, HK, D, dtype=torch.bfloat16)), "page size: got 24"),
     "rotary dims odd": (False, dict(rotary_cos=torch.zeros(L, 3, dtype=torch.bfloat16),
                                     rotary_sin=torch.zeros(L, 3, dtype=torch.bfloat16)), "rotary_dim 6"),
     "rotary dims past head_dim": (False, dict(rotary_cos=torch.zeros(L, 24, dtype=torch.bfloat16),
@@ -52,8 +50,20 @@ CASES = {
                 "k: got (2, 1, 4, 32)"),
     "leftpad past seqlens": (False, dict(cache_leftpad=torch.tensor([4, 0], dtype=torch.int32)),
                              "0 <= cache_leftpad <= cache_seqlens"),
-    "leftpad paged": (True, dict(cache_leftpad=torch.zeros(B, dtype=torch.int32)), "cache_leftpad: got a tensor"),
-    "batch_idx paged": (True, dict(cache_batch_idx=torch.zeros(B, dtype=torch.int32)), "cache_batch_idx: got a"),
+    "leftpad paged past the keys": (True, dict(cache_leftpad=torch.tensor([4, 0], dtype=torch.int32)),
+                                    "cache_leftpad: got [4, 0]"),
+    "batch_idx paged int64": (True, dict(cache_batch_idx=torch.zeros(B, dtype=torch.int64)),
+                              "cache_batch_idx: got (2,) torch.int64"),
+    "batch_idx past the block table": (True, dict(cache_batch_idx=torch.tensor([1, 2], dtype=torch.int32)),
+                                       "indices into the block table's 2 rows"),
+    "packed q without max_seqlen_q": (False, dict(q=torch.zeros(3, H, D, dtype=torch.bfloat16),
+                                                  cu_seqlens_q=torch.tensor([0, 1, 3], dtype=torch.int32)),
+                                      "max_seqlen_q: got None with cu_seqlens_q"),
+    "packed q lengths": (False, dict(q=torch.zeros(3, H, D, dtype=torch.bfloat16), max_seqlen_q=2,
+                                     cu_seqlens_q=torch.tensor([0, 1, 5], dtype=torch.int32)),
+                         "cu_seqlens_q: got [0, 1, 5]; expected 0 first, non-decreasing, 3"),
+    "packed new keys 4-D": (False, dict(cu_seqlens_k_new=torch.tensor([0, 1, 2], dtype=torch.int32)),
+                            "k: got (2, 1, 2, 32)"),
     "batch_idx past the cache": (False, dict(cache_batch_idx=torch.tensor([0, 2], dtype=torch.int32)),
                                  "indices into the cache's 2 rows"),
     "head_dim": (False, dict(q=torch.zeros(B, 1, H, 264, dtype=torch.bfloat16),  # off-grid ones run padded
@@ -86,12 +96,23 @@ def test_bad_input_is_refused_before_the_cache_is_touched(name):
 
 
 def test_good_input_runs_and_appends():
-    """The cases above start from inputs that work: the refusals are the changes' doing."""
+    """The cases above start from inputs that work: the refusals are the changes' doing; and what used
+    to be refused runs: pages of any size with left padding and block-table rows picked, packed
+    queries and new keys."""
     for paged in (False, True):
         kw = _inputs(paged)
         before = kw["k_cache"].clone()
         out = flash_attn_with_kvcache(**kw)
         assert out.shape == kw["q"].shape and not torch.equal(kw["k_cache"], before)
+    kw = _inputs(True)
+    kw.update(k_cache=torch.zeros(9, 24, HK, D, dtype=torch.bfloat16), v_cache=torch.zeros(9, 24, HK, D,
+              dtype=torch.bfloat16), block_table=torch.tensor([[0, 1], [2, 3], [4, 5]], dtype=torch.int32),
+              cache_batch_idx=torch.tensor([2, 0], dtype=torch.int32), cache_leftpad=torch.tensor([1, 0],
+              dtype=torch.int32), q=kw["q"][:, 0], cu_seqlens_q=torch.tensor([0, 1, 2], dtype=torch.int32),
+              max_seqlen_q=1, k=kw["k"][:, 0], v=kw["v"][:, 0], cu_seqlens_k_new=torch.tensor([0, 1, 2],
+              dtype=torch.int32))
+    out = flash_attn_with_kvcache(**kw)
+    assert out.shape == kw["q"].shape and kw["k_cache"][4, 3].any() and kw["k_cache"][0, 5].any()
 
 
 def test_backward_says_it_is_forward_only():

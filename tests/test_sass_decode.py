@@ -75,8 +75,9 @@ def test_every_loop_and_the_prologue_load_each_tile_once(arch, gpu, d, kind):
         assert loop.global_loads["LDGSTS"][1] * config.threads == tiles, (config.name, hex(loop.header_addr))
     prologue = sass.straight_line_loads(text)
     assert prologue["LDGSTS"][1] * config.threads == config.block_m * d * 2 + config.num_stages * tiles
-    # cache_seqlens, cache_leftpad, cache_batch_idx (dense) or the first K and V tiles' page (paged)
-    assert prologue["LDG"] == ((4, 16) if kind == "paged" else (3, 12))
+    # cache_seqlens, cache_leftpad, cache_batch_idx (a cache row, or paged a block-table row), and paged
+    # the first K and V tiles' page
+    assert prologue["LDG"] == ((5, 20) if kind == "paged" else (3, 12))
     assert "<-" not in kv_traffic(config, sass.main_loop(sass.hmma_loops(text)), prologue)
 
 

@@ -422,12 +422,19 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
     +inf, and gradient 0.
 
     Returns out (total_q, heads, head_dim); with return_attn_probs=True (out, softmax_lse (heads,
-    total_q) fp32, None). block_table (paged KV cache) is not supported: it must be None.
+    total_q) fp32, None).
+
+    block_table (int32 (batch, pages_per_sequence)): a paged prefill, as flash-attn runs it: k and v
+    are a paged cache (num_pages, page_size, heads_k, head_dim), sequence b's keys the first
+    cu_seqlens_k[b + 1] - cu_seqlens_k[b] (or seqused_k[b]) rows of the pages its row lists. It runs
+    on the KV-cache kernel (flash_attn_with_kvcache with packed queries), forward only as in
+    flash-attn: a gradient through it is an error that says so.
     """
     _check_common(dropout_p, causal, deterministic, return_attn_probs, strict)
     if block_table is not None:
-        raise ValueError(f"block_table: got {type(block_table).__name__}, expected None (autoflash has no paged "
-                         "KV cache)")
+        return _paged_prefill(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale, causal,
+                              window_size, softcap, alibi_slopes, return_attn_probs, block_table, attention_chunk,
+                              seqused_q, seqused_k, strict)
     dims = _check_qkv(q, k, v, "thd")
     batch, cu_q, cu_k, max_q, max_k, used_q, used_k = _check_packed(q, k, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
                                                                     max_seqlen_k, dims, (seqused_q, seqused_k))
@@ -437,6 +444,38 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
                     key_bias=None, packed=(cu_q, cu_k, max_q, max_k, used_q, used_k), deterministic=deterministic,
                     entry="flash_attn_varlen_func", strict=strict,
                     attention_chunk=chunk_size("attention_chunk", attention_chunk))
+    return _result(out, lse, return_attn_probs)
+
+
+def _paged_prefill(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale, causal, window_size,
+                   softcap, alibi_slopes, return_attn_probs, block_table, attention_chunk, seqused_q, seqused_k,
+                   strict):
+    """flash_attn_varlen_func with a block_table: packed queries over a paged cache, each sequence's
+    keys counted by cu_seqlens_k (or seqused_k), on the KV-cache kernel (dispatch/kvcache.py)."""
+    from autoflash.dispatch.kvcache import flash_attn_with_kvcache, forward_only
+
+    if seqused_q is not None:
+        raise ValueError("seqused_q: got a tensor with a block_table; expected None (a paged prefill's queries are "
+                         "counted by cu_seqlens_q)")
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"{name}: got {type(t).__name__}, expected a torch.Tensor")
+    for name, t in (("k", k), ("v", v)):
+        if t.dim() != 4:
+            raise ValueError(f"{name}: got shape {tuple(t.shape)} with a block_table, expected a paged cache "
+                             f"(num_pages, page_size, heads_k, head_dim)")
+    batch = _check_cu_seqlens("cu_seqlens_q", cu_seqlens_q, q.device)
+    if _check_cu_seqlens("cu_seqlens_k", cu_seqlens_k, q.device) != batch:
+        raise ValueError(f"cu_seqlens_k: got {cu_seqlens_k.numel()} entries, expected cu_seqlens_q's {batch + 1}")
+    if isinstance(max_seqlen_k, bool) or not isinstance(max_seqlen_k, int) or max_seqlen_k < 0:
+        raise ValueError(f"max_seqlen_k: got {max_seqlen_k!r}, expected an int >= 0 (the longest sequence)")
+    lengths = seqused_k if seqused_k is not None else cu_seqlens_k.diff().to(torch.int32)
+    out, lse = flash_attn_with_kvcache(q, k, v, cache_seqlens=lengths, block_table=block_table,
+                                       softmax_scale=softmax_scale, causal=causal, window_size=window_size,
+                                       softcap=softcap, alibi_slopes=alibi_slopes, return_softmax_lse=True,
+                                       attention_chunk=attention_chunk, cu_seqlens_q=cu_seqlens_q,
+                                       max_seqlen_q=max_seqlen_q, strict=strict)
+    out, lse = forward_only(out, lse, "flash_attn_varlen_func with a block_table", q, k, v)
     return _result(out, lse, return_attn_probs)
 
 

@@ -61,12 +61,16 @@ def _check_values(shape: CacheShape, cache_seqlens, cache_batch_idx, cache_leftp
     checks = {"seqlens": ((seqlens < 0) | (used > shape.capacity)).any()}
     if cache_leftpad is not None:
         checks["leftpad"] = ((cache_leftpad < 0) | (cache_leftpad > seqlens)).any()
+    if block_table is not None:  # cache_batch_idx then picks block-table rows
+        cache_rows = block_table.shape[0]
     if cache_batch_idx is not None:
         checks["batch_idx"] = ((cache_batch_idx < 0) | (cache_batch_idx >= cache_rows)).any()
     if block_table is not None:
         pages_used = (used + shape.page_size - 1) // shape.page_size
+        table = block_table if cache_batch_idx is None else \
+            block_table[cache_batch_idx.long().clamp(0, block_table.shape[0] - 1)]
         live = torch.arange(block_table.shape[1], device=device)[None, :] < pages_used[:, None]
-        checks["block_table"] = (live & ((block_table < 0) | (block_table >= num_pages))).any()
+        checks["block_table"] = (live & ((table < 0) | (table >= num_pages))).any()
     flags = dict(zip(checks, torch.stack(list(checks.values())).tolist()))
     if flags["seqlens"]:
         got = seqlens.tolist()
@@ -78,7 +82,8 @@ def _check_values(shape: CacheShape, cache_seqlens, cache_batch_idx, cache_leftp
         raise ValueError(f"cache_leftpad: got {cache_leftpad.tolist()[:16]}; expected 0 <= cache_leftpad <= "
                          f"cache_seqlens ({seqlens.tolist()[:16]})")
     if flags.get("batch_idx"):
-        raise ValueError(f"cache_batch_idx: got {cache_batch_idx.tolist()[:16]}; expected indices into the cache's "
+        rows = "block table's" if block_table is not None else "cache's"
+        raise ValueError(f"cache_batch_idx: got {cache_batch_idx.tolist()[:16]}; expected indices into the {rows} "
                          f"{cache_rows} rows")
     if flags.get("block_table"):
         raise ValueError(f"block_table: got page indices outside [0, {num_pages}) among the pages the sequences use; "
@@ -149,11 +154,10 @@ def _append(cache: torch.Tensor, new: torch.Tensor, cache_seqlens, cache_batch_i
     n = new.shape[0] if cu_new is not None else new.shape[1]
     seq, _ = _rows(batch, n, cu_new, new.device)
     positions = _positions(cache_seqlens, batch, n, new.device, False, cu_new)[0]
+    rows = cache_batch_idx.long()[seq] if cache_batch_idx is not None else seq  # cache or block-table rows
     if block_table is not None:
-        rows = block_table.long()[seq, positions // page_size]
+        rows = block_table.long()[rows, positions // page_size]
         positions = positions % page_size
-    else:
-        rows = cache_batch_idx.long()[seq] if cache_batch_idx is not None else seq
     cache.index_put_((rows, positions), _flat(new, cu_new is not None)[0])
 
 
@@ -166,8 +170,9 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
     """Attention of q over a KV cache, appending new keys and values first (flash-attn 2.x).
 
     q: (batch, seqlen_q, heads, head_dim). k_cache, v_cache: (batch_cache, seqlen_cache, heads_kv,
-    head_dim), or with block_table paged: (num_pages, page_size, heads_kv, head_dim), page_size a
-    multiple of 16. k, v: (batch, seqlen_new, heads_kv, head_dim) or None: written into the cache at
+    head_dim), or with block_table paged: (num_pages, page_size, heads_kv, head_dim), any page_size
+    (multiples of 16 are read a key tile at a time, other sizes and left-padded sequences row by row
+    from their pages). k, v: (batch, seqlen_new, heads_kv, head_dim) or None: written into the cache at
     rows cache_seqlens[b] .. cache_seqlens[b] + seqlen_new - 1, in place, before attention.
     rotary_cos, rotary_sin: (seqlen_ro, rotary_dim / 2): rotary embeddings on q and the new k (they
     need k and v, as in flash-attn; rotary_interleaved: GPT-J pairs, else GPT-NeoX halves); new key i
@@ -175,8 +180,9 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
     causal or windowed, every query at cache_seqlens[b] otherwise; rotary_seqlens (keyword only,
     FlashAttention-3's: int32 (batch,)) starts them at rotary_seqlens[b] instead. cache_seqlens: int or int32
     (batch,), the keys already cached. cache_batch_idx: int32 (batch,), the cache rows the batch uses
-    (dense cache only). cache_leftpad: int32 (batch,), where each sequence's keys start (dense cache
-    only). block_table: int32 (batch, max_pages_per_sequence). softmax_scale defaults to
+    (paged: the block-table rows, FlashAttention-3's). cache_leftpad: int32 (batch,), where each
+    sequence's keys start. block_table: int32 (batch, or with cache_batch_idx any rows,
+    max_pages_per_sequence). softmax_scale defaults to
     1/sqrt(head_dim); causal, window_size=(left, right) and alibi_slopes ((heads,) or (batch, heads)
     fp32) are bottom-right aligned, and so is attention_chunk > 0 (keyword only; FlashAttention-3's
     chunked local attention: only the keys of the chunk holding the query's diagonal key, chunks
@@ -237,9 +243,7 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
             for cache, padded in zip(caches, (k_cache, v_cache)):
                 cache.copy_(padded[..., :d])
         out = out[..., :d]
-    if torch.is_grad_enabled() and any(isinstance(t, torch.Tensor) and t.requires_grad
-                                       for t in (q, *caches, k, v)):
-        out, lse = _ForwardOnly.apply(out), _ForwardOnly.apply(lse)
+    out, lse = forward_only(out, lse, "flash_attn_with_kvcache", q, *caches, k, v)
     return (out, lse) if return_softmax_lse else out
 
 
@@ -278,7 +282,7 @@ def kernel_plan(profile, call: KvCacheCall):
                               cu_seqlens_q=call.cu_seqlens_q, max_seqlen_q=call.max_seqlen_q)
     tuned, tuned_splits = select_decode(profile, call.q, shape)
     runs_tuned = tuned is not None and not _has_switches(call.window, call.softcap, call.alibi_slopes, None,
-                                                         call.attention_chunk)
+                                                         call.attention_chunk, shape.gathered)
     config, splits = decode_launch(shape, DTYPE_NAMES[call.q.dtype], profile, causal, variant,
                                    tuned if runs_tuned else None, call.num_splits or tuned_splits,
                                    packed_heads(shape, call.alibi_slopes))
@@ -288,26 +292,37 @@ def kernel_plan(profile, call: KvCacheCall):
     return Selection(None, config, origin), splits, how
 
 
-def _has_switches(window, softcap, alibi_slopes, key_bias, attention_chunk) -> bool:
+def _has_switches(window, softcap, alibi_slopes, key_bias, attention_chunk, gathered: bool) -> bool:
     """Whether a call carries a switch the tuned decode tiles were not measured with (their registers
-    may spill with it, see kernels.defaults): those calls take the built-in tiles."""
+    may spill with it, see kernels.defaults), pages gathered row by row among them: those calls take
+    the built-in tiles."""
     return (tuple(window) != (-1, -1) or bool(softcap) or alibi_slopes is not None or key_bias is not None
-            or bool(attention_chunk))
+            or bool(attention_chunk) or gathered)
 
 
 class _ForwardOnly(torch.autograd.Function):
-    """The identity, whose gradient is an error that names the call: flash_attn_with_kvcache has no
-    backward (nor has flash-attn's), and torch's own message would name an internal op."""
+    """The identity, whose gradient is an error that names the call (`entry`): flash_attn_with_kvcache
+    has no backward (nor has flash-attn's, nor its paged flash_attn_varlen_func), and torch's own
+    message would name an internal op."""
 
     @staticmethod
-    def forward(ctx, x):
+    def forward(ctx, x, entry: str = "flash_attn_with_kvcache"):
+        ctx.entry = entry
         return x.view_as(x)
 
     @staticmethod
     def backward(ctx, grad):
-        raise RuntimeError("flash_attn_with_kvcache is forward only, as flash-attn's is: no gradient flows through "
-                           "it. For training use flash_attn_func / flash_attn_varlen_func or autoflash.attention; "
-                           "for inference call it under torch.no_grad() or torch.inference_mode()")
+        raise RuntimeError(f"{ctx.entry} is forward only, as flash-attn's is: no gradient flows through "
+                           "it. For training use flash_attn_func / flash_attn_varlen_func without a block_table, or "
+                           "autoflash.attention; for inference call it under torch.no_grad() or "
+                           "torch.inference_mode()")
+
+
+def forward_only(out: torch.Tensor, lse: torch.Tensor, entry: str, *inputs) -> tuple[torch.Tensor, torch.Tensor]:
+    """out and lse whose gradient is _ForwardOnly's error where any of `inputs` wants one."""
+    if torch.is_grad_enabled() and any(isinstance(t, torch.Tensor) and t.requires_grad for t in inputs):
+        return _ForwardOnly.apply(out, entry), _ForwardOnly.apply(lse, entry)
+    return out, lse
 
 
 @torch.library.custom_op("autoflash::flash_kvcache", mutates_args=("k_cache", "v_cache"))
@@ -375,8 +390,8 @@ def flash_kvcache(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
         from autoflash.kernels.launch import profile_for
 
         config, tuned_splits = select_decode(profile_for(q, "flash_attn_with_kvcache"), q, shape)
-        if _has_switches(window, softcap, alibi_slopes, key_bias, attention_chunk):  # the built-in tiles, the tuned split count
-            config = None
+        if _has_switches(window, softcap, alibi_slopes, key_bias, attention_chunk, shape.gathered):
+            config = None  # the built-in tiles, the tuned split count
         out, lse = flash_decode(chunked(q), k_cache, v_cache, seqused, num_splits=num_splits or tuned_splits,
                                 config=config, max_seqlen_q=max_seqlen_q, **kw)
     return _like(out, q), lse.contiguous()  # the strides the fake implementation promises

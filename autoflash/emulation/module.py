@@ -188,7 +188,9 @@ class EmulatedFunction:
         if name in ("k", "v") and isinstance(table, torch.Tensor) and isinstance(lengths, torch.Tensor) and a.dim() == 4:
             # a paged cache (num_blocks, page_size, heads_kv, d): block z reads the pages its row names
             page = a.shape[1]
-            rows = [table[z, :-(-int(n) // page)].tolist() for z, n in enumerate(lengths.tolist()[:grid[2]])]
+            picked = named.get("cache_batch_idx")  # the block-table row of each sequence, if not its own
+            row = picked.tolist() if isinstance(picked, torch.Tensor) else list(range(grid[2]))
+            rows = [table[row[z], :-(-int(n) // page)].tolist() for z, n in enumerate(lengths.tolist()[:grid[2]])]
             offsets = [0]
             for r in rows:
                 offsets.append(offsets[-1] + len(r))

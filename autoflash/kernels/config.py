@@ -27,9 +27,10 @@ ALIGNS = ("top_left", "bottom_right")
 VARIANTS = ("window", "chunk", "softcap", "alibi", "key_bias", "varlen")
 _VARIANT_TAGS = {"window": "win", "chunk": "chunk", "softcap": "cap", "alibi": "alibi", "key_bias": "kbias", "varlen": "varlen"}
 # The decode switches (flash_attn_with_kvcache), forward only, shown after the variants: keys from a
-# KV cache, paged through a block table, split across blocks (fp32 partials and a combine kernel).
-DECODE_SWITCHES = ("kvcache", "paged", "split")
-_DECODE_TAGS = {"kvcache": "kvc", "paged": "paged", "split": "split"}
+# KV cache, paged through a block table (gathered row by row from pages of any size), split across
+# blocks (fp32 partials and a combine kernel).
+DECODE_SWITCHES = ("kvcache", "paged", "gather", "split")
+_DECODE_TAGS = {"kvcache": "kvc", "paged": "paged", "gather": "gather", "split": "split"}
 ELEM_BYTES = {"fp16": 2, "bf16": 2, "fp32": 4}
 HEAD_DIM_MIN, HEAD_DIM_MAX, HEAD_DIM_STEP = 32, 256, 8
 MAX_THREADS_PER_BLOCK = 1024
@@ -39,7 +40,7 @@ MMA_K = 16  # its k extent: tensor-core head dims are padded up to a multiple of
 _NAME_RE = re.compile(
     r"^(?P<direction>fwd|bwd)_hd(?P<head_dim>\d+)_(?P<dtype>fp16|bf16|fp32)(?P<causal>_causal)?(?P<br>_br)?"
     r"(?P<window>_win)?(?P<chunk>_chunk)?(?P<softcap>_cap)?(?P<alibi>_alibi)?(?P<key_bias>_kbias)?(?P<varlen>_varlen)?"
-    r"(?P<kvcache>_kvc)?(?P<paged>_paged)?(?P<split>_split)?_m(?P<block_m>\d+)n(?P<block_n>\d+)w(?P<num_warps>\d+)s(?P<num_stages>\d+)(?:h(?P<head_split>\d+))?"
+    r"(?P<kvcache>_kvc)?(?P<paged>_paged)?(?P<gather>_gather)?(?P<split>_split)?_m(?P<block_m>\d+)n(?P<block_n>\d+)w(?P<num_warps>\d+)s(?P<num_stages>\d+)(?:h(?P<head_split>\d+))?"
     r"(?P<dq_pass>_dqpass)?(?P<v_in_regs>_vregs)?(?P<sm90>_sm90a(?P<pingpong>_pp)?(?P<overlap>_ov)?)?$"
 )
 
@@ -197,6 +198,7 @@ class KernelConfig:
     # With varlen the queries are packed (cu_seqlens_q, FlashAttention-3's); the keys stay the cache's.
     kvcache: bool = False
     paged: bool = False     # the cache in pages of a multiple of block_n rows, through an int32 block table
+    gather: bool = False    # paged: each key row from its own page (pages of any size, tiles offset by left padding)
     split: bool = False     # the key range split across blocks: fp32 partial O and LSE, merged by <name>_combine
     # ---- kernel family (see FAMILIES) and the sm90 forward's schedule ----
     # sm90: num_warps counts the consumer warps (4 per warpgroup; 64 query rows each in the forward,
@@ -302,9 +304,12 @@ class KernelConfig:
         if decode and (self.direction != "fwd" or not self.tensor_cores):
             raise ValueError(f"KernelConfig: got {', '.join(decode)} for {self.direction} {self.dtype}; the decode "
                              f"switches are the fp16/bf16 forward's (expected direction 'fwd', dtype fp16 or bf16)")
-        if (self.paged or self.split) and not self.kvcache:
+        if (self.paged or self.gather or self.split) and not self.kvcache:
             raise ValueError(f"KernelConfig: got {', '.join(decode)} without kvcache; paging and splitting are "
                              f"switches of the KV-cache kernel (expected kvcache=True)")
+        if self.gather and not self.paged:
+            raise ValueError("KernelConfig: got gather without paged; it gathers a paged cache's rows (expected "
+                             "paged=True)")
 
     def _validate_family(self) -> None:
         if self.family not in FAMILIES:

@@ -22,7 +22,7 @@ from autoflash.kernels.gpus import GpuProfile
 from autoflash.kernels.variants import LOG2E, heads_view, resolve, with_variant
 
 MAX_SPLITS = 128  # FlashAttention-2's cap on num_splits (flash_api.cpp, set_params_splitkv)
-PAGE_MULTIPLE = 16  # page sizes the kernels take: multiples of the smallest key tile
+PAGE_MULTIPLE = 16  # pages read tile by tile: multiples of the smallest key tile (others are gathered)
 COMBINE_ROWS_PER_BLOCK = 4  # templates/flash_combine.cu.j2: one warp per row
 
 
@@ -41,6 +41,13 @@ class CacheShape:
     seqlen_new: int  # rows of new k / v to append (0: none); packed_new: all sequences' together
     packed_q: bool = False  # q (total_q, heads, d) through cu_seqlens_q; seqlen_q is max_seqlen_q
     packed_new: bool = False  # k, v (total_new, heads_kv, d) through cu_seqlens_k_new
+    leftpad: bool = False  # sequences start past their first row (cache_leftpad)
+
+    @property
+    def gathered(self) -> bool:
+        """Whether a paged cache's key tiles can straddle pages (pages not of whole smallest key tiles,
+        or tiles shifted by left padding): the kernel then gathers each row from its page."""
+        return self.page_size is not None and (self.leftpad or self.page_size % PAGE_MULTIPLE != 0)
 
     @property
     def group(self) -> int:
@@ -121,20 +128,16 @@ def check_kvcache(q, k_cache, v_cache, *, k=None, v=None, rotary_cos=None, rotar
     page_size = None
     if block_table is not None:
         _tensor("block_table", block_table)
-        if block_table.dtype != torch.int32 or block_table.dim() != 2 or block_table.shape[0] != batch \
-                or block_table.shape[1] == 0 or block_table.device != q.device or block_table.stride(1) != 1:
+        # Its rows are the sequences', or with cache_batch_idx the ones it picks (FlashAttention-3's).
+        table_rows = "table_rows" if cache_batch_idx is not None else str(batch)
+        if block_table.dtype != torch.int32 or block_table.dim() != 2 or block_table.shape[1] == 0 \
+                or (cache_batch_idx is None and block_table.shape[0] != batch) or block_table.shape[0] == 0 \
+                or block_table.device != q.device or block_table.stride(1) != 1:
             raise ValueError(f"block_table: got {tuple(block_table.shape)} {block_table.dtype} on {block_table.device}; "
-                             f"expected int32 of shape ({batch}, pages_per_sequence >= 1) on {q.device}, rows "
+                             f"expected int32 of shape ({table_rows}, pages_per_sequence >= 1) on {q.device}, rows "
                              f"contiguous")
-        if length % PAGE_MULTIPLE:
-            raise ValueError(f"page size: got {length} (k_cache {tuple(k_cache.shape)} paged); expected a multiple "
-                             f"of {PAGE_MULTIPLE}")
         if cache_batch_idx is not None:
-            raise ValueError("cache_batch_idx: got a tensor with a block_table; expected None (the block table "
-                             "already picks each sequence's pages)")
-        if cache_leftpad is not None:
-            raise ValueError("cache_leftpad: got a tensor with a block_table; expected None (a paged cache's "
-                             "sequences start at their first page)")
+            int32_vector("cache_batch_idx", cache_batch_idx, batch, q.device, ": the block-table row of each sequence")
         page_size, capacity = length, block_table.shape[1] * length
     else:
         capacity = length
@@ -203,7 +206,8 @@ def check_kvcache(q, k_cache, v_cache, *, k=None, v=None, rotary_cos=None, rotar
         if rotary_cos.shape[0] < capacity:
             raise ValueError(f"rotary_cos: got {rotary_cos.shape[0]} positions; expected at least the cache's "
                              f"{capacity} (seqlen_ro >= seqlen_cache)")
-    return CacheShape(batch, seqlen_q, heads, heads_kv, d, capacity, page_size, seqlen_new, packed_q, packed_new)
+    return CacheShape(batch, seqlen_q, heads, heads_kv, d, capacity, page_size, seqlen_new, packed_q, packed_new,
+                      cache_leftpad is not None)
 
 
 def choose_num_splits(blocks: int, sm_count: int, key_tiles: int, max_splits: int = MAX_SPLITS) -> int:
@@ -232,16 +236,16 @@ def decode_config(shape: CacheShape, dtype: str, profile: GpuProfile, causal: bo
     the call's variant and paging switches and kvcache on."""
     if config is None:
         heavy = any(variant.switches[k] for k in ("window", "chunk", "softcap", "alibi", "key_bias"))
-        config = default_decode_config(shape.head_dim, dtype, profile, shape.page_size, heavy)
+        config = default_decode_config(shape.head_dim, dtype, profile, None if shape.gathered else shape.page_size,
+                                       heavy, shape.gathered)
     elif not isinstance(config, KernelConfig):
         raise TypeError(f"config: got {type(config).__name__}, expected a KernelConfig")
-    config = with_variant(config, causal, variant).replace(kvcache=True, paged=shape.page_size is not None,
-                                                            split=False)
+    paged = shape.page_size is not None
+    # Tiles that would straddle pages are gathered row by row (the gather switch).
+    gather = shape.gathered or (paged and shape.page_size % config.block_n != 0)
+    config = with_variant(config, causal, variant).replace(kvcache=True, paged=paged, gather=gather, split=False)
     if (config.head_dim, config.dtype, config.direction) != (shape.head_dim, dtype, "fwd"):
         raise ValueError(f"config {config.name}: expected a forward config for head_dim {shape.head_dim} {dtype}")
-    if shape.page_size is not None and shape.page_size % config.block_n:
-        raise ValueError(f"config {config.name}: key tiles of {config.block_n} do not divide the page size "
-                         f"{shape.page_size}; expected block_n dividing it")
     config.check_fits(profile.smem_per_block_optin, profile.name)
     return config
 

@@ -328,17 +328,28 @@ def default_backward_config(head_dim: int, dtype: str, causal: bool, profile: Gp
         profile, f"the backward at head_dim={head_dim} {dtype}")
 
 
-def _decode_candidates(head_dim: int, page_size: int | None, variant: bool):
+def _decode_candidates(head_dim: int, page_size: int | None, variant: bool, gather: bool = False):
     """(block_m, block_n, num_warps, stage counts) of the KV-cache (decode) kernel, in order of
     preference: FlashAttention-2's split-KV tiles (csrc/flash_attn/src/flash_fwd_launch_template.h,
     run_mha_fwd_splitkv_dispatch: 64 query rows, 4 warps, 256 keys at d <= 64, 128 at d <= 128, 64
     above), then narrower key tiles. A paged cache takes only key tiles dividing its page size.
     `variant` (a window, softcap, ALiBi or key bias): 256 keys spill there (sm_80 d = 64, sm_90
-    d = 40), so 128 come first, and above d = 192 32 (64 spill from d = 224 with a key bias on sm_80)."""
+    d = 40), so 128 come first, and above d = 192 32 (64 spill from d = 224 with a key bias on sm_80).
+    `gather` (pages gathered row by row, the rows' places held through the copies): 256 keys spill
+    from d = 40 and 64 at d = 232 (NVRTC 13.5), so 128 come first up to d = 128, 64 up to d = 192,
+    then 32; with a variant 64 up to d = 128 (its 128-key tiles sit at 255 registers there), then 32.
+    Head dims padded to 240 (232, 240: their 16-byte chunks leave 4- and 2-wide blocks) take half the
+    keys: ptxas 12.1 to 13.0.88 spills the packed-query kernel there at 64 keys (sm_90, 44 B) and the
+    heavy variant kernels at 32 (4-16 B)."""
     if variant:
         first = 128 if head_dim <= 128 else 64 if head_dim <= 192 else 32
     else:
         first = 256 if head_dim <= 64 else 128 if head_dim <= 128 else 64
+    if gather:
+        first = min(first, (64 if head_dim <= 128 else 32) if variant else
+                    128 if head_dim <= 128 else 64 if head_dim <= 192 else 32)
+    if -(-head_dim // 16) * 16 == 240:
+        first = min(first, 16 if variant else 32)
     for block_n in (256, 128, 64, 32, 16):
         if block_n <= first and (page_size is None or page_size % block_n == 0):
             yield 64, block_n, 4, (2, 1)
@@ -346,14 +357,14 @@ def _decode_candidates(head_dim: int, page_size: int | None, variant: bool):
 
 @functools.lru_cache(maxsize=None)
 def default_decode_config(head_dim: int, dtype: str, profile: GpuProfile, page_size: int | None = None,
-                          variant: bool = False) -> KernelConfig:
+                          variant: bool = False, gather: bool = False) -> KernelConfig:
     """The built-in KV-cache kernel (kvcache on) for one head dim on one GPU: the first preferred
     tile that fits, stages as _first_fitting picks them. `variant`: the kernel will carry a window,
-    softcap or ALiBi (see _decode_candidates). The variant, paging and split switches themselves are
-    the caller's to set."""
+    softcap or ALiBi; `gather`: it will gather a paged cache's rows (page_size then None; see
+    _decode_candidates). The variant, paging and split switches themselves are the caller's to set."""
     return _first_fitting(
         (dict(head_dim=head_dim, dtype=dtype, block_m=m, block_n=n, num_warps=w, kvcache=True, stages=stages)
-         for m, n, w, stages in _decode_candidates(head_dim, page_size, variant)),
+         for m, n, w, stages in _decode_candidates(head_dim, page_size, variant, gather)),
         profile, f"the KV-cache kernel at head_dim={head_dim} {dtype}")
 
 

@@ -29,13 +29,13 @@ def rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, positions, int
 
 def cache_rows(cache: torch.Tensor, batch: int, start: int, stop: int, block_table=None,
                cache_batch_idx=None) -> torch.Tensor:
-    """Rows [start, stop) of sequence `batch` as (stop - start, heads_kv, d): a dense cache's row
-    (cache_batch_idx picks it) or, paged, its pages in block-table order."""
+    """Rows [start, stop) of sequence `batch` as (stop - start, heads_kv, d): a dense cache's row or,
+    paged, the pages of a block-table row in its order (cache_batch_idx picks either row)."""
+    row = int(cache_batch_idx[batch]) if cache_batch_idx is not None else batch
     if block_table is None:
-        row = int(cache_batch_idx[batch]) if cache_batch_idx is not None else batch
         return cache[row, start:stop]
     page = cache.shape[1]
-    return torch.cat([cache[int(block_table[batch, p // page]), p % page].unsqueeze(0)
+    return torch.cat([cache[int(block_table[row, p // page]), p % page].unsqueeze(0)
                       for p in range(start, stop)]) if stop > start else cache[0, :0]
 
 
@@ -44,13 +44,13 @@ def append_ref(cache: torch.Tensor, new: torch.Tensor, cache_seqlens: list[int],
     """Writes new[b, i] into sequence b's row cache_seqlens[b] + i, one row at a time."""
     page = cache.shape[1]
     for b in range(new.shape[0]):
+        row = int(cache_batch_idx[b]) if cache_batch_idx is not None else b  # a cache or block-table row
         for i in range(new.shape[1]):
             p = cache_seqlens[b] + i
             if block_table is None:
-                row = int(cache_batch_idx[b]) if cache_batch_idx is not None else b
                 cache[row, p] = new[b, i]
             else:
-                cache[int(block_table[b, p // page]), p % page] = new[b, i]
+                cache[int(block_table[row, p // page]), p % page] = new[b, i]
 
 
 def attention_kvcache_ref(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, seqused: list[int], *,

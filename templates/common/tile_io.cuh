@@ -68,6 +68,44 @@ struct TileCopy {
     else copy_at<true>(tile, shift, rows_left);
   }
 
+  // The same gathered row by row: tile row r starts row_shift(r) elements past row 0 (a paged
+  // cache's rows, each in its own page, as FlashAttention-3's cp.async gathers); rows at or past
+  // rows_left are zero-filled. A thread copies the same rows in every 8-chunk block, so it looks
+  // their places up once, before the copies (the cp.async between would keep the compiler from
+  // reusing them); the narrower blocks past them look up each chunk's row.
+  template <typename RowShift>
+  __device__ __forceinline__ void gather(uint4* tile, const RowShift& row_shift, int rows_left) const {
+    constexpr int ROW_STEP = THREADS / 8, N_ROWS = (ROWS * 8 + THREADS - 1) / THREADS;
+    static_assert(THREADS % 8 == 0, "threads in whole 8-chunk rows");
+    const int r0 = tid / 8, c0 = tid % 8;
+    if constexpr (FULL > 0) {
+      long long shift[N_ROWS];
+      #pragma unroll
+      for (int i = 0; i < N_ROWS; ++i) {
+        const int row = r0 + i * ROW_STEP;
+        shift[i] = row < ROWS && row < rows_left ? row_shift(row) : 0;
+      }
+      #pragma unroll
+      for (int b = 0; b < FULL / 8; ++b)
+        #pragma unroll
+        for (int i = 0; i < N_ROWS; ++i) {
+          const int row = r0 + i * ROW_STEP, c = b * 8 + c0;
+          if (ROWS * 8 % THREADS == 0 || row < ROWS) {
+            const bool valid = row < rows_left && c < VALID_CHUNKS;
+            cp_async_16(tile + ROWS * b * 8 + row * 8 + swizzle_chunk<8>(row, c0),
+                        valid ? base + shift[i] + c * CHUNK_ELEMS : base, valid);
+          }
+        }
+    }
+    auto narrow = [&](int r, int c, int off) {
+      const bool valid = r < rows_left && c < VALID_CHUNKS;
+      cp_async_16(tile + off, valid ? base + row_shift(r) + c * CHUNK_ELEMS : base, valid);
+    };
+    if constexpr (CHUNKS & 4) visit_block<ROWS, CHUNKS, THREADS, FULL, 4>(tid, narrow);
+    if constexpr (CHUNKS & 2) visit_block<ROWS, CHUNKS, THREADS, C4, 2>(tid, narrow);
+    if constexpr (CHUNKS & 1) visit_block<ROWS, CHUNKS, THREADS, C2, 1>(tid, narrow);
+  }
+
  private:
   template <bool CHECK, int BLOCK>
   __device__ __forceinline__ void copy_full_blocks(uint4* tile, long long shift, int rows_left) const {
