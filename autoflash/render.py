@@ -37,9 +37,10 @@ directives, which would point into templates the file travels without).
 The switch flags (--causal, --bottom-right, --window, --chunk, --softcap, --alibi, --key-bias,
 --varlen, --kvcache, --paged, --gather, --split, --dq-pass, --v-in-regs) add the name's suffixes
 (_causal, _br, _win, _chunk, _cap, _alibi, _kbias, _varlen, _kvc, _paged, _gather, _split, _dqpass,
-_vregs); they combine with --default (the GPU's built-in tiles for a kernel with those switches, as the launcher picks them) or with
---block-m/--block-n/--warps/--stages. Window sizes, the cap, slopes, biases and lengths are kernel
-arguments at run time, so no flag takes them. A kernel name stands alone: it already fixes every field.
+_vregs); they combine with --default (the GPU's built-in tiles for a kernel with those switches, as
+the launcher picks them) or with --block-m/--block-n/--warps/--stages. Window sizes, the cap, slopes,
+biases and lengths are kernel arguments at run time, so no flag takes them. A kernel name stands
+alone: it already fixes every field.
 
 --list needs --gpu: it prints the built-in forward, backward and decode (KV-cache) configs of that
 GPU per head dim, dtype and causal, with their kernel names (--head-dim and --dtype narrow it).

@@ -89,8 +89,8 @@ def check_kvcache(args, shape, dtype, causal) -> list[tuple[str, bool, float, fl
                                       num_splits=args.splits, **kw)
     else:  # the op under flash_attn_with_kvcache, which also takes a key bias
         out, _ = flash_kvcache(q, k_cache, v_cache, k, v, cos, sin, None, index[0], 0, *index[1:], None, None, None,
-                               kw.get("alibi_slopes"), key_bias.to(device), None, causal, *args.window, args.attention_chunk, args.softcap,
-                               interleaved, args.splits)
+                               kw.get("alibi_slopes"), key_bias.to(device), None, causal, *args.window,
+                               args.attention_chunk, args.softcap, interleaved, args.splits)
     if device == "cuda":
         torch.cuda.synchronize()
     same = torch.equal(k_cache.cpu(), k_ref) and torch.equal(v_cache.cpu(), v_ref)

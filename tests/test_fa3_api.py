@@ -228,6 +228,32 @@ def test_the_scheduler_plan_is_the_split_flash_attn_with_kvcache_runs(monkeypatc
     assert (out.float() - ref).abs().max() < 2e-2 and (again.float() - ref).abs().max() < 2e-2
 
 
+@pytest.mark.parametrize("call", [dict(window_size=(30, 0), softcap=5.0), dict(causal=True, attention_chunk=64),
+                                  dict(causal=True, page_size=16, leftpad=True)],
+                         ids=["window-softcap", "chunk", "pages"])
+def test_the_plan_is_the_split_count_num_splits_0_chooses(monkeypatch, call):
+    """get_scheduler_metadata's count against the one flash_attn_with_kvcache(num_splits=0) picks for
+    the same call: variants, chunks, and pages gathered row by row (16-row pages, left padding)."""
+    from autoflash.kernels import decode
+
+    chosen, real = [], decode.decode_launch
+    monkeypatch.setattr(decode, "decode_launch", lambda *a: (lambda r: chosen.append(r[1]) or r)(real(*a)))
+    call = dict(call)
+    page, leftpad = call.pop("page_size", None), call.pop("leftpad", False)
+    seqlens = torch.tensor([700, 37], dtype=torch.int32)
+    q = torch.randn(2, 1, 8, 128).bfloat16()
+    cache = torch.randn(2 * 1024 // (page or 1024), page or 1024, 2, 128).bfloat16()
+    table = torch.arange(cache.shape[0], dtype=torch.int32).reshape(2, -1) if page else None
+    pad = torch.tensor([5, 0], dtype=torch.int32) if leftpad else None
+    with autoflash.emulate("h100"):
+        plan = fa3.get_scheduler_metadata(2, 1, 1024, 8, 2, 128, seqlens, page_size=page, cache_leftpad=pad,
+                                          causal=call.get("causal", False),
+                                          window_size=call.get("window_size", (-1, -1)),
+                                          attention_chunk=call.get("attention_chunk", 0), has_softcap="softcap" in call)
+        fa3.flash_attn_with_kvcache(q, cache, cache, cache_seqlens=seqlens, page_table=table, cache_leftpad=pad, **call)
+    assert len(chosen) == 2 and chosen[0] == chosen[1] == int(plan[1]) and chosen[0] > 1
+
+
 def test_flash_attn_combine_matches_fa3s_reference():
     """FA3's test_flash_attn_combine: non-contiguous partials, a third of the batch with no key in half
     the splits; its attention_combine_ref, written out."""

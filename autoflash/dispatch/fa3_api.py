@@ -171,20 +171,21 @@ def get_scheduler_metadata(batch_size, max_seqlen_q, max_seqlen_k, num_heads_q, 
     if num_splits == 0:
         num_splits = _choose_splits(batch_size, max_seqlen_q, max_seqlen_k + max_seqlen_k_new, num_heads_q,
                                     num_heads_kv, headdim, qkv_dtype, page_size, causal, window_size, has_softcap,
-                                    cache_seqlens, attention_chunk)
+                                    cache_seqlens, attention_chunk, cache_leftpad is not None)
     num_splits = max(1, min(num_splits, MAX_SPLITS))
     return torch.tensor([PLAN_TAG, num_splits], dtype=torch.int32, device=cache_seqlens.device)
 
 
 def _choose_splits(batch, seqlen_q, capacity, heads, heads_kv, head_dim, dtype, page_size, causal, window_size,
-                   softcap: bool, like: torch.Tensor, attention_chunk: int) -> int:
+                   softcap: bool, like: torch.Tensor, attention_chunk: int, leftpad: bool) -> int:
     """The split count flash_attn_with_kvcache(num_splits=0) would choose for such a call on the GPU of
-    `like` (kernels.decode.decode_launch); 1 on CPU tensors outside autoflash.emulate(), where the
-    PyTorch reference runs unsplit."""
+    `like` (kernels.decode.decode_launch, its variant from kernels.variants.resolve on stand-ins of
+    the call's q and cache); 1 on CPU tensors outside autoflash.emulate(), where the PyTorch
+    reference runs unsplit."""
     from autoflash.kernels.checks import DTYPE_NAMES
     from autoflash.kernels.decode import CacheShape, decode_launch, packed_heads
     from autoflash.kernels.launch import profile_for
-    from autoflash.kernels.variants import Variant
+    from autoflash.kernels.variants import resolve
 
     try:
         profile = profile_for(like, "get_scheduler_metadata")
@@ -192,14 +193,13 @@ def _choose_splits(batch, seqlen_q, capacity, heads, heads_kv, head_dim, dtype, 
         return 1
     if dtype not in (torch.float16, torch.bfloat16):
         raise TypeError(f"qkv_dtype: got {dtype!r}, expected torch.float16 or torch.bfloat16")
-    window = tuple(window_size) != (-1, -1) or attention_chunk > 0
-    switches = {"align": "bottom_right" if causal or window else "top_left", "window": window,
-                "chunk": attention_chunk > 0, "softcap": softcap, "alibi": False, "key_bias": False, "varlen": False}
-    shape = CacheShape(batch, seqlen_q, heads, heads_kv, flash_api.padded_head_dim(head_dim), max(1, capacity),
-                       page_size, 0)
-    variant = Variant(switches, (None,) * 6, (-1, -1, attention_chunk), False, 0, 0, float(softcap))
-    return decode_launch(shape, DTYPE_NAMES[dtype], profile, causal and not window, variant, None, 0,
-                         packed_heads(shape, None))[1]
+    d = flash_api.padded_head_dim(head_dim)
+    shape = CacheShape(batch, seqlen_q, heads, heads_kv, d, max(1, capacity), page_size, 0, leftpad=leftpad)
+    q = flash_api.stand_in((batch, heads, seqlen_q, d), dtype, like.device)
+    k = flash_api.stand_in((batch, heads_kv, shape.capacity, d), dtype, like.device)
+    causal, variant = resolve(q, k, causal, align="bottom_right", window=window_size, softcap=1.0 if softcap else 0.0,
+                              cache_len=shape.capacity, attention_chunk=attention_chunk)
+    return decode_launch(shape, DTYPE_NAMES[dtype], profile, causal, variant, None, 0, packed_heads(shape, None))[1]
 
 
 def _planned_splits(plan, num_splits: int) -> int:
