@@ -231,8 +231,8 @@ def test_packed_queries_and_new_keys_meet_flashattention_rule(target, variant, d
             one.update({n: t[n] for n in ("rotary_cos", "rotary_sin") if n in t})
         row = index["cache_batch_idx"][b:b + 1] if index["cache_batch_idx"] is not None else torch.tensor([b])
         idx = dict(cache_seqlens=None, block_table=None, cache_batch_idx=None, cache_leftpad=None)
-        if index["block_table"] is not None:
-            idx["block_table"] = index["block_table"][b:b + 1]
+        if index["block_table"] is not None:  # the block-table row the sequence's cache_batch_idx picks
+            idx["block_table"] = index["block_table"][row.long()]
         else:
             idx["cache_batch_idx"] = row.to(torch.int32)
         if index["cache_leftpad"] is not None:
