@@ -313,26 +313,24 @@ def flash_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, 
     config, num_splits = decode_launch(shape, dtype, profile, causal, variant, config, num_splits, qpack)
     m_blocks = math.ceil(rows / config.block_m)
 
-    # Packed queries are one batch row of (1, heads, total rows, d), no batch stride: sequence b's
-    # rows start at cu_seqlens_q[b] (in rows of qpack folded heads: the kernel's cu_seqlens scaled).
-    lead = (q.shape[0],) if packed else (b, lq)
-    if qpack > 1:  # (..., Hkv * g, d) -> (B, Hkv, Lq * g, d): row i * g + j is query i of head kv * g + j
-        n = math.prod(lead)
-        q4 = q.reshape(*lead, hkv, g, d).movedim(-3, 0 if packed else 1)
-        q4 = q4.reshape(1 if packed else b, hkv, (n if packed else lq) * g, d)
+    # Packed queries are one batch row (1, total, heads, d), launched with no batch stride: sequence
+    # b's rows start at cu_seqlens_q[b] (in rows of qpack folded heads: the kernel's cu_seqlens scaled).
+    qb = q.unsqueeze(0) if packed else q  # (B, L, Hq, d)
+    bb, ll = qb.shape[:2]
+    if qpack > 1:  # (B, L, Hkv * g, d) -> (B, Hkv, L * g, d): row i * g + j is query i of head kv * g + j
+        q4 = qb.reshape(bb, ll, hkv, g, d).permute(0, 2, 1, 3, 4).reshape(bb, hkv, ll * g, d)
         out4 = empty(q4.shape[1:], q.dtype, q.device, "hld", name="out", rows="q").unsqueeze(0) if packed else \
             empty(q4.shape, q.dtype, q.device, "bhld", name="out")
         variant = dataclasses.replace(variant, pointers=tuple(
             t * qpack if i < 4 and t is not None else t for i, t in enumerate(variant.pointers)))
     else:
-        q4 = heads_view(q) if packed else q.transpose(1, 2)
+        q4 = qb.transpose(1, 2)
         out = empty_like(q, "lhd" if packed else "blhd", name="out", rows="q" if packed else None)
-        out4 = heads_view(out) if packed else out.transpose(1, 2)
+        out4 = (out.unsqueeze(0) if packed else out).transpose(1, 2)
     k4, v4 = k_cache.transpose(1, 2), v_cache.transpose(1, 2)  # pages: (num_pages, Hkv, page_size, d)
-    lse4 = empty((heads, q4.shape[2]) if packed else (b, heads, rows), torch.float32, q.device,
-                 "hl" if packed else "bhl", name="lse", rows="q" if packed else None)
-    lse_strides = (0, lse4.stride(0)) if packed else lse4.stride()[:2]
-    batch_strides = lambda t: (0 if packed else t.stride(0), *t.stride()[1:3])  # noqa: E731
+    lse4 = empty((heads, q4.shape[2]), torch.float32, q.device, "hl", name="lse", rows="q").unsqueeze(0) if packed \
+        else empty((b, heads, rows), torch.float32, q.device, "bhl", name="lse")
+    batch_strides = lambda t, dims=3: (0 if packed else t.stride(0), *t.stride()[1:dims])  # noqa: E731
 
     device = q.device
     # Index tensors the call does not have go as null pointers (the template's defaults: every
@@ -348,9 +346,8 @@ def flash_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, 
 
     fns = kernel_functions(config, profile, q)
     strides = lambda t: t.stride()[:3]  # noqa: E731 -- (batch or page, head, row)
-    scalars = (*batch_strides(q4), *strides(k4), *strides(v4), *batch_strides(out4), *lse_strides, variant.alibi_sb,
-               variant.bias_sb,
-               block_table.stride(0) if block_table is not None else 0,
+    scalars = (*batch_strides(q4), *strides(k4), *strides(v4), *batch_strides(out4), *batch_strides(lse4, 2),
+               variant.alibi_sb, variant.bias_sb, block_table.stride(0) if block_table is not None else 0,
                rows, cache_seqlens if seqused is None else shape.capacity, 1 if qpack > 1 else g, *variant.window,
                shape.page_size or 1, num_splits, qpack, scale * LOG2E, *variant.softcap_factors(scale))
     tensors = (q4, k_cache, v_cache, out4, lse4, *variant.pointers, seqused, cache_batch_idx, cache_leftpad,
@@ -362,11 +359,11 @@ def flash_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, 
         _call(fns[f"{config.name}_combine"], (math.ceil(n_rows / COMBINE_ROWS_PER_BLOCK), 1, 1),
               32 * COMBINE_ROWS_PER_BLOCK, 0, device, COMBINE_PARAMS,
               (o_accum, lse_accum, out4, lse4, variant.pointers[0], variant.pointers[2]),
-              (*batch_strides(out4), *lse_strides, b, heads, rows, num_splits),
+              (*batch_strides(out4), *batch_strides(lse4, 2), b, heads, rows, num_splits),
               ("o_accum", "lse_accum", "out", "lse", "q_starts", "q_ends"))
-    if qpack > 1:  # back to q's layout: (B, Lq, Hq, d) and (B, Hq, Lq), packed (total, Hq, d) and (Hq, total)
-        out = out4.reshape(*([] if packed else [b]), hkv, *lead[-1:], g, d).movedim(-4, -3).reshape(*lead, hq, d)
-        lse = lse4.reshape(*([] if packed else [b]), hkv, lead[-1], g).movedim(-1, -2).reshape(
-            *([] if packed else [b]), hq, lead[-1])
-        return out, lse
-    return out, lse4
+    lse = lse4
+    if qpack > 1:  # back to (B, L, Hq, d) and (B, Hq, L)
+        out = out4.reshape(bb, hkv, ll, g, d).permute(0, 2, 1, 3, 4).reshape(bb, ll, hq, d)
+        lse = lse4.reshape(bb, hkv, ll, g).permute(0, 1, 3, 2).reshape(bb, hq, ll)
+        out = out[0] if packed else out
+    return out, lse[0] if packed else lse
