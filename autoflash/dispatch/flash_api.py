@@ -467,8 +467,7 @@ def _paged_prefill(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen
     batch = _check_cu_seqlens("cu_seqlens_q", cu_seqlens_q, q.device)
     if _check_cu_seqlens("cu_seqlens_k", cu_seqlens_k, q.device) != batch:
         raise ValueError(f"cu_seqlens_k: got {cu_seqlens_k.numel()} entries, expected cu_seqlens_q's {batch + 1}")
-    if isinstance(max_seqlen_k, bool) or not isinstance(max_seqlen_k, int) or max_seqlen_k < 0:
-        raise ValueError(f"max_seqlen_k: got {max_seqlen_k!r}, expected an int >= 0 (the longest sequence)")
+    _check_max_seqlen("max_seqlen_k", max_seqlen_k, None, "cu_seqlens_k")
     lengths = seqused_k if seqused_k is not None else cu_seqlens_k.diff().to(torch.int32)
     out, lse = flash_attn_with_kvcache(q, k, v, cache_seqlens=lengths, block_table=block_table,
                                        softmax_scale=softmax_scale, causal=causal, window_size=window_size,

@@ -20,7 +20,8 @@ from typing import Optional
 
 import torch
 
-from autoflash.dispatch.flash_api import Captured, _pad, explaining_now, padded_head_dim
+from autoflash.dispatch.flash_api import Captured, _check_max_seqlen, _pad, _sequence_lengths, explaining_now, \
+    padded_head_dim
 from autoflash.dispatch.policy import REFERENCE, cpu_fallback, emulating, fall_back, is_strict
 from autoflash.dispatch.variant_ops import _like
 from autoflash.kernels.checks import check_scale, chunk_size, chunked, checks_values, window_pair
@@ -47,14 +48,11 @@ def _check_values(shape: CacheShape, cache_seqlens, cache_batch_idx, cache_leftp
     if not tensors or not checks_values(tensors[0].device):
         return
     device = tensors[0].device
-    for name, cu, total, longest in (("cu_seqlens_q", cu_seqlens_q, total_q, shape.seqlen_q),
-                                     ("cu_seqlens_k_new", cu_seqlens_k_new, shape.seqlen_new, shape.seqlen_new)):
-        if cu is not None:
-            values = cu.tolist()
-            lengths = [b - a for a, b in zip(values, values[1:])]
-            if values[0] != 0 or values[-1] != total or min(lengths) < 0 or max(lengths) > longest:
-                raise ValueError(f"{name}: got {values[:16]}{' ...' if len(values) > 16 else ''}; expected 0 first, "
-                                 f"non-decreasing, {total} (the packed rows) last, no sequence longer than {longest}")
+    if cu_seqlens_q is not None:  # flash_attn_varlen_func's checks of the same arguments
+        _check_max_seqlen("max_seqlen_q", shape.seqlen_q, _sequence_lengths("cu_seqlens_q", cu_seqlens_q, total_q, "q"),
+                          "cu_seqlens_q")
+    if cu_seqlens_k_new is not None:
+        _sequence_lengths("cu_seqlens_k_new", cu_seqlens_k_new, shape.seqlen_new, "k and v")
     seqlens = cache_seqlens if isinstance(cache_seqlens, torch.Tensor) else \
         torch.full((shape.batch,), cache_seqlens, dtype=torch.int32, device=device)
     used = seqlens.long() + (cu_seqlens_k_new.diff().long() if cu_seqlens_k_new is not None else shape.seqlen_new)
