@@ -73,11 +73,11 @@ def fwd(q, k, v, k_new=None, v_new=None, q_v=None, out=None, cu_seqlens_q=None, 
     elif cu_seqlens_q is not None or cu_seqlens_k is not None:
         o, lse = fa3_api.flash_attn_varlen_func(
             q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, seqused_q, seqused_k, softmax_scale,
-            is_causal, q_v, q_descale, k_descale, v_descale, window, attention_chunk, softcap, max(num_splits, 1),
+            is_causal, q_v, q_descale, k_descale, v_descale, window, attention_chunk, softcap, num_splits,
             pack_gqa, False, sm_margin, return_attn_probs=True)
     else:
         o, lse = fa3_api.flash_attn_func(q, k, v, softmax_scale, is_causal, q_v, q_descale, k_descale, v_descale,
-                                         window, attention_chunk, softcap, max(num_splits, 1), pack_gqa, False,
+                                         window, attention_chunk, softcap, num_splits, pack_gqa, False,
                                          sm_margin, return_attn_probs=True)
     if out is not None:
         out.copy_(o)
