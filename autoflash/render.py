@@ -24,6 +24,7 @@ EPILOG = """examples:
   python -m autoflash.render --default --head-dim 128 --dtype bf16 --causal --bottom-right --softcap --gpu h100
   python -m autoflash.render --head-dim 64 --dtype fp16 --block-m 64 --block-n 64 --window --alibi --varlen
   python -m autoflash.render --default --kvcache --paged --page-size 256 --split --head-dim 128 --dtype bf16 --gpu a100
+  python -m autoflash.render --default --head-dim 64 --head-dim-v 512 --dtype bf16 --causal --gpu h100
   python -m autoflash.render --list --gpu h100              (or --list --gpu a10g --head-dim 128 --dtype bf16)
   python -m autoflash.render fwd_hd64_bf16_causal_m128n64w4s2 --standalone -o k.cu && nvcc -arch=sm_80 -cubin k.cu
   python -m autoflash.render fwd_hd128_bf16_m128n64w4s1 --gpu a100 --sass -o /dev/null
@@ -119,7 +120,11 @@ def _parser() -> argparse.ArgumentParser:
     shape.add_argument("--backward", action="store_true",
                        help="the backward kernels (dK, dV, dQ) instead of the forward")
     shape.add_argument("--head-split", type=int,
-                       help="backward only: blocks sharing a key block, each with a slice of the head dim (default 1)")
+                       help="blocks sharing a key block (backward) or, with --head-dim-v above 256, a query block, "
+                       "each with a slice of the head dim (default 1)")
+    shape.add_argument("--head-dim-v", type=int,
+                       help="forward only: V's (and the output's) head dim where it differs from --head-dim (a "
+                       "multiple of 8 in 32..512; the kernel name shows _dv<N>)")
     switches = p.add_argument_group("switches (each adds its suffix to the kernel name)")
     for flag, field, value, text in SWITCHES:
         switches.add_argument(flag, dest=field, action="store_const", const=value, help=text)
@@ -175,12 +180,12 @@ def _switched(make, switches: dict[str, object]) -> KernelConfig:
 
 
 def default_for(head_dim: int, dtype: str, direction: str, switches: dict[str, object], profile,
-                page_size: int | None = None) -> KernelConfig:
+                page_size: int | None = None, head_dim_v: int | None = None) -> KernelConfig:
     """The built-in config of a problem with these switches (KernelConfig fields) on a GPU profile,
     as the launchers pick it (kernels.launch, kernels.decode): the KV-cache kernel's tiles with
     kvcache (for pages of `page_size` rows when given), else the forward's or backward's, those for
     kernels with variant switches where any is on (bottom-right alignment included) and a window's
-    as a causal kernel's; then the switches set."""
+    as a causal kernel's; then the switches set. `head_dim_v`: V's head dim where it differs."""
     from autoflash.kernels.config import VARIANTS
     from autoflash.kernels.defaults import call_default, default_decode_config
 
@@ -194,10 +199,11 @@ def default_for(head_dim: int, dtype: str, direction: str, switches: dict[str, o
             switches = {**switches, "gather": True}
         heavy = any(switches.get(f) for f in ("window", "chunk", "softcap", "alibi", "key_bias"))
         gather = bool(switches.get("gather"))
-        base = default_decode_config(head_dim, dtype, profile, None if gather else page_size, heavy, gather)
+        base = default_decode_config(head_dim, dtype, profile, None if gather else page_size, heavy, gather,
+                                     head_dim_v)
     else:
         variant = {k: switches[k] for k in ("align", *VARIANTS) if k in switches}
-        base = call_default(direction, head_dim, dtype, bool(switches.get("causal")), variant, profile)
+        base = call_default(direction, head_dim, dtype, bool(switches.get("causal")), variant, profile, head_dim_v)
     # A window's base is a causal kernel's; the switches set causal (off unless --causal) as the launcher does.
     return _switched(lambda: base.replace(direction=direction, **{"causal": False, **switches}), switches)
 
@@ -205,7 +211,8 @@ def default_for(head_dim: int, dtype: str, direction: str, switches: dict[str, o
 def _config(args: argparse.Namespace) -> KernelConfig:
     switches = _switches(args)
     if args.name:
-        extra = _given(args, ("head_dim", "dtype", *TILE_FLAGS, "backward", "default", "page_size", *switches))
+        extra = _given(args, ("head_dim", "head_dim_v", "dtype", *TILE_FLAGS, "backward", "default", "page_size",
+                              *switches))
         if extra:
             raise ValueError(f"got the kernel name {args.name!r} and {', '.join(extra)}; a name fixes every field "
                              f"(expected the name alone, or --head-dim and --dtype with the other flags)")
@@ -225,13 +232,14 @@ def _config(args: argparse.Namespace) -> KernelConfig:
             raise ValueError("--default needs --gpu (defaults depend on the GPU's shared memory)")
         from autoflash.kernels.gpus import get_profile
 
-        return default_for(args.head_dim, args.dtype, direction, switches, get_profile(args.gpu), args.page_size)
+        return default_for(args.head_dim, args.dtype, direction, switches, get_profile(args.gpu), args.page_size,
+                           args.head_dim_v)
     if args.block_m is None or args.block_n is None:
         raise ValueError("give --block-m and --block-n (or --default with --gpu)")
     fields = dict(head_dim=args.head_dim, dtype=args.dtype, block_m=args.block_m, block_n=args.block_n,
                   num_warps=4 if args.warps is None else args.warps,
                   num_stages=2 if args.stages is None else args.stages, direction=direction,
-                  head_split=1 if args.head_split is None else args.head_split)
+                  head_split=1 if args.head_split is None else args.head_split, head_dim_v=args.head_dim_v)
     return _switched(lambda: KernelConfig(**fields, **switches), switches)
 
 

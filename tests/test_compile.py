@@ -65,11 +65,11 @@ VARIANT_SETS = (dict(causal=True, align="bottom_right"),
                 dict(key_bias=True), HEAVIEST_CHUNKED)
 
 
-def _variant_default(direction: str, d: int, switches: dict, prof) -> KernelConfig:
+def _variant_default(direction: str, d: int, switches: dict, prof, head_dim_v: int | None = None) -> KernelConfig:
     """The kernel a call with these switches launches (defaults.call_default: on sm_90 the sm90 family's
     forward with its variants)."""
     return call_default(direction, d, "bf16", switches.get("causal", False),
-                        {k: v for k, v in switches.items() if k != "causal"}, prof)
+                        {k: v for k, v in switches.items() if k != "causal"}, prof, head_dim_v)
 
 
 # The sm90 forward's sets, at every head dim it takes: the heaviest with a window, with causal and with
@@ -97,6 +97,12 @@ DECODE_SETS = (dict(),
                     gather=True, split=True))
 
 
+# V head dims of their own (head_dim_v; FlashAttention-3's pairs and (128, 256)): the forward's and the
+# KV-cache kernel's defaults, held to the variant and decode sets as the others are.
+HEAD_DIM_V_PAIRS = ((64, 256), (64, 512), (192, 128), (128, 256))
+_NO_SWITCHES = dict(align="top_left", window=False, chunk=False, softcap=False, alibi=False, key_bias=False, varlen=False)
+
+
 def defaults():
     """Every built-in default under its plain switches (forward, backward, decode, the sm90 family), and
     this run's draw of the switch sets they are held to (switched_defaults)."""
@@ -111,8 +117,12 @@ def defaults():
     h100 = ARCH_PROFILES["sm_90"]
     sm90 = {(make(d, "bf16", c, h100), "sm_90") for make in (default_config, default_backward_config)
             for d in range(32, 257, 16) for c in (False, True)}
+    wide_v = {(call_default("fwd", d, dt, c, _NO_SWITCHES, prof, dv), arch) for d, dv in HEAD_DIM_V_PAIRS
+              for dt in ("fp16", "bf16") for c in (False, True) for arch, prof in ARCH_PROFILES.items()}
+    wide_v |= {(default_decode_config(d, dt, prof, None, False, head_dim_v=dv), arch) for d, dv in HEAD_DIM_V_PAIRS
+               for dt in ("fp16", "bf16") for arch, prof in ARCH_PROFILES.items()}
     switched = set(sampling.sample(switched_defaults(), _switch_key, salt="compile switch sets"))
-    return sorted(fwd | bwd | decode | sm90 | switched, key=lambda x: (x[0].name, x[1]))
+    return sorted(fwd | bwd | decode | sm90 | wide_v | switched, key=lambda x: (x[0].name, x[1]))
 
 
 def switched_defaults():
@@ -125,16 +135,19 @@ def switched_defaults():
                 if not (direction == "fwd" and arch == "sm_90" and d % 16 == 0)]
     h100 = ARCH_PROFILES["sm_90"]
     variants += [(_variant_default("fwd", d, v, h100), "sm_90") for d in range(32, 257, 16) for v in SM90_VARIANT_SETS]
+    variants += [(_variant_default("fwd", d, v, prof, dv), arch) for d, dv in HEAD_DIM_V_PAIRS for v in VARIANT_SETS
+                 for arch, prof in ARCH_PROFILES.items()]
     decode = [(default_decode_config(d, dt, prof, 256 if v.get("paged") and not v.get("gather") else None,
-                                     "window" in v or "key_bias" in v, bool(v.get("gather"))).replace(**v), arch)
-              for d in HEAD_DIMS for dt in ("fp16", "bf16") for v in DECODE_SETS[1:]
-              for arch, prof in ARCH_PROFILES.items()]
+                                     "window" in v or "key_bias" in v, bool(v.get("gather")), dv).replace(**v), arch)
+              for d, dv in [(d, None) for d in HEAD_DIMS] + list(HEAD_DIM_V_PAIRS)
+              for dt in ("fp16", "bf16") for v in DECODE_SETS[1:] for arch, prof in ARCH_PROFILES.items()
+              if dv is None or dt == "bf16"]
     return variants + decode
 
 
 def _switch_key(job) -> tuple:
     cfg, arch = job
-    return cfg.direction, cfg.kvcache, cfg.head_dim, cfg.dtype, arch
+    return cfg.direction, cfg.kvcache, cfg.head_dim, cfg.dv, cfg.dtype, arch
 
 
 # Under an NVRTC besides the main one (.ci/nvrtc_stacks.sh sets AUTOFLASH_NVRTC_STACK), a run compiles

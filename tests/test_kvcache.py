@@ -51,8 +51,10 @@ def _case(draw: int) -> dict:
                 new_kv=pick((True, False, True), 5), splits=pick((0, 1, 3), 4), rng=rng)
 
 
-def _inputs(case: dict, d: int, dt, dev: str, g: torch.Generator):
+def _inputs(case: dict, d: int, dt, dev: str, g: torch.Generator, dv: int | None = None):
+    """One draw's q, caches and new rows (v's head dim dv where given), and the index tensors."""
     (lq, capacity), (hq, hkv) = case["pair"], HEADS[case["heads"]]
+    dv = dv or d
     rng, layout = case["rng"], case["layout"]
     b = 3
     new = 0 if not case["new_kv"] else min(lq, capacity)
@@ -65,17 +67,17 @@ def _inputs(case: dict, d: int, dt, dev: str, g: torch.Generator):
         page = int(layout.split("+")[0].split("-")[1])
         per_seq = -(-capacity // page)
         pages = rows * per_seq + 2
-        t["k_cache"], t["v_cache"] = (torch.randn(pages, page, hkv, d, generator=g).to(dev, dt) for _ in range(2))
+        t["k_cache"], t["v_cache"] = (torch.randn(pages, page, hkv, w, generator=g).to(dev, dt) for w in (d, dv))
         block_table = torch.randperm(pages, generator=g)[:rows * per_seq].reshape(rows, per_seq).to(torch.int32)
         capacity = per_seq * page
     else:
-        t["k_cache"], t["v_cache"] = (torch.randn(rows, capacity, hkv, d, generator=g).to(dev, dt) for _ in range(2))
+        t["k_cache"], t["v_cache"] = (torch.randn(rows, capacity, hkv, w, generator=g).to(dev, dt) for w in (d, dv))
     if "batch_idx" in layout:
         batch_idx = torch.randperm(rows, generator=g)[:b].to(torch.int32)
     if "leftpad" in layout:
         leftpad = torch.tensor([rng.randint(0, s) for s in seqlens], dtype=torch.int32)
     if new:
-        t["k"], t["v"] = (torch.randn(b, new, hkv, d, generator=g).to(dev, dt) for _ in range(2))
+        t["k"], t["v"] = (torch.randn(b, new, hkv, w, generator=g).to(dev, dt) for w in (d, dv))
     if case["rotary"] and new:  # rotary goes with an append (flash-attn's rule)
         style, fraction = case["rotary"]
         half = int(d * fraction) // 16 * 8  # rotary_dim a multiple of 16
@@ -154,10 +156,24 @@ def _split_agrees(t: dict, index: dict, used: torch.Tensor, kw: dict, dt) -> Non
 @pytest.mark.parametrize("dtype", ["fp16", "bf16"])
 @pytest.mark.parametrize("variant", sorted(VARIANTS))
 def test_kvcache_meets_flashattention_rule(target, variant, dtype, d, draw):
+    _meets_flashattention_rule(target, variant, dtype, d, draw)
+
+
+@pytest.mark.sweep
+@pytest.mark.parametrize("draw", range(12))
+@pytest.mark.parametrize("d", [(192, 128), (64, 256), (64, 512)], ids=lambda p: f"d{p[0]}-dv{p[1]}")
+@pytest.mark.parametrize("variant", sorted(VARIANTS))
+def test_kvcache_head_dim_v_meets_flashattention_rule(target, variant, d, draw):
+    """FlashAttention-3's KV-cache test's V head dims (its d = 192 with dv = 128, d = 64 with 256 and
+    512): v_cache and v of their own width, over the same layouts, appends, rotary and splits."""
+    _meets_flashattention_rule(target, variant, "bf16", d[0], draw, d[1])
+
+
+def _meets_flashattention_rule(target, variant, dtype, d, draw, dv=None):
     case = _case(draw)
     dev, dt = device(target), TORCH_DTYPES[dtype]
-    g = torch.Generator().manual_seed(hash((variant, dtype, d, draw)) % 2**31)
-    t, index, seqlens = _inputs(case, d, dt, dev, g)
+    g = torch.Generator().manual_seed(hash((variant, dtype, d, dv, draw)) % 2**31)
+    t, index, seqlens = _inputs(case, d, dt, dev, g, dv)
     kw = _variant_kw(VARIANTS[variant], t["q"].shape[0], t["q"].shape[2], dev, g)
     interleaved = bool(case["rotary"]) and case["rotary"][0] == "interleaved"
     k_ref, v_ref, ref_out, ref_lse, torch_out = _reference(t, index, seqlens, kw, interleaved)

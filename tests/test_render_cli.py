@@ -167,6 +167,7 @@ TILES = ["--block-m", "64", "--block-n", "64"]
     (["--kvcache", "--paged", "--split", "--causal"], dict(kvcache=True, paged=True, split=True, causal=True)),
     (["--backward", "--stages", "1", "--dq-pass", "--v-in-regs", "--window"],
      dict(direction="bwd", num_stages=1, dq="pass", v_in_regs=True, window=True)),
+    (["--head-dim-v", "128", "--causal"], dict(head_dim_v=128, causal=True)),
 ])
 def test_switch_flags_give_the_configs_name(flags, fields, capsys):
     assert main(["--head-dim", "64", "--dtype", "bf16", *TILES, *flags]) == 0
@@ -177,7 +178,8 @@ def test_switch_flags_give_the_configs_name(flags, fields, capsys):
 
 
 def test_every_field_a_name_shows_has_a_flag():
-    shape = {"head_dim", "dtype", "block_m", "block_n", "num_warps", "num_stages", "direction", "head_split"}
+    shape = {"head_dim", "dtype", "block_m", "block_n", "num_warps", "num_stages", "direction", "head_split",
+             "head_dim_v"}
     switches = {f.name for f in dataclasses.fields(KernelConfig)} - shape
     assert {field for _, field, _, _ in SWITCHES} == switches
     help_text = _parser().format_help()
@@ -193,6 +195,8 @@ def test_every_field_a_name_shows_has_a_flag():
      lambda p: default_decode_config(128, "bf16", p, 32).replace(paged=True, split=True)),
     (["--head-dim", "64", "--dtype", "bf16", "--kvcache", "--paged", "--page-size", "4"],  # FA3's small pages
      lambda p: default_decode_config(64, "bf16", p, None, False, True).replace(paged=True, gather=True)),
+    (["--head-dim", "64", "--head-dim-v", "512", "--dtype", "bf16", "--causal"],  # two blocks share O's columns
+     lambda p: default_config(64, "bf16", True, p, head_dim_v=512)),
 ])
 def test_switch_flags_combine_with_default(argv, expected, capsys):
     from autoflash.kernels.gpus import get_profile
@@ -237,8 +241,8 @@ def test_list_narrows_to_a_head_dim_and_dtype(capsys):
     (["fwd_hd64_bf16_m128"], "not understood"),
     (["--head-dim", "64", "--dtype", "bf16"], "give --block-m and --block-n"),
     (["--default", "--head-dim", "64", "--dtype", "bf16"], "--default needs --gpu"),
-    (["--head-dim", "64", "--dtype", "bf16", "--block-m", "64", "--block-n", "64", "--head-split", "2"],
-     "only the backward splits"),
+    (["--head-dim", "40", "--dtype", "bf16", "--block-m", "64", "--block-n", "64", "--head-split", "2"],
+     "equal whole 16-column slices"),  # the forward shares O's 48 columns in whole 16-column slices only
     (["fwd_hd64_bf16_m128n64w4s2", "--gpu", "a200"], "a200"),
     (["--head-dim", "64", "--dtype", "bf16", *TILES, "--causal", "--window"],
      "with --causal --window: KernelConfig: got causal and window"),

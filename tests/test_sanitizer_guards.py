@@ -26,14 +26,14 @@ DQ_PASS = "bwd_hd64_bf16_m128n128w8s2_dqpass"
 #        finding's detail holds)
 MUTATIONS = {
     # the coalesced O store one row past seqlen_q: row 77 of head 0 is a guard row of O
-    "o-store": ("fwd", "store_tile<BLOCK_M, D_CHUNKS, THREADS>(smem.q, o_base, o_sm, m_start, seqlen_q, tid,",
-                "store_tile<BLOCK_M, D_CHUNKS, THREADS>(smem.q, o_base, o_sm, m_start, seqlen_q + 1, tid,",
-                SHAPE, "flash_fwd.cu.j2", "store_tile<BLOCK_M, D_CHUNKS, THREADS>(smem.q, o_base", "write of out"),
+    "o-store": ("fwd", "store_tile<BLOCK_M, O_CHUNKS, THREADS>(smem.q, o_base, o_sm, m_start, seqlen_q, tid,",
+                "store_tile<BLOCK_M, O_CHUNKS, THREADS>(smem.q, o_base, o_sm, m_start, seqlen_q + 1, tid,",
+                SHAPE, "flash_fwd.cu.j2", "store_tile<BLOCK_M, O_CHUNKS, THREADS>(smem.q, o_base", "write of out"),
     # packed sequences: one sequence's row past its end is the next one's first row
-    "o-store-varlen": ("fwd", "store_tile<BLOCK_M, D_CHUNKS, THREADS>(smem.q, o_base, o_sm, m_start, seqlen_q, tid,",
-                       "store_tile<BLOCK_M, D_CHUNKS, THREADS>(smem.q, o_base, o_sm, m_start, seqlen_q + 1, tid,",
+    "o-store-varlen": ("fwd", "store_tile<BLOCK_M, O_CHUNKS, THREADS>(smem.q, o_base, o_sm, m_start, seqlen_q, tid,",
+                       "store_tile<BLOCK_M, O_CHUNKS, THREADS>(smem.q, o_base, o_sm, m_start, seqlen_q + 1, tid,",
                        ["--shape", "4,2,1,40,50,64", "--varlen", "--seed", "3"], "flash_fwd.cu.j2",
-                       "store_tile<BLOCK_M, D_CHUNKS, THREADS>(smem.q, o_base", "cu_seqlens_q"),
+                       "store_tile<BLOCK_M, O_CHUNKS, THREADS>(smem.q, o_base", "cu_seqlens_q"),
     # the dQ atomics' row guard off by one: row seqlen_q of head 0 is head 1's row 0 in the contiguous
     # accumulator (the rule of whose rows a block may touch), of the last head the trailing guard
     "dq-atomic": ("bwd", "if ((!MASKED || row0 + dr < seqlen_q) && col_ok)",

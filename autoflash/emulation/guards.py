@@ -22,6 +22,8 @@ import weakref
 
 import torch
 
+from autoflash.kernels.launch import empty_like_width, physical_order
+
 GUARD_ROWS = 256  # the largest tile: a ragged last tile overruns by less
 GUARD_BYTES = 32  # per row: two 16-byte chunks past the last column
 POISON = 0xFF  # every guard byte of a launcher's buffer: NaN in fp32, fp16 and bf16, -1 in int32
@@ -96,14 +98,14 @@ def zeros(shape, dtype: torch.dtype, device: torch.device, dims: str, *, name: s
     return _guarded(shape, tuple(range(len(shape))), dtype, dims, name, rows, contiguous).zero_()
 
 
-def empty_like(t: torch.Tensor, dims: str, *, name: str = "", rows: str | None = None) -> torch.Tensor:
-    """torch.empty_like(t); when sanitizing, guarded as `empty`, in the physical order (the strides'
-    order) empty_like would give it."""
+def empty_like(t: torch.Tensor, dims: str, *, name: str = "", rows: str | None = None,
+               width: int | None = None) -> torch.Tensor:
+    """torch.empty_like(t) (with `width`, its last dim that wide: V's head dim for an output like q);
+    when sanitizing, guarded as `empty`, in the physical order (the strides' order) empty_like would
+    give it."""
     if t.is_cuda or not _sanitizing():
-        return torch.empty_like(t)
-    like = torch.empty_like(t, device="meta")  # torch's own choice of strides, at no cost
-    order = tuple(sorted(range(t.dim()), key=lambda i: -like.stride(i)))
-    return _guarded(tuple(t.shape), order, t.dtype, dims, name, rows, False)
+        return empty_like_width(t, width)
+    return _guarded((*t.shape[:-1], width or t.shape[-1]), physical_order(t), t.dtype, dims, name, rows, False)
 
 
 def _guarded(shape: tuple[int, ...], order: tuple[int, ...], dtype: torch.dtype, dims: str, name: str,

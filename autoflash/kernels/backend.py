@@ -28,8 +28,8 @@ class HostBackend(Protocol):
               contiguous: bool = False):
         """As empty, the elements 0."""
 
-    def empty_like(self, t, dims: str, *, name: str = "", rows: str | None = None):
-        """As empty, shaped and strided as torch.empty_like(t)."""
+    def empty_like(self, t, dims: str, *, name: str = "", rows: str | None = None, width: int | None = None):
+        """As empty, shaped and strided as torch.empty_like(t) (its last dim `width` wide where given)."""
 
 
 _module: str | None = None

@@ -8,7 +8,7 @@ import os
 
 import torch
 
-from autoflash.kernels.config import HEAD_DIM_MAX, HEAD_DIM_MIN, HEAD_DIM_STEP, KernelConfig
+from autoflash.kernels.config import HEAD_DIM_MAX, HEAD_DIM_MIN, HEAD_DIM_STEP, HEAD_DIM_V_MAX, KernelConfig
 from autoflash.kernels.gpus import GpuProfile
 
 DTYPE_NAMES = {torch.float16: "fp16", torch.bfloat16: "bf16", torch.float32: "fp32"}
@@ -52,8 +52,8 @@ def device_index(t: torch.Tensor) -> int:
 
 
 def check_qkv_shapes(q, k, v, dtypes: tuple[torch.dtype, ...]) -> None:
-    """q (batch, heads_q, seqlen_q, d); k, v (batch, heads_kv, seqlen_k, d), heads_kv | heads_q,
-    every size >= 1, one dtype out of `dtypes`, one device."""
+    """q (batch, heads_q, seqlen_q, d); k (batch, heads_kv, seqlen_k, d), v the same but for its head
+    dim (dv), heads_kv | heads_q, every size >= 1, one dtype out of `dtypes`, one device."""
     for name, t in (("q", q), ("k", k), ("v", v)):
         if not isinstance(t, torch.Tensor):
             raise TypeError(f"{name}: got {type(t).__name__}, expected a torch.Tensor")
@@ -65,8 +65,9 @@ def check_qkv_shapes(q, k, v, dtypes: tuple[torch.dtype, ...]) -> None:
         raise TypeError(f"dtype: got {q.dtype}, expected one of {[str(d) for d in dtypes]}")
     if not (q.device == k.device == v.device):
         raise ValueError(f"q, k, v devices differ: got {q.device}, {k.device}, {v.device}; expected one device")
-    if k.shape != v.shape:
-        raise ValueError(f"k and v shapes differ: got {tuple(k.shape)} and {tuple(v.shape)}")
+    if k.shape[:-1] != v.shape[:-1] or v.shape[-1] == 0:
+        raise ValueError(f"k and v shapes: got {tuple(k.shape)} and {tuple(v.shape)}; expected them equal but for the "
+                         f"head dim")
     (b, hq, lq, d), (bk, hkv, lk, dk) = q.shape, k.shape
     if b != bk or d != dk:
         raise ValueError(f"q {tuple(q.shape)} and k {tuple(k.shape)}: expected the same batch and head_dim")
@@ -86,6 +87,10 @@ def check_qkv(q, k, v) -> str:
         raise ValueError(
             f"head_dim: got {d}, expected a multiple of {HEAD_DIM_STEP} in [{HEAD_DIM_MIN}, {HEAD_DIM_MAX}]"
         )
+    dv = v.shape[-1]
+    if not (HEAD_DIM_MIN <= dv <= HEAD_DIM_V_MAX and dv % HEAD_DIM_STEP == 0):
+        raise ValueError(f"v's head dim: got {dv}, expected a multiple of {HEAD_DIM_STEP} in [{HEAD_DIM_MIN}, "
+                         f"{HEAD_DIM_V_MAX}]")
     if b > GRID_YZ_MAX or hq > GRID_YZ_MAX or max(lq, lk) > _INT32_MAX:
         raise ValueError(
             f"q {tuple(q.shape)}, k {tuple(k.shape)}: expected batch and heads <= {GRID_YZ_MAX} and "
@@ -150,7 +155,7 @@ def check_scale(scale, head_dim: int) -> float:
 
 
 def check_config(config: KernelConfig, head_dim: int, dtype: str, causal: bool, profile: GpuProfile,
-                 direction: str = "fwd") -> None:
+                 direction: str = "fwd", head_dim_v: int | None = None) -> None:
     if not isinstance(config, KernelConfig):
         raise TypeError(f"config: got {type(config).__name__}, expected a KernelConfig")
     want = (head_dim, dtype, causal, direction)
@@ -159,6 +164,9 @@ def check_config(config: KernelConfig, head_dim: int, dtype: str, causal: bool, 
         raise ValueError(
             f"config {config.name} is for (head_dim, dtype, causal, direction) = {got}; the call needs {want}"
         )
+    if config.dv != (head_dim_v or head_dim):
+        raise ValueError(f"config {config.name} is for V's head dim {config.dv}; the call's is {head_dim_v or head_dim} "
+                         f"(KernelConfig.head_dim_v)")
     if config.family == "sm90" and profile.arch != "sm_90":
         raise ValueError(f"config {config.name} is of the sm90 family (wgmma, TMA), which runs on sm_90 GPUs (H100, "
                          f"H200); {profile.name} is {profile.arch}: use a config of family 'sm80'")

@@ -33,12 +33,15 @@ DECODE_SWITCHES = ("kvcache", "paged", "gather", "split")
 _DECODE_TAGS = {"kvcache": "kvc", "paged": "paged", "gather": "gather", "split": "split"}
 ELEM_BYTES = {"fp16": 2, "bf16": 2, "fp32": 4}
 HEAD_DIM_MIN, HEAD_DIM_MAX, HEAD_DIM_STEP = 32, 256, 8
+# V's head dim where it differs from Q and K's (FlashAttention-3's headdim_v; the forward): up to 512,
+# O's columns beyond 256 shared among head_split blocks of at most 256 each.
+HEAD_DIM_V_MAX, O_SLICE_MAX = 512, 256
 MAX_THREADS_PER_BLOCK = 1024
 MMA_M = 16  # rows of one mma.sync.m16n8k16 tile: each warp owns a multiple of 16 query rows
 MMA_K = 16  # its k extent: tensor-core head dims are padded up to a multiple of 16
 
 _NAME_RE = re.compile(
-    r"^(?P<direction>fwd|bwd)_hd(?P<head_dim>\d+)_(?P<dtype>fp16|bf16|fp32)(?P<causal>_causal)?(?P<br>_br)?"
+    r"^(?P<direction>fwd|bwd)_hd(?P<head_dim>\d+)(?:_dv(?P<head_dim_v>\d+))?_(?P<dtype>fp16|bf16|fp32)(?P<causal>_causal)?(?P<br>_br)?"
     r"(?P<window>_win)?(?P<chunk>_chunk)?(?P<softcap>_cap)?(?P<alibi>_alibi)?(?P<key_bias>_kbias)?(?P<varlen>_varlen)?"
     r"(?P<kvcache>_kvc)?(?P<paged>_paged)?(?P<gather>_gather)?(?P<split>_split)?_m(?P<block_m>\d+)n(?P<block_n>\d+)w(?P<num_warps>\d+)s(?P<num_stages>\d+)(?:h(?P<head_split>\d+))?"
     r"(?P<dq_pass>_dqpass)?(?P<v_in_regs>_vregs)?(?P<sm90>_sm90a(?P<pingpong>_pp)?(?P<overlap>_ov)?)?$"
@@ -168,6 +171,9 @@ class KernelConfig:
     of them (a multiple of 16), and streams Q/dO in block_m-row tiles through num_stages buffers;
     with head_split > 1 that many blocks share a key block, each keeping dK, dV for a slice of the
     head dim (fewer registers; S and dP are recomputed per slice).
+    V's head dim (head_dim_v, the tensor-core forward) may differ from Q and K's: O and the V tiles
+    are that wide, and with head_split > 1 that many blocks share a query block, each computing S
+    and writing a slice of O's columns (V's wider than 256).
     """
 
     head_dim: int
@@ -178,7 +184,7 @@ class KernelConfig:
     num_stages: int = 2
     causal: bool = False
     direction: str = "fwd"
-    head_split: int = 1  # backward: blocks sharing one key block, each owning a slice of the head dim
+    head_split: int = 1  # blocks sharing one key block (backward) or query block (forward), each a slice of the head dim
     dq: str = "atomic"  # backward: dQ by fp32 atomics in the dK/dV kernel, or by a separate pass
     v_in_regs: bool = False  # backward: each warp keeps its keys' V fragments in registers for dP
     # ---- variants (tensor-core kernels, both directions); all off is plain attention ----
@@ -200,6 +206,8 @@ class KernelConfig:
     paged: bool = False     # the cache in pages of a multiple of block_n rows, through an int32 block table
     gather: bool = False    # paged: each key row from its own page (pages of any size, tiles offset by left padding)
     split: bool = False     # the key range split across blocks: fp32 partial O and LSE, merged by <name>_combine
+    # ---- V's head dim where it is not head_dim (None: the same; a value equal to head_dim becomes None) ----
+    head_dim_v: int | None = None
     # ---- kernel family (see FAMILIES) and the sm90 forward's schedule ----
     # sm90: num_warps counts the consumer warps (4 per warpgroup; 64 query rows each in the forward,
     # block_m = 16 * num_warps; in the backward 64 keys each, block_n = 16 * num_warps, or with
@@ -247,14 +255,17 @@ class KernelConfig:
         if self.dq == "pass" and (self.direction != "bwd" or not self.tensor_cores):
             raise ValueError(f"KernelConfig.dq: got 'pass' for {self.direction} {self.dtype}; only the tensor-core "
                              f"backward has a separate dQ pass (expected 'atomic')")
+        self._validate_head_dim_v()
         self._validate_variants()
         self._validate_family()
         if self.family == "sm90":
             return
         if self.direction == "bwd":
             self._validate_backward()
-        elif self.head_split != 1:
-            raise ValueError(f"KernelConfig.head_split: got {self.head_split}; only the backward splits (expected 1)")
+        elif self.head_split != 1 and (self.dv_padded % (16 * self.head_split) or not self.tensor_cores):
+            raise ValueError(f"KernelConfig.head_split: got {self.head_split} for V's head dim {self.dv} "
+                             f"({self.dtype}); the tensor-core forward shares O's columns among head_split blocks in "
+                             f"equal whole 16-column slices (expected 1, or such a split)")
         elif self.tensor_cores:
             rows = MMA_M * self.num_warps
             if self.block_m % rows:
@@ -274,6 +285,26 @@ class KernelConfig:
                     f"KernelConfig (fp32 SIMT path): {tpr} threads share a row, so block_n ({self.block_n}) "
                     f"and head_dim / 4 ({d // 4}) must both be multiples of {tpr}"
                 )
+
+    def _validate_head_dim_v(self) -> None:
+        dv = self.head_dim_v
+        if dv is None:
+            return
+        _require_int("head_dim_v", dv)
+        if dv == self.head_dim:
+            object.__setattr__(self, "head_dim_v", None)  # one config, one name: equal head dims are the plain kernel
+            return
+        if not (HEAD_DIM_MIN <= dv <= HEAD_DIM_V_MAX and dv % HEAD_DIM_STEP == 0):
+            raise ValueError(f"KernelConfig.head_dim_v: got {dv}, expected a multiple of {HEAD_DIM_STEP} in "
+                             f"[{HEAD_DIM_MIN}, {HEAD_DIM_V_MAX}]")
+        if self.direction != "fwd" or not self.tensor_cores:
+            raise ValueError(f"KernelConfig.head_dim_v: got {dv} (head_dim {self.head_dim}) for {self.direction} "
+                             f"{self.dtype}; a V head dim of its own is the fp16/bf16 forward's (the backward runs "
+                             f"such calls zero-padded to the wider head dim; expected None)")
+        if self.o_columns > O_SLICE_MAX:
+            raise ValueError(f"KernelConfig.head_dim_v: got {dv} with head_split {self.head_split}; a block's O holds "
+                             f"at most {O_SLICE_MAX} columns, expected head_split >= "
+                             f"{-(-self.dv_padded // O_SLICE_MAX)}")
 
     def _validate_variants(self) -> None:
         for f in VARIANTS:
@@ -330,6 +361,9 @@ class KernelConfig:
             raise ValueError(f"{what}: expected a head dim that is a multiple of 16 (wgmma's k step); others run "
                              f"on family 'sm80', padded")
         off = [f for f in (VARIANTS if self.direction == "bwd" else ()) + DECODE_SWITCHES if getattr(self, f)]
+        if self.head_dim_v is not None:
+            raise ValueError(f"{what}: got head_dim_v={self.head_dim_v}; a V head dim of its own runs on family "
+                             f"'sm80' (expected None)")
         if off or self.head_split != 1 or self.dq != "atomic" or self.v_in_regs:
             raise ValueError(f"{what}: got {', '.join(off) or 'backward switches'}; the sm90 family's forward takes "
                              f"the variants ({', '.join(VARIANTS)}), its backward plain and causal attention (either "
@@ -414,8 +448,9 @@ class KernelConfig:
         causal += "".join(f"_{_DECODE_TAGS[f]}" for f in DECODE_SWITCHES if getattr(self, f))
         if self.family == "sm90":
             split += "_sm90a" + ("_pp" if self.pingpong else "") + ("_ov" if self.overlap else "")
+        dv = f"_dv{self.head_dim_v}" if self.head_dim_v is not None else ""
         return (
-            f"{self.direction}_hd{self.head_dim}_{self.dtype}{causal}"
+            f"{self.direction}_hd{self.head_dim}{dv}_{self.dtype}{causal}"
             f"_m{self.block_m}n{self.block_n}w{self.num_warps}s{self.num_stages}{split}"
         )
 
@@ -514,6 +549,22 @@ class KernelConfig:
         return _round_up(self.head_dim, MMA_K) if self.tensor_cores else self.head_dim
 
     @property
+    def dv(self) -> int:
+        """V's head dim (and O's): head_dim_v, or head_dim."""
+        return self.head_dim if self.head_dim_v is None else self.head_dim_v
+
+    @property
+    def dv_padded(self) -> int:
+        """V's columns in shared memory, padded as head_dim_padded."""
+        return _round_up(self.dv, MMA_K) if self.tensor_cores else self.dv
+
+    @property
+    def o_columns(self) -> int:
+        """Forward: O's columns one block computes (and of its V tiles): all of V's, or one of
+        head_split equal slices."""
+        return self.dv_padded // self.head_split if self.direction == "fwd" else self.dv_padded
+
+    @property
     def delta_lanes(self) -> int:
         """The backward's delta kernel (rowsum(dO * O), 128 threads): lanes per query row. On the
         tensor cores 2: a warp computes 16 rows' dO O^T by mma.sync, as dP = dO V^T is computed (a
@@ -563,10 +614,11 @@ class KernelConfig:
                 "lse": self.num_stages * self.block_m * 4,
                 "delta": self.num_stages * self.block_m * 4,
             }
+        o_row = self.o_columns * self.elem_bytes
         layout = {
-            "q": self.block_m * row,
+            "q": self.block_m * max(row, o_row),  # Q's tile, then O's rows staged for the stores
             "k": self.num_stages * self.block_n * row,
-            "v": self.num_stages * self.block_n * row,
+            "v": self.num_stages * self.block_n * o_row,
         }
         if self.family == "sm90":  # tiles 1024-aligned (whole periods of the swizzle), then the mbarriers
             layout = {k: _round_up(v, 1024) for k, v in layout.items()}
@@ -593,6 +645,8 @@ class KernelConfig:
         g = m.groupdict()
         ints = {k: int(g[k]) for k in ("head_dim", "block_m", "block_n", "num_warps", "num_stages")}
         ints["head_split"] = int(g["head_split"] or 1)
+        if g["head_dim_v"]:
+            ints["head_dim_v"] = int(g["head_dim_v"])
         family = {"family": "sm90", "pingpong": bool(g["pingpong"]), "overlap": bool(g["overlap"])} if g["sm90"] else {}
         return cls(direction=g["direction"], dtype=g["dtype"], causal=bool(g["causal"]), **family,
                    dq="pass" if g["dq_pass"] else "atomic", v_in_regs=bool(g["v_in_regs"]),

@@ -16,7 +16,7 @@ import torch
 
 from autoflash.kernels.checks import DTYPE_NAMES, GRID_YZ_MAX, check_chunked_layout, check_scale, cu_seqlens_vector, \
     int32_vector
-from autoflash.kernels.config import HEAD_DIM_MAX, HEAD_DIM_MIN, HEAD_DIM_STEP, KernelConfig
+from autoflash.kernels.config import HEAD_DIM_MAX, HEAD_DIM_MIN, HEAD_DIM_STEP, HEAD_DIM_V_MAX, KernelConfig
 from autoflash.kernels.defaults import default_decode_config
 from autoflash.kernels.gpus import GpuProfile
 from autoflash.kernels.variants import LOG2E, heads_view, resolve, with_variant
@@ -42,6 +42,11 @@ class CacheShape:
     packed_q: bool = False  # q (total_q, heads, d) through cu_seqlens_q; seqlen_q is max_seqlen_q
     packed_new: bool = False  # k, v (total_new, heads_kv, d) through cu_seqlens_k_new
     leftpad: bool = False  # sequences start past their first row (cache_leftpad)
+    head_dim_v: int | None = None  # V's (and out's) where it differs from head_dim (FlashAttention-3's headdim_v)
+
+    @property
+    def dv(self) -> int:
+        return self.head_dim if self.head_dim_v is None else self.head_dim_v
 
     @property
     def gathered(self) -> bool:
@@ -65,9 +70,11 @@ def check_kvcache(q, k_cache, v_cache, *, k=None, v=None, rotary_cos=None, rotar
                   rotary_seqlens=None, cu_seqlens_q=None, max_seqlen_q=None, cu_seqlens_k_new=None) -> CacheShape:
     """Metadata checks of a flash_attn_with_kvcache call (shapes, dtypes, devices, layouts: nothing
     that reads a value); raises ValueError / TypeError with what was got and what is accepted.
-    The kernel's head dims only, unless `any_head_dim` (1..HEAD_DIM_MAX: the caller zero-pads).
-    cu_seqlens_q (with max_seqlen_q) packs q as (total_q, heads, head_dim), cu_seqlens_k_new packs
-    the new k and v as (total_new, heads_kv, head_dim): FlashAttention-3's varlen KV-cache calls."""
+    The kernel's head dims only, unless `any_head_dim` (1..HEAD_DIM_MAX, V's 1..HEAD_DIM_V_MAX: the
+    caller zero-pads). v_cache (and v) may have a head dim of their own (FlashAttention-3's
+    headdim_v). cu_seqlens_q (with max_seqlen_q) packs q as (total_q, heads, head_dim),
+    cu_seqlens_k_new packs the new k and v as (total_new, heads_kv, head_dim): FlashAttention-3's
+    varlen KV-cache calls."""
     packed_q, packed_new = cu_seqlens_q is not None, cu_seqlens_k_new is not None
     for name, t in (("q", q), ("k_cache", k_cache), ("v_cache", v_cache)):
         _tensor(name, t)
@@ -96,17 +103,20 @@ def check_kvcache(q, k_cache, v_cache, *, k=None, v=None, rotary_cos=None, rotar
             raise ValueError(f"max_seqlen_q: got {max_seqlen_q!r} without cu_seqlens_q, expected None")
         batch, seqlen_q, heads, d = q.shape
         total_q = batch * seqlen_q
-    if k_cache.shape != v_cache.shape:
-        raise ValueError(f"k_cache and v_cache shapes differ: got {tuple(k_cache.shape)} and {tuple(v_cache.shape)}")
+    if k_cache.shape[:-1] != v_cache.shape[:-1]:
+        raise ValueError(f"k_cache and v_cache shapes: got {tuple(k_cache.shape)} and {tuple(v_cache.shape)}; expected "
+                         f"them equal but for the head dim (V's may differ: FlashAttention-3's headdim_v)")
     rows, length, heads_kv, dk = k_cache.shape
+    dv = v_cache.shape[-1]
     if dk != d:
         raise ValueError(f"head_dim: got {d} in q and {dk} in k_cache; expected one head_dim")
-    native = HEAD_DIM_MIN <= d <= HEAD_DIM_MAX and d % HEAD_DIM_STEP == 0
-    if any_head_dim and not 1 <= d <= HEAD_DIM_MAX:
-        raise ValueError(f"head_dim: got {d}, expected 1..{HEAD_DIM_MAX}")
-    if not any_head_dim and not native:
-        raise ValueError(f"head_dim: got {d}, expected a multiple of {HEAD_DIM_STEP} in [{HEAD_DIM_MIN}, "
-                         f"{HEAD_DIM_MAX}] (flash_attn_with_kvcache pads other head dims)")
+    for name, width, most in (("head_dim", d, HEAD_DIM_MAX), ("v_cache's head dim", dv, HEAD_DIM_V_MAX)):
+        if any_head_dim and not 1 <= width <= most:
+            raise ValueError(f"{name}: got {width}, expected 1..{most}")
+        if not any_head_dim and not (HEAD_DIM_MIN <= width <= most and width % HEAD_DIM_STEP == 0):
+            raise ValueError(f"{name}: got {width}, expected a multiple of {HEAD_DIM_STEP} in [{HEAD_DIM_MIN}, {most}] "
+                             f"(flash_attn_with_kvcache pads other head dims)")
+    native = HEAD_DIM_MIN <= d and d % HEAD_DIM_STEP == 0 and HEAD_DIM_MIN <= dv and dv % HEAD_DIM_STEP == 0
     if min(batch, seqlen_q, total_q, heads, heads_kv, rows) == 0:
         raise ValueError(f"empty input: got q {tuple(q.shape)}, k_cache {tuple(k_cache.shape)}; expected batch, "
                          f"seqlen_q, heads, heads_kv and cache rows >= 1")
@@ -167,13 +177,15 @@ def check_kvcache(q, k_cache, v_cache, *, k=None, v=None, rotary_cos=None, rotar
         for name, t in (("k", k), ("v", v)):
             _tensor(name, t)
             lead = t.shape[:1] if packed_new else t.shape[:2]
+            width = d if name == "k" else dv
             if t.dim() != len(lead) + 2 or (not packed_new and t.shape[0] != batch) or t.shape[len(lead):] != \
-                    (heads_kv, d) or t.dtype != q.dtype or t.device != q.device:
+                    (heads_kv, width) or t.dtype != q.dtype or t.device != q.device:
                 want = "total_new" if packed_new else f"{batch}, seqlen_new"
                 raise ValueError(f"{name}: got {tuple(t.shape)} {t.dtype} on {t.device}; expected ({want}, {heads_kv}, "
-                                 f"{d}) {q.dtype} on {q.device}")
-        if k.shape != v.shape:
-            raise ValueError(f"k and v shapes differ: got {tuple(k.shape)} and {tuple(v.shape)}")
+                                 f"{width}) {q.dtype} on {q.device}")
+        if k.shape[:-1] != v.shape[:-1]:
+            raise ValueError(f"k and v shapes: got {tuple(k.shape)} and {tuple(v.shape)}; expected them equal but for "
+                             f"the head dim")
         if packed_new and cu_seqlens_vector("cu_seqlens_k_new", cu_seqlens_k_new, q.device) != batch:
             raise ValueError(f"cu_seqlens_k_new: got {cu_seqlens_k_new.numel()} entries, expected batch + 1 = "
                              f"{batch + 1}")
@@ -207,7 +219,7 @@ def check_kvcache(q, k_cache, v_cache, *, k=None, v=None, rotary_cos=None, rotar
             raise ValueError(f"rotary_cos: got {rotary_cos.shape[0]} positions; expected at least the cache's "
                              f"{capacity} (seqlen_ro >= seqlen_cache)")
     return CacheShape(batch, seqlen_q, heads, heads_kv, d, capacity, page_size, seqlen_new, packed_q, packed_new,
-                      cache_leftpad is not None)
+                      cache_leftpad is not None, dv if dv != d else None)
 
 
 def choose_num_splits(blocks: int, sm_count: int, key_tiles: int, max_splits: int = MAX_SPLITS) -> int:
@@ -237,15 +249,16 @@ def decode_config(shape: CacheShape, dtype: str, profile: GpuProfile, causal: bo
     if config is None:
         heavy = any(variant.switches[k] for k in ("window", "chunk", "softcap", "alibi", "key_bias"))
         config = default_decode_config(shape.head_dim, dtype, profile, None if shape.gathered else shape.page_size,
-                                       heavy, shape.gathered)
+                                       heavy, shape.gathered, shape.head_dim_v)
     elif not isinstance(config, KernelConfig):
         raise TypeError(f"config: got {type(config).__name__}, expected a KernelConfig")
     paged = shape.page_size is not None
     # Tiles that would straddle pages are gathered row by row (the gather switch).
     gather = shape.gathered or (paged and shape.page_size % config.block_n != 0)
     config = with_variant(config, causal, variant).replace(kvcache=True, paged=paged, gather=gather, split=False)
-    if (config.head_dim, config.dtype, config.direction) != (shape.head_dim, dtype, "fwd"):
-        raise ValueError(f"config {config.name}: expected a forward config for head_dim {shape.head_dim} {dtype}")
+    if (config.head_dim, config.dv, config.dtype, config.direction) != (shape.head_dim, shape.dv, dtype, "fwd"):
+        raise ValueError(f"config {config.name}: expected a forward config for head_dim {shape.head_dim}, head_dim_v "
+                         f"{shape.dv} {dtype}")
     config.check_fits(profile.smem_per_block_optin, profile.name)
     return config
 
@@ -258,10 +271,10 @@ def packed_heads(shape: CacheShape, alibi_slopes) -> int:
 def decode_launch(shape: CacheShape, dtype: str, profile: GpuProfile, causal: bool, variant,
                   config: KernelConfig | None, num_splits: int, qpack: int) -> tuple[KernelConfig, int]:
     """(the kernel, the number of key splits) a call launches: decode_config's kernel, split
-    num_splits ways (0: choose_num_splits from the blocks and the SMs), at most MAX_SPLITS and the
-    key tiles."""
+    num_splits ways (0: choose_num_splits from the blocks and the SMs: head_split blocks share each
+    query block's O where V's head dim is its own), at most MAX_SPLITS and the key tiles."""
     config = decode_config(shape, dtype, profile, causal, variant, config)
-    m_blocks = math.ceil(shape.seqlen_q * qpack / config.block_m)
+    m_blocks = math.ceil(shape.seqlen_q * qpack / config.block_m) * config.head_split
     key_tiles = math.ceil(shape.capacity / config.block_n)
     if num_splits == 0:
         num_splits = choose_num_splits(shape.batch * (shape.heads // qpack) * m_blocks, profile.sm_count, key_tiles)
@@ -302,7 +315,7 @@ def flash_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, 
     profile = profile_for(q, "flash_attn_with_kvcache")
     dtype, scale = DTYPE_NAMES[q.dtype], check_scale(scale, shape.head_dim)
     packed = shape.packed_q
-    b, lq, hq, d = shape.batch, shape.seqlen_q, shape.heads, shape.head_dim
+    b, lq, hq, d, dv = shape.batch, shape.seqlen_q, shape.heads, shape.head_dim, shape.dv
     hkv, g = shape.heads_kv, shape.group
     causal, variant = resolve(heads_view(q) if packed else q.transpose(1, 2), k_cache.transpose(1, 2), causal,
                               align="bottom_right", window=window, softcap=softcap, alibi_slopes=alibi_slopes,
@@ -319,13 +332,14 @@ def flash_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, 
     bb, ll = qb.shape[:2]
     if qpack > 1:  # (B, L, Hkv * g, d) -> (B, Hkv, L * g, d): row i * g + j is query i of head kv * g + j
         q4 = qb.reshape(bb, ll, hkv, g, d).permute(0, 2, 1, 3, 4).reshape(bb, hkv, ll * g, d)
-        out4 = empty(q4.shape[1:], q.dtype, q.device, "hld", name="out", rows="q").unsqueeze(0) if packed else \
-            empty(q4.shape, q.dtype, q.device, "bhld", name="out")
+        o_shape = (*q4.shape[:3], dv)
+        out4 = empty(o_shape[1:], q.dtype, q.device, "hld", name="out", rows="q").unsqueeze(0) if packed else \
+            empty(o_shape, q.dtype, q.device, "bhld", name="out")
         variant = dataclasses.replace(variant, pointers=tuple(
             t * qpack if i < 4 and t is not None else t for i, t in enumerate(variant.pointers)))
     else:
         q4 = qb.transpose(1, 2)
-        out = empty_like(q, "lhd" if packed else "blhd", name="out", rows="q" if packed else None)
+        out = empty_like(q, "lhd" if packed else "blhd", name="out", rows="q" if packed else None, width=dv)
         out4 = (out.unsqueeze(0) if packed else out).transpose(1, 2)
     k4, v4 = k_cache.transpose(1, 2), v_cache.transpose(1, 2)  # pages: (num_pages, Hkv, page_size, d)
     lse4 = empty((heads, q4.shape[2]), torch.float32, q.device, "hl", name="lse", rows="q").unsqueeze(0) if packed \
@@ -339,7 +353,7 @@ def flash_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, 
     seqused = None if isinstance(cache_seqlens, int) else cache_seqlens
     split = num_splits > 1
     # the kernels index the partials as contiguous: guarded after the last split only (emulation/guards.py)
-    o_accum = empty((num_splits, b, heads, rows, d), torch.float32, device, "sbhld", name="o_accum",
+    o_accum = empty((num_splits, b, heads, rows, dv), torch.float32, device, "sbhld", name="o_accum",
                            contiguous=True) if split else None
     lse_accum = empty((num_splits, b, heads, rows), torch.float32, device, "sbhl", name="lse_accum",
                              contiguous=True) if split else None
@@ -352,7 +366,7 @@ def flash_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, 
                shape.page_size or 1, num_splits, qpack, scale * LOG2E, *variant.softcap_factors(scale))
     tensors = (q4, k_cache, v_cache, out4, lse4, *variant.pointers, seqused, cache_batch_idx, cache_leftpad,
                block_table, o_accum, lse_accum)
-    _call(fns[config.name], (m_blocks * num_splits, heads, b), config.threads, config.smem_bytes, device,
+    _call(fns[config.name], (m_blocks * num_splits * config.head_split, heads, b), config.threads, config.smem_bytes, device,
           FWD_PARAMS, tensors, scalars, FWD_NAMES)
     if split:
         n_rows = b * heads * rows
@@ -363,7 +377,7 @@ def flash_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, 
               ("o_accum", "lse_accum", "out", "lse", "q_starts", "q_ends"))
     lse = lse4
     if qpack > 1:  # back to (B, L, Hq, d) and (B, Hq, L)
-        out = out4.reshape(bb, hkv, ll, g, d).permute(0, 2, 1, 3, 4).reshape(bb, ll, hq, d)
+        out = out4.reshape(bb, hkv, ll, g, dv).permute(0, 2, 1, 3, 4).reshape(bb, ll, hq, dv)
         lse = lse4.reshape(bb, hkv, ll, g).permute(0, 1, 3, 2).reshape(bb, hq, ll)
         out = out[0] if packed else out
     return out, lse[0] if packed else lse

@@ -5,7 +5,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 
-from autoflash.kernels.config import VARIANTS, KernelConfig
+from autoflash.kernels.config import O_SLICE_MAX, VARIANTS, KernelConfig
 from autoflash.kernels.gpus import GpuProfile
 
 # A100-class parts let one block use up to 163 KB of shared memory; sm_86/sm_89 parts only 99 KB.
@@ -223,14 +223,20 @@ def _family_wanted(family: str | None, variant: bool, applies: bool, direction: 
 
 @functools.lru_cache(maxsize=None)
 def default_config(head_dim: int, dtype: str, causal: bool, profile: GpuProfile, variant: bool = False,
-                   family: str | None = None) -> KernelConfig:
+                   family: str | None = None, head_dim_v: int | None = None) -> KernelConfig:
     """The built-in config for one problem on one GPU: the first preferred tile shape that fits the
     profile's shared memory, with two K/V pipeline stages when they fit, else one. `variant`: the
     tiles for a kernel that will carry variant switches (see _candidates); the switches themselves
     are the caller's to set. On sm_90 GPUs the forward (with or without `variant`) is the sm90
     family's where sm90_applies (_sm90_tiles) and the installed NVRTC compiles it clean
     (stack_spill), else the sm80 family's. `family` ("sm80", "sm90") asks for that family's default
-    instead (ValueError where it has none for the problem)."""
+    instead (ValueError where it has none for the problem). `head_dim_v`: V's head dim where it is
+    not head_dim (_wide_v_config)."""
+    if head_dim_v is not None and head_dim_v != head_dim:
+        if family == "sm90":
+            raise ValueError(f"family 'sm90': no forward for head_dim={head_dim} with head_dim_v={head_dim_v}; a V head "
+                             f"dim of its own runs on family 'sm80'")
+        return _wide_v_config(head_dim, head_dim_v, dtype, causal, profile)
     if _family_wanted(family, variant, sm90_applies(head_dim, dtype, profile), "fwd", dtype, head_dim, causal, profile):
         m, n, pingpong = _sm90_tiles(head_dim, causal)
         return _first_fitting([dict(head_dim=head_dim, dtype=dtype, block_m=m, block_n=n, num_warps=m // 16,
@@ -242,6 +248,27 @@ def default_config(head_dim: int, dtype: str, causal: bool, profile: GpuProfile,
          for m, n, w in _candidates(head_dim, dtype, causal, big, profile.arch, variant)
          if not stack_spill(profile.arch, "sm80", "fwd", dtype, head_dim, causal, (m, n, w))),
         profile, f"head_dim={head_dim} {dtype}")
+
+
+def _o_split(head_dim: int, head_dim_v: int) -> tuple[int, int]:
+    """(head_split, the wider head dim a block holds) of a forward with V's head dim its own: the
+    fewest blocks sharing O whose slices of whole 16-column steps hold at most O_SLICE_MAX columns."""
+    dv_padded = -(-head_dim_v // 16) * 16
+    split = next((h for h in (1, 2, 4) if dv_padded // h <= O_SLICE_MAX and dv_padded % (16 * h) == 0), 1)
+    return split, max(head_dim, dv_padded // split)
+
+
+def _wide_v_config(head_dim: int, head_dim_v: int, dtype: str, causal: bool, profile: GpuProfile) -> KernelConfig:
+    """The forward for V's head dim differing from Q and K's (FlashAttention-3's headdim_v): O shared
+    among the fewest blocks (head_split) that keep at most 256 of its columns each, and the tiles the
+    variant kernels take at the wider of the two head dims a block holds (its Q and K columns, its
+    O and V columns), whose registers those set."""
+    split, width = _o_split(head_dim, head_dim_v)
+    big = profile.smem_per_block_optin >= _BIG_SMEM
+    return _first_fitting(
+        (dict(head_dim=head_dim, head_dim_v=head_dim_v, head_split=split, dtype=dtype, block_m=m, block_n=n,
+              num_warps=w, causal=causal) for m, n, w in _candidates(width, dtype, causal, big, profile.arch, True)),
+        profile, f"head_dim={head_dim}, head_dim_v={head_dim_v} {dtype}")
 
 
 def _first_fitting(candidates, profile: GpuProfile, what: str) -> KernelConfig:
@@ -357,15 +384,22 @@ def _decode_candidates(head_dim: int, page_size: int | None, variant: bool, gath
 
 @functools.lru_cache(maxsize=None)
 def default_decode_config(head_dim: int, dtype: str, profile: GpuProfile, page_size: int | None = None,
-                          variant: bool = False, gather: bool = False) -> KernelConfig:
+                          variant: bool = False, gather: bool = False, head_dim_v: int | None = None) -> KernelConfig:
     """The built-in KV-cache kernel (kvcache on) for one head dim on one GPU: the first preferred
     tile that fits, stages as _first_fitting picks them. `variant`: the kernel will carry a window,
     softcap or ALiBi; `gather`: it will gather a paged cache's rows (page_size then None; see
-    _decode_candidates). The variant, paging and split switches themselves are the caller's to set."""
+    _decode_candidates). The variant, paging and split switches themselves are the caller's to set.
+    `head_dim_v`: V's head dim where it differs: O shared among head_split blocks as _wide_v_config
+    shares it, the tiles those of the wider of the head dims a block holds."""
+    split, width = 1, head_dim
+    if head_dim_v is not None and head_dim_v != head_dim:
+        split, width = _o_split(head_dim, head_dim_v)
     return _first_fitting(
-        (dict(head_dim=head_dim, dtype=dtype, block_m=m, block_n=n, num_warps=w, kvcache=True, stages=stages)
-         for m, n, w, stages in _decode_candidates(head_dim, page_size, variant, gather)),
-        profile, f"the KV-cache kernel at head_dim={head_dim} {dtype}")
+        (dict(head_dim=head_dim, head_dim_v=head_dim_v, head_split=split, dtype=dtype, block_m=m, block_n=n,
+              num_warps=w, kvcache=True, stages=stages)
+         for m, n, w, stages in _decode_candidates(width, page_size, variant, gather)),
+        profile, f"the KV-cache kernel at head_dim={head_dim}" + (f", head_dim_v={head_dim_v}" if head_dim_v not in (None, head_dim) else "") +
+        f" {dtype}")
 
 
 def sm90_fallback(switches: dict, direction: str) -> str | None:
@@ -380,15 +414,20 @@ def sm90_fallback(switches: dict, direction: str) -> str | None:
 
 
 def call_default(direction: str, head_dim: int, dtype: str, causal: bool, switches: dict,
-                 profile: GpuProfile) -> KernelConfig:
+                 profile: GpuProfile, head_dim_v: int | None = None) -> KernelConfig:
     """The built-in kernel of a call: the direction's default for its problem with the call's variant
     switches (Variant.switches: align and VARIANTS) turned on. The sm90 family's plain default where
     sm90_fallback allows it (a window takes the causal tiles, as FlashAttention-3's is_causal or
     is_local; a key bias beside softcap or ALiBi fewer keys a tile, _sm90_biased_keys); else the sm80
     family's, with the tiles for variant kernels where any switch is on. Attention chunks beside a
-    score modifier take fewer keys a tile on either family (_chunked_keys)."""
+    score modifier take fewer keys a tile on either family (_chunked_keys). A forward whose V head
+    dim differs (head_dim_v) takes _wide_v_config's kernel."""
     default = default_config if direction == "fwd" else default_backward_config
     banded = causal or bool(switches.get("window"))
+    if head_dim_v is not None and head_dim_v != head_dim:
+        config = default_config(head_dim, dtype, banded, profile, head_dim_v=head_dim_v)
+        keys = _chunked_keys("sm80", max(head_dim, config.o_columns), config.block_n, switches)
+        return config.replace(causal=causal, block_n=keys, **switches)
     if not sm90_fallback(switches, direction):
         plain = default(head_dim, dtype, banded, profile)
         if plain.family == "sm90":  # the plain tiles take the switches

@@ -14,7 +14,7 @@ import torch
 from autoflash.kernels import backend
 from autoflash.kernels.checks import DTYPE_NAMES, check_config, check_like, check_qkv, check_scale, device_index
 from autoflash.kernels.compiler import compile_config
-from autoflash.kernels.config import KernelConfig
+from autoflash.kernels.config import HEAD_DIM_MAX, KernelConfig
 from autoflash.kernels.defaults import call_default, sm90_fallback
 from autoflash.kernels.driver import check_driver
 from autoflash.kernels.gpus import GpuProfile, detect
@@ -101,10 +101,24 @@ def zeros(shape, dtype: torch.dtype, device: torch.device, dims: str, *, name: s
     return backend.host().zeros(shape, dtype, device, dims, name=name, rows=rows, contiguous=contiguous)
 
 
-def empty_like(t: torch.Tensor, dims: str, *, name: str = "", rows: str | None = None) -> torch.Tensor:
+def empty_like(t: torch.Tensor, dims: str, *, name: str = "", rows: str | None = None,
+               width: int | None = None) -> torch.Tensor:
     if t.device.type != "cpu":
+        return empty_like_width(t, width)
+    return backend.host().empty_like(t, dims, name=name, rows=rows, width=width)
+
+
+def physical_order(t: torch.Tensor) -> tuple[int, ...]:
+    """The dims of t from outermost to innermost as torch.empty_like lays them out."""
+    like = torch.empty_like(t, device="meta")  # torch's own choice of strides, at no cost
+    return tuple(sorted(range(t.dim()), key=lambda i: -like.stride(i)))
+
+
+def empty_like_width(t: torch.Tensor, width: int | None) -> torch.Tensor:
+    """torch.empty_like(t), its last dim `width` wide where given: the same physical order."""
+    if width is None or width == t.shape[-1]:
         return torch.empty_like(t)
-    return backend.host().empty_like(t, dims, name=name, rows=rows)
+    return torch.empty_permuted((*t.shape[:-1], width), physical_order(t), dtype=t.dtype, device=t.device)
 
 
 def _prepare(q, k, v, causal, scale, what: str):
@@ -288,15 +302,15 @@ def _strides(t: torch.Tensor, varlen: bool = False) -> tuple[int, ...]:
 
 
 def variant_config(config: KernelConfig | None, direction: str, d: int, dtype: str, causal: bool, variant,
-                   profile: GpuProfile) -> KernelConfig:
+                   profile: GpuProfile, head_dim_v: int | None = None) -> KernelConfig:
     """The kernel a call launches: `config` (tuned or explicit) with the call's variant switches
-    (kernels.variants.resolve) turned on, or the built-in one (defaults.call_default). A tuned or
-    explicit sm90 config that cannot take the switches (sm90_fallback: the sm90 backward with a
-    variant) gives way to the built-in one."""
+    (kernels.variants.resolve) turned on, or the built-in one (defaults.call_default; `head_dim_v`:
+    V's head dim where it differs). A tuned or explicit sm90 config that cannot take the switches
+    (sm90_fallback: the sm90 backward with a variant) gives way to the built-in one."""
     if config is not None and config.family == "sm90" and sm90_fallback(variant.switches, direction):
         config = None
     if config is None:
-        return call_default(direction, d, dtype, causal, variant.switches, profile)
+        return call_default(direction, d, dtype, causal, variant.switches, profile, head_dim_v)
     return with_variant(config, causal, variant)
 
 
@@ -307,6 +321,9 @@ def family_reason(config: KernelConfig, variant, profile: GpuProfile) -> str | N
         return None
     if why := sm90_fallback(variant.switches, config.direction):
         return why
+    if config.head_dim_v is not None:
+        return (f"V's head dim {config.head_dim_v} differs from Q and K's {config.head_dim} (the sm90 family's kernels "
+                f"have one head dim)")
     if config.dtype == "fp32":
         return "fp32 runs on the SIMT kernels"
     if config.head_dim % 16:
@@ -327,8 +344,9 @@ def flash_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: 
     kernel on the host emulator).
 
     q: (batch, heads_q, seqlen_q, head_dim); k, v: (batch, heads_kv, seqlen_k, head_dim) with
-    heads_kv dividing heads_q (GQA/MQA). Any strides on the first three dims (multiples of 16 bytes),
-    contiguous last dim. `causal` is aligned by `align`: top_left as SDPA's is_causal (query i sees
+    heads_kv dividing heads_q (GQA/MQA); v's head dim (and out's) may differ, up to 512
+    (FlashAttention-3's headdim_v; fp16/bf16). Any strides on the first three dims (multiples of 16
+    bytes), contiguous last dim. `causal` is aligned by `align`: top_left as SDPA's is_causal (query i sees
     keys j <= i), bottom_right as flash-attn's (j <= i + seqlen_k - seqlen_q); scale defaults to
     1/sqrt(head_dim). Returns (out like q, lse (batch, heads_q, seqlen_q) fp32).
 
@@ -354,13 +372,13 @@ def flash_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: 
                               max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k, attention_chunk=attention_chunk,
                               seqused_q=seqused_q, seqused_k=seqused_k)
     b, hq, lq, d = q4.shape
-    hkv, lk = k4.shape[1], k4.shape[2]
+    hkv, lk, dv = k4.shape[1], k4.shape[2], v4.shape[3]
     if varlen:
         b, lq, lk = cu_seqlens_q.numel() - 1, max_seqlen_q, max_seqlen_k
-    config = variant_config(config, "fwd", d, dtype, causal, variant, profile)
-    check_config(config, d, dtype, causal, profile, "fwd")
+    config = variant_config(config, "fwd", d, dtype, causal, variant, profile, dv)
+    check_config(config, d, dtype, causal, profile, "fwd", dv)
 
-    out = empty_like(q, "lhd" if varlen else "bhld", name="out", rows="q")
+    out = empty_like(q, "lhd" if varlen else "bhld", name="out", rows="q", width=dv)
     lse = empty((hq, q.shape[0]) if varlen else (b, hq, lq), torch.float32, q.device, "hl" if varlen else "bhl",
                        name="lse", rows="q")
     if variant.seqused:  # rows past seqused_q are never written: no key seen
@@ -383,8 +401,8 @@ def flash_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: 
                *variant.scalars(lse), 0, lq, lk, hq // hkv, *variant.window, 1, 1, 1,
                scale * LOG2E, *variant.softcap_factors(scale))
     for sequences, pointers in variant.runs(b):
-        _call(fn, (math.ceil(lq / config.block_m), hq, sequences), config.threads, config.smem_bytes, q.device,
-              FWD_PARAMS, (q, k, v, out, lse, *pointers, *(None,) * len(DECODE_POINTERS)), scalars, FWD_NAMES)
+        _call(fn, (math.ceil(lq / config.block_m) * config.head_split, hq, sequences), config.threads,
+              config.smem_bytes, q.device, FWD_PARAMS, (q, k, v, out, lse, *pointers, *(None,) * len(DECODE_POINTERS)), scalars, FWD_NAMES)
     return out, lse
 
 
@@ -475,7 +493,24 @@ def flash_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torc
     "pass" a second kernel computes dQ per query block (no atomics, deterministic as it is). With GQA
     each block writes its query head's dK, dV and the heads that share a K/V head are summed in fp32
     afterwards.
+
+    A V head dim apart from Q and K's (the forward's head_dim_v) runs with the narrower side zero-padded
+    to the wider, up to HEAD_DIM_MAX (Q and K, or V, O and dO): zero columns add nothing to Q K^T or
+    dO V^T, so each gradient is the unpadded call's, cut back to its width.
     """
+    if all(isinstance(t, torch.Tensor) for t in (q, k, v)) and q.shape[-1] != v.shape[-1] and q.dim() == v.dim():
+        d, dv = q.shape[-1], v.shape[-1]
+        width = max(d, dv)
+        if width > HEAD_DIM_MAX:
+            raise ValueError(f"flash_backward: got head dims {d} (q, k) and {dv} (v); the backward runs V head dims up "
+                             f"to {HEAD_DIM_MAX} (FlashAttention-3's too), expected v.shape[-1] <= {HEAD_DIM_MAX}")
+        pad = lambda t: torch.nn.functional.pad(t, (0, width - t.shape[-1])) if isinstance(t, torch.Tensor) else t  # noqa
+        dq, dk, dv_ = flash_backward(
+            pad(dout), pad(q), pad(k), pad(v), pad(out), lse, causal=causal, scale=check_scale(scale, d), config=config,
+            deterministic=deterministic, align=align, window=window, softcap=softcap, alibi_slopes=alibi_slopes,
+            key_bias=key_bias, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k, max_seqlen_q=max_seqlen_q,
+            max_seqlen_k=max_seqlen_k, attention_chunk=attention_chunk, seqused_q=seqused_q, seqused_k=seqused_k)
+        return tuple(torch.empty_like(like).copy_(g[..., :like.shape[-1]]) for g, like in ((dq, q), (dk, k), (dv_, v)))
     varlen, q4, k4, v4 = views(q, k, v, cu_seqlens_q, cu_seqlens_k)
     if varlen and 0 in (q.shape[0], k.shape[0]):  # no rows or no keys: every gradient is 0
         return torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)

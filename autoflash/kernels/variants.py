@@ -228,4 +228,5 @@ def empty_forward(q, k, v, causal, scale, cu_q, cu_k, max_q, max_k, alibi_slopes
             alibi_slopes=alibi_slopes, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k, max_seqlen_q=max_q, max_seqlen_k=max_k,
             attention_chunk=attention_chunk, seqused_q=seqused_q, seqused_k=seqused_k)
     check_scale(scale, q.shape[-1])
-    return torch.zeros_like(q), torch.full((q.shape[1], q.shape[0]), math.inf, dtype=torch.float32, device=q.device)
+    out = q.new_zeros((*q.shape[:-1], v.shape[-1]))
+    return out, torch.full((q.shape[1], q.shape[0]), math.inf, dtype=torch.float32, device=q.device)

@@ -157,8 +157,9 @@ def attention_backward_ref(
     check_qkv_shapes(q, k, v, _FLOAT_DTYPES)
     if not isinstance(dout, torch.Tensor):
         raise TypeError(f"dout: got {type(dout).__name__}, expected a torch.Tensor")
-    if dout.shape != q.shape:
-        raise ValueError(f"dout: got shape {tuple(dout.shape)}, expected q's shape {tuple(q.shape)}")
+    if dout.shape != (*q.shape[:-1], v.shape[-1]):
+        raise ValueError(f"dout: got shape {tuple(dout.shape)}, expected out's shape {(*q.shape[:-1], v.shape[-1])} "
+                         f"(q's, as wide as v)")
     if not dout.dtype.is_floating_point:
         raise TypeError(f"dout: got dtype {dout.dtype}, expected a floating-point dtype")
     if dout.device != q.device:

@@ -138,7 +138,8 @@ def _check_cu_seqlens(name: str, cu, total: int) -> list[int]:
 
 
 def _check_packed(q, k, v) -> None:
-    """q (total_q, Hq, D); k, v (total_k, Hkv, D), Hkv dividing Hq; one float dtype, one device."""
+    """q (total_q, Hq, D); k (total_k, Hkv, D), v the same but for its head dim; Hkv dividing Hq; one
+    float dtype, one device."""
     for name, t in (("q", q), ("k", k), ("v", v)):
         if not isinstance(t, torch.Tensor):
             raise TypeError(f"{name}: got {type(t).__name__}, expected a torch.Tensor")
@@ -149,10 +150,10 @@ def _check_packed(q, k, v) -> None:
                         f"expected one of {[str(d) for d in _FLOAT_DTYPES]}")
     if not (q.device == k.device == v.device):
         raise ValueError(f"q, k, v devices differ: got {q.device}, {k.device}, {v.device}; expected one device")
-    if k.shape != v.shape or q.shape[2] != k.shape[2] or min(q.shape[1:] + k.shape[1:]) == 0 \
+    if k.shape[:2] != v.shape[:2] or q.shape[2] != k.shape[2] or min(q.shape[1:] + v.shape[1:]) == 0 \
             or q.shape[1] % k.shape[1]:
-        raise ValueError(f"q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)}: expected k and v alike, "
-                         f"one head_dim, and kv heads dividing query heads")
+        raise ValueError(f"q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)}: expected k and v alike but "
+                         f"for v's head dim, q's head dim k's, and kv heads dividing query heads")
 
 
 def attention_varlen_ref(
@@ -193,7 +194,7 @@ def attention_varlen_ref(
     check_window(window)
     check_softcap(softcap)
     check_chunk(attention_chunk)
-    hq, d = q.shape[1], q.shape[2]
+    hq, d = q.shape[1], v.shape[2]  # out is as wide as v
     slopes = None if alibi_slopes is None else check_alibi_slopes(alibi_slopes, len(cq) - 1, hq, q.device)
     dtype = _upcast_dtype(q.dtype) if upcast else q.dtype
     lse_dtype = torch.float64 if q.dtype == torch.float64 else torch.float32

@@ -62,7 +62,8 @@ def attention_kvcache_ref(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch
     seqused[b]), bottom-right aligned (flash-attn's), batch row by batch row. Returns out (batch,
     seqlen_q, heads, d) in the compute dtype and lse (batch, heads, seqlen_q); a row that sees no key
     gets out 0 and lse +inf. key_bias (batch, >= max seqused) fp32 is added to sequence b's key j,
-    counted from its first key; attention_chunk counts chunks from it too. cu_seqlens_q: q packed as
+    counted from its first key; attention_chunk counts chunks from it too. v_cache's head dim (out's)
+    may differ from q's and k_cache's. cu_seqlens_q: q packed as
     (total_q, heads, d), sequence b its rows cu_seqlens_q[b] .. cu_seqlens_q[b + 1] - 1; out is then
     (total_q, heads, d) and lse (heads, total_q)."""
     outs, lses = [], []
@@ -74,7 +75,7 @@ def attention_kvcache_ref(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch
         qb = qb.transpose(1, 2)
         if k.shape[0] == 0 or qb.shape[2] == 0:  # no key (or, packed, no query) in this sequence
             dtype = torch.float64 if q.dtype == torch.float64 else torch.float32 if upcast else q.dtype
-            outs.append(torch.zeros(qb.shape, dtype=dtype))
+            outs.append(torch.zeros((*qb.shape[:3], v_cache.shape[-1]), dtype=dtype))
             lses.append(torch.full(qb.shape[:3], float("inf"), dtype=torch.float32))
             continue
         slopes = alibi_slopes[b:b + 1] if alibi_slopes is not None and alibi_slopes.dim() == 2 else alibi_slopes

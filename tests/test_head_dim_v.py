@@ -1,0 +1,185 @@
+"""V's head dim apart from Q and K's (FlashAttention-3's headdim_v; DeepSeek's MLA shapes): the forward
+kernel with O and the V tiles of their own width (head_dim_v; above 256 columns shared among
+head_split blocks that each compute S), the backward on Q, K or V zero-padded to the wider head dim.
+
+FlashAttention-3's test file pairs d = 64 with dv = 256 and 512 and d = 192 with dv = 128 (its
+test_flash_attn_output and the KV-cache test; gradients up to dv = 256); the issue adds (128, 256).
+Each case runs under FlashAttention-3's rule (autoflash.reference.forward.within_tolerance: out and
+the gradients within 2x, 3x with a softcap, of PyTorch's own error in the input dtype against the
+fp32 reference), on a GPU (`gpu` marker) and on the emulator (an H100: the forward on the sm80
+family, which has the switch; the padded backward on the sm90 family's where it takes the call); the
+emulated grid is sampled per run (conftest.py)."""
+import pytest
+import torch
+
+import autoflash
+from autoflash import flash_attn_func, flash_attn_varlen_func
+from autoflash.flash_attn_interface import flash_attn_func as fa3_flash_attn_func
+from autoflash.kernels.config import KernelConfig
+from autoflash.kernels.launch import flash_backward, flash_forward
+from autoflash.reference.backward import attention_backward_ref
+from autoflash.reference.forward import attention_ref, attention_varlen_ref, within_tolerance
+
+from gpu_inputs import TORCH_DTYPES, device
+from variant_inputs import VARIANTS, arguments
+
+DIMS = ((64, 256), (64, 512), (192, 128), (128, 256))  # (d, dv): FlashAttention-3's pairs and (128, 256)
+PAIRS = ((113, 203), (128, 217), (1, 77), (77, 1), (203, 113))  # FlashAttention's (Lq, Lk), emulator-sized
+HEADS = ((4, 2), (3, 3))
+NAMES = ("plain", "causal-br", "window-5-3", "softcap-2", "chunk-causal", "gemma", "padding")
+
+
+@pytest.mark.sweep
+@pytest.mark.parametrize("pair", PAIRS, ids=lambda p: f"{p[0]}x{p[1]}")
+@pytest.mark.parametrize("heads", HEADS, ids=lambda h: f"h{h[0]}-{h[1]}")
+@pytest.mark.parametrize("d", DIMS, ids=lambda p: f"d{p[0]}-dv{p[1]}")
+@pytest.mark.parametrize("dtype", ["fp16", "bf16"])
+@pytest.mark.parametrize("variant", NAMES)
+def test_head_dim_v_meets_flashattention_rule(target, variant, dtype, d, heads, pair):
+    (d, dv), (hq, hkv), (lq, lk) = d, heads, pair
+    b, dev, dt = 2, device(target), TORCH_DTYPES[dtype]
+    g = torch.Generator().manual_seed(hash((variant, dtype, d, dv, heads, pair)) % 2**31)
+    q = torch.randn(b, hq, lq, d, generator=g).to(dev, dt)
+    k = torch.randn(b, hkv, lk, d, generator=g).to(dev, dt)
+    v = torch.randn(b, hkv, lk, dv, generator=g).to(dev, dt)
+    dout = torch.randn(b, hq, lq, dv, generator=g).to(dev, dt)
+    kw = {} if variant == "plain" else arguments(VARIANTS[variant], b, hq, lk, dev, g)
+
+    out, lse = flash_forward(q, k, v, **kw)
+    assert out.shape == (b, hq, lq, dv)
+    up = [t.float() for t in (q, k, v)]
+    ref_out, ref_lse = attention_ref(*up, **kw)
+    torch_out, _ = attention_ref(q, k, v, upcast=False, **kw)
+    ok, err, bound = within_tolerance(out, ref_out, torch_out, softcap=kw.get("softcap", 0.0))
+    assert ok, f"out: err {err:.3e} > bound {bound:.3e}"
+    ok, err, _ = within_tolerance(lse, ref_lse, ref_lse, atol=1e-3)
+    assert ok, f"lse: err {err:.3e}"
+    if dv > 256:  # no backward above 256 (FlashAttention-3 has none either)
+        with pytest.raises(ValueError, match="expected v.shape\\[-1\\] <= 256"):
+            flash_backward(dout, q, k, v, out, lse, **kw)
+        return
+    grads = flash_backward(dout, q, k, v, out, lse, **kw)
+    ref_grads = attention_backward_ref(*up, dout.float(), **kw)
+    torch_grads = attention_backward_ref(q, k, v, dout, upcast=False, **kw)
+    for name, got, like, ref, yard in zip(("dq", "dk", "dv"), grads, (q, k, v), ref_grads, torch_grads):
+        assert got.shape == like.shape, name
+        ok, err, bound = within_tolerance(got, ref, yard, softcap=kw.get("softcap", 0.0), backward=True)
+        assert ok, f"{name}: err {err:.3e} > bound {bound:.3e}"
+
+
+def _cu(lengths, dev):
+    return torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int32, device=dev)
+
+
+@pytest.mark.sweep
+@pytest.mark.parametrize("d", DIMS, ids=lambda p: f"d{p[0]}-dv{p[1]}")
+@pytest.mark.parametrize("variant", ["plain", "causal", "local"])
+def test_packed_sequences_meet_flashattention_rule(target, variant, d):
+    """flash_attn_varlen_func with V's own head dim: sequences of random lengths, 0 and 1 among them,
+    each against its own reference; out (total_q, heads, dv) and, up to dv = 256, the gradients."""
+    (d, dv), dev, dt = d, device(target), torch.bfloat16
+    g = torch.Generator().manual_seed(d * 1000 + dv + len(variant))
+    lens_q, lens_k = [0, 1, 57, 90], [40, 1, 90, 33]
+    q = torch.randn(sum(lens_q), 4, d, generator=g).to(dev, dt).requires_grad_()
+    k = torch.randn(sum(lens_k), 2, d, generator=g).to(dev, dt).requires_grad_()
+    v = torch.randn(sum(lens_k), 2, dv, generator=g).to(dev, dt).requires_grad_()
+    kw = dict(causal=variant == "causal", window_size=(13, 4) if variant == "local" else (-1, -1))
+    cu = dict(cu_seqlens_q=_cu(lens_q, dev), cu_seqlens_k=_cu(lens_k, dev))
+    out = flash_attn_varlen_func(q, k, v, max_seqlen_q=max(lens_q), max_seqlen_k=max(lens_k), **cu, **kw)
+    assert out.shape == (sum(lens_q), 4, dv)
+    ref_kw = dict(causal=kw["causal"], window=kw["window_size"], align="bottom_right")
+    leaves = [t.detach().float().requires_grad_() for t in (q, k, v)]
+    ref_out, _ = attention_varlen_ref(*leaves, **cu, **ref_kw)
+    same = [t.detach().clone().requires_grad_() for t in (q, k, v)]
+    torch_out, _ = attention_varlen_ref(*same, **cu, upcast=False, **ref_kw)
+    ok, err, bound = within_tolerance(out.detach(), ref_out.detach(), torch_out.detach())
+    assert ok, f"out: err {err:.3e} > bound {bound:.3e}"
+    if dv > 256:
+        return
+    dout = torch.randn(out.shape, generator=g).to(dev, dt)
+    grads = torch.autograd.grad(out, (q, k, v), dout)
+    ref_grads = torch.autograd.grad(ref_out, leaves, dout.float())
+    torch_grads = torch.autograd.grad(torch_out, same, dout)
+    for name, got, ref, yard in zip(("dq", "dk", "dv"), grads, ref_grads, torch_grads):
+        ok, err, bound = within_tolerance(got, ref, yard, backward=True)
+        assert ok, f"{name}: err {err:.3e} > bound {bound:.3e}"
+
+
+def test_output_width_is_vs_and_keeps_the_callers_layout():
+    """flash_attn_func's out is (batch, seqlen, heads, dv) laid out as q is (its storage (B, S, H, dv)),
+    on the PyTorch reference too (the fake implementation's promise), and an odd dv runs zero-padded."""
+    g = torch.Generator().manual_seed(3)
+    q, k = (torch.randn(1, 33, 2, 40, generator=g).bfloat16() for _ in range(2))
+    v = torch.randn(1, 33, 2, 72, generator=g).bfloat16()
+    with autoflash.emulate("a100"):
+        out = flash_attn_func(q, k, v, causal=True)
+        odd = flash_attn_func(q, k, v[..., :70], causal=True)
+    assert out.shape == (1, 33, 2, 72) and out.is_contiguous()
+    ref, _ = attention_ref(*(t.float().transpose(1, 2) for t in (q, k, v)), causal=True, align="bottom_right")
+    torch_out, _ = attention_ref(*(t.transpose(1, 2) for t in (q, k, v)), causal=True, align="bottom_right",
+                                 upcast=False)
+    assert within_tolerance(out.transpose(1, 2), ref, torch_out)[0]
+    ref_odd, _ = attention_ref(*(t.float().transpose(1, 2) for t in (q, k, v[..., :70])), causal=True,
+                               align="bottom_right")
+    assert odd.shape == (1, 33, 2, 70) and (odd.float().transpose(1, 2) - ref_odd).abs().max() < 2e-2
+
+
+def test_fa3_api_runs_the_mla_shapes_and_explains_them():
+    """FlashAttention-3's flash_attn_func with (d, dv) = (64, 512): out as wide as v, and explain() on an
+    H100 names the sm80 forward with two O slices and why, and no backward."""
+    g = torch.Generator().manual_seed(5)
+    q, k = (torch.randn(1, 20, 2, 64, generator=g).bfloat16() for _ in range(2))
+    v = torch.randn(1, 20, 2, 512, generator=g).bfloat16()
+    with autoflash.emulate("h100"):
+        out = fa3_flash_attn_func(q, k, v, causal=True)
+    assert out.shape == (1, 20, 2, 512)
+    ref, _ = attention_ref(*(t.float().transpose(1, 2) for t in (q, k, v)), causal=True, align="bottom_right")
+    torch_out, _ = attention_ref(*(t.transpose(1, 2) for t in (q, k, v)), causal=True, align="bottom_right",
+                                 upcast=False)
+    assert within_tolerance(out.transpose(1, 2), ref, torch_out)[0]
+    plan = autoflash.explain(fa3_flash_attn_func, q, k, v, causal=True, gpu="h100")
+    text = str(plan)
+    assert plan.forward.config.head_dim_v == 512 and plan.forward.config.head_split == 2
+    assert plan.forward.config.family == "sm80" and "V's head dim 512 differs" in text
+    assert plan.backward is None and "no backward" in text
+
+
+def test_config_names_validates_and_sizes_the_v_head_dim():
+    cfg = KernelConfig(head_dim=64, head_dim_v=512, dtype="bf16", block_m=128, block_n=64, num_warps=8, head_split=2)
+    assert cfg.name == "fwd_hd64_dv512_bf16_m128n64w8s2h2" and KernelConfig.from_name(cfg.name) == cfg
+    assert cfg.o_columns == 256
+    # Q's tile doubles as O's staging: as wide as the wider; K's as Q's, V's as O's slice
+    assert cfg.smem_layout == {"q": 128 * 256 * 2, "k": 2 * 64 * 64 * 2, "v": 2 * 64 * 256 * 2}
+    same = KernelConfig(head_dim=64, head_dim_v=64, dtype="bf16", block_m=128, block_n=64)
+    assert same.head_dim_v is None and same == KernelConfig(head_dim=64, dtype="bf16", block_m=128, block_n=64)
+    refusals = [
+        (dict(head_dim_v=512), "expected head_split >= 2"),
+        (dict(head_dim_v=300), "expected a multiple of 8"),
+        (dict(head_dim_v=256, direction="bwd"), "zero-padded to the wider head dim"),
+        (dict(head_dim_v=256, dtype="fp32", block_m=64), "fp16/bf16 forward"),
+        (dict(head_dim_v=256, family="sm90", block_m=64, block_n=128, num_warps=4), "family 'sm80'"),
+        (dict(head_dim_v=200, head_split=2), "equal whole 16-column slices"),
+    ]
+    for changes, message in refusals:
+        fields = {**dict(head_dim=64, dtype="bf16", block_m=128, block_n=64, num_warps=8), **changes}
+        with pytest.raises(ValueError, match=message):
+            KernelConfig(**fields)
+
+
+def test_refusals_name_the_v_head_dim():
+    """What is not run says so with what it got: a config for another V head dim, V wider than 512 in
+    the KV cache and the flash-attn API, and v's other dims unlike k's."""
+    from autoflash import flash_attn_with_kvcache
+
+    q, k = torch.randn(1, 2, 16, 64).bfloat16(), torch.randn(1, 2, 16, 64).bfloat16()
+    v = torch.randn(1, 2, 16, 256).bfloat16()
+    with autoflash.emulate("a100"):
+        with pytest.raises(ValueError, match="is for V's head dim 64; the call's is 256"):
+            flash_forward(q, k, v, config=KernelConfig(head_dim=64, dtype="bf16", block_m=64, block_n=64))
+        with pytest.raises(ValueError, match="v_cache's head dim: got 520, expected 1..512"):
+            flash_attn_with_kvcache(q.transpose(1, 2), k.transpose(1, 2), torch.randn(1, 16, 2, 520).bfloat16(),
+                                    cache_seqlens=4)
+        with pytest.raises(ValueError, match="v's head dim: got 520, expected 1..512"):
+            flash_attn_func(q.transpose(1, 2), k.transpose(1, 2), torch.randn(1, 16, 2, 520).bfloat16())
+        with pytest.raises(ValueError, match="expected them equal but for the head dim"):
+            flash_attn_func(q.transpose(1, 2), k.transpose(1, 2), torch.randn(1, 15, 2, 256).bfloat16())
