@@ -188,8 +188,10 @@ def test_each_reason_is_named(kernel_path):
         autoflash.attention(*_qkv((1, 2, 8, 60), (1, 2, 8, 60), torch.float32))
     with pytest.warns(FallbackWarning, match="head_dim 264"):
         autoflash.attention(*_qkv((1, 2, 8, 264), (1, 2, 8, 264), torch.bfloat16))
-    with pytest.warns(FallbackWarning, match="value 32"):
-        autoflash.attention(q, k, torch.randn(1, 2, 8, 32, dtype=torch.bfloat16))
+    with pytest.warns(FallbackWarning, match="value 520"):  # V's own head dim runs up to 512
+        autoflash.attention(q, k, torch.randn(1, 2, 8, 520, dtype=torch.bfloat16))
+    with pytest.warns(FallbackWarning, match="value 32"):  # and in float16 and bfloat16 only
+        autoflash.attention(q.float(), k.float(), torch.randn(1, 2, 8, 32))
     with pytest.warns(FallbackWarning, match="no broadcasting"):
         autoflash.attention(q.expand(3, 2, 8, 64), k, v)
 

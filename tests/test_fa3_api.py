@@ -105,7 +105,7 @@ def test_varlen_and_packed_qkv_with_gqa(launched):
                                            max_seqlen_q=8), "q"),  # 4-D q: not packed
     (lambda q: fa3.flash_attn_func(q, q, q, num_splits=-1), "num_splits"),
     (lambda q: fa3.flash_attn_with_kvcache(q, q, q, cache_seqlens=4, rotary_seqlens=[1]), "rotary_seqlens"),
-    (lambda q: fa3.flash_attn_func(q, q, torch.cat([q, q], -1)), "k and v shapes"),  # dv != d, named as such
+    (lambda q: fa3.flash_attn_func(q, q, torch.cat([q, q], 1)), "k and v shapes"),  # V's head dim alone may differ
     (lambda q: fa3.flash_attn_with_kvcache(q, q, q, cache_seqlens=4, scheduler_metadata=torch.zeros(7)),
      "scheduler_metadata"),
 ])
@@ -113,7 +113,7 @@ def test_what_autoflash_does_not_run_is_refused_by_name(call, name):
     q = torch.randn(1, 8, 2, 64).bfloat16()
     with pytest.raises((ValueError, TypeError), match=f"^{name}: got") as refused:
         call(q)
-    assert name != "k and v shapes" or "headdim_v" in str(refused.value)
+    assert name != "k and v shapes" or "but for the head dim" in str(refused.value)
 
 
 def test_varlen_with_seqused_on_an_emulated_h100(launched):
@@ -229,28 +229,32 @@ def test_the_scheduler_plan_is_the_split_flash_attn_with_kvcache_runs(monkeypatc
 
 
 @pytest.mark.parametrize("call", [dict(window_size=(30, 0), softcap=5.0), dict(causal=True, attention_chunk=64),
-                                  dict(causal=True, page_size=16, leftpad=True)],
-                         ids=["window-softcap", "chunk", "pages"])
+                                  dict(causal=True, page_size=16, leftpad=True), dict(causal=True, headdim_v=512)],
+                         ids=["window-softcap", "chunk", "pages", "headdim_v"])
 def test_the_plan_is_the_split_count_num_splits_0_chooses(monkeypatch, call):
     """get_scheduler_metadata's count against the one flash_attn_with_kvcache(num_splits=0) picks for
-    the same call: variants, chunks, and pages gathered row by row (16-row pages, left padding)."""
+    the same call: variants, chunks, pages gathered row by row (16-row pages, left padding), and V's
+    own head dim (512: two blocks share each query block's O, so half the splits fill the GPU)."""
     from autoflash.kernels import decode
 
     chosen, real = [], decode.decode_launch
     monkeypatch.setattr(decode, "decode_launch", lambda *a: (lambda r: chosen.append(r[1]) or r)(real(*a)))
     call = dict(call)
-    page, leftpad = call.pop("page_size", None), call.pop("leftpad", False)
+    page, leftpad, dv = call.pop("page_size", None), call.pop("leftpad", False), call.pop("headdim_v", 128)
     seqlens = torch.tensor([700, 37], dtype=torch.int32)
     q = torch.randn(2, 1, 8, 128).bfloat16()
     cache = torch.randn(2 * 1024 // (page or 1024), page or 1024, 2, 128).bfloat16()
+    v_cache = torch.randn(*cache.shape[:-1], dv).bfloat16()
     table = torch.arange(cache.shape[0], dtype=torch.int32).reshape(2, -1) if page else None
     pad = torch.tensor([5, 0], dtype=torch.int32) if leftpad else None
     with autoflash.emulate("h100"):
         plan = fa3.get_scheduler_metadata(2, 1, 1024, 8, 2, 128, seqlens, page_size=page, cache_leftpad=pad,
                                           causal=call.get("causal", False),
                                           window_size=call.get("window_size", (-1, -1)),
-                                          attention_chunk=call.get("attention_chunk", 0), has_softcap="softcap" in call)
-        fa3.flash_attn_with_kvcache(q, cache, cache, cache_seqlens=seqlens, page_table=table, cache_leftpad=pad, **call)
+                                          attention_chunk=call.get("attention_chunk", 0), has_softcap="softcap" in call,
+                                          headdim_v=dv)
+        fa3.flash_attn_with_kvcache(q, cache, v_cache, cache_seqlens=seqlens, page_table=table, cache_leftpad=pad,
+                                    **call)
     assert len(chosen) == 2 and chosen[0] == chosen[1] == int(plan[1]) and chosen[0] > 1
 
 

@@ -47,9 +47,10 @@ def test_the_ops_pass_opchecks_schema_and_fake_tensor_tests():
                                   test_utils=("test_schema", "test_faketensor"))
 
 
-def test_fwd_and_bwd_give_what_the_fa3_api_gives_on_an_emulated_h100():
-    q, k, v = _bshd(2, 45, 4, 64), _bshd(2, 70, 2, 64, seed=1), _bshd(2, 70, 2, 64, seed=2)
-    dout = _bshd(2, 45, 4, 64, seed=3)
+@pytest.mark.parametrize("dv", [64, 128])  # V's head dim as Q's, and its own (FA3's headdim_v)
+def test_fwd_and_bwd_give_what_the_fa3_api_gives_on_an_emulated_h100(dv):
+    q, k, v = _bshd(2, 45, 4, 64), _bshd(2, 70, 2, 64, seed=1), _bshd(2, 70, 2, dv, seed=2)
+    dout = _bshd(2, 45, 4, dv, seed=3)
     kw = dict(window_size=(30, 5))
     with autoflash.emulate("h100"):
         out, lse, *accum = torch.ops.flash_attn_3.fwd(q, k, v, window_size_left=30, window_size_right=5)

@@ -20,6 +20,7 @@ import torch
 from autoflash.dispatch.sdpa import NO_MASK, attention, mask_reason, native_head_dim, plan
 from autoflash.dispatch.selection import Selection
 from autoflash.kernels.checks import DTYPE_NAMES
+from autoflash.kernels.config import HEAD_DIM_MAX
 
 KERNELS = "autoflash kernels"
 EMULATED = "autoflash kernels (emulated on the CPU)"
@@ -111,7 +112,7 @@ def _path(gpu: str | None, t: torch.Tensor) -> str:
 def _explain_attention(query, key, value, attn_mask=None, dropout_p: float = 0.0, is_causal: bool = False,
                        scale: float | None = None, enable_gqa: bool = False, *, gpu: str | None = None,
                        strict: bool | None = None) -> Explanation:
-    from autoflash.dispatch.flash_api import padded_head_dim, stand_in
+    from autoflash.dispatch.flash_api import padded_head_dim, padded_head_dim_v, stand_in
     from autoflash.dispatch.selection import select_config
 
     p = plan(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa, device_check=gpu is None)
@@ -120,9 +121,10 @@ def _explain_attention(query, key, value, attn_mask=None, dropout_p: float = 0.0
         return Explanation(SDPA_FALLBACK, reason, gpu, None, None)
     profile = _profile(gpu, query)
     path = _path(gpu, query)
-    e = query.shape[-1]
-    if p.mask != NO_MASK or not native_head_dim(e):  # attention_variant's path: the variant ops' choice
+    e, ev = query.shape[-1], value.shape[-1]
+    if p.mask != NO_MASK or not native_head_dim(e) or ev != e:  # attention_variant's path: the variant ops' choice
         d = padded_head_dim(e)
+        dv = None if ev == e else padded_head_dim_v(ev)
         b = max(1, int(torch.Size(p.batch_shape).numel()))
         stand_ins = [stand_in((b, t.shape[-3], t.shape[-2], d), t.dtype, query.device) for t in (query, key)]
         kw = dict(causal=is_causal and p.mask == NO_MASK, align="top_left", window=(-1, -1), softcap=0.0,
@@ -131,18 +133,28 @@ def _explain_attention(query, key, value, attn_mask=None, dropout_p: float = 0.0
         if p.mask != NO_MASK:
             kw["key_bias"] = stand_in((b, key.shape[-2]), torch.float32, query.device)
             mask = f"{p.mask}: the kernels' per-key bias (key_bias switch)"
-        fwd, bwd = _variant_plan(profile, *stand_ins, kw)
+        fwd, bwd = _variant_plan(profile, *stand_ins, kw, dv)
         notes = () if d == e else (f"head_dim {e} runs zero-padded to {d}",)
+        if dv is not None:
+            notes += _head_dim_v_notes(ev, d, dv)
         return Explanation(path, None, profile.name, fwd, bwd, mask=mask, notes=notes)
     fwd, bwd = (select_config(profile, direction, DTYPE_NAMES[query.dtype], e, is_causal, key.shape[-2])
                 for direction in ("fwd", "bwd"))
     return Explanation(path, None, profile.name, fwd, bwd)
 
 
-def _variant_plan(profile, q, k, kw):
+def _head_dim_v_notes(dv: int, width: int, width_v: int) -> tuple[str, ...]:
+    """explain()'s notes on a V head dim `dv` of its own, run at `width_v` beside Q's `width`."""
+    wider = max(width, width_v)
+    return ((f"V's head dim {dv} runs zero-padded to {width_v}",) if width_v != dv else ()) + \
+        ((f"the backward runs Q, K and V zero-padded to one head dim, {wider} (no backward kernel has two)",)
+         if wider <= HEAD_DIM_MAX else (f"no backward: V's head dim is above {HEAD_DIM_MAX}",))
+
+
+def _variant_plan(profile, q, k, kw, head_dim_v: int | None = None):
     from autoflash.dispatch.variant_ops import kernel_plan
 
-    return kernel_plan(profile, q, k, kw)
+    return kernel_plan(profile, q, k, kw, head_dim_v=head_dim_v)
 
 
 def _explain_entry(fn, args, kwargs, gpu: str | None) -> Explanation:
@@ -165,12 +177,18 @@ def _explain_entry(fn, args, kwargs, gpu: str | None) -> Explanation:
     path = _path(gpu, call.q)
     notes = () if call.head_dim == call.q.shape[-1] or isinstance(call, kvcache.KvCacheCall) else \
         (f"head_dim {call.head_dim} runs zero-padded to {call.q.shape[-1]}",)
+    dv = getattr(call, "head_dim_v", None)
+    if dv is not None and not isinstance(call, kvcache.KvCacheCall):
+        notes += _head_dim_v_notes(dv, call.q.shape[-1], call.v.shape[-1])
     if isinstance(call, kvcache.KvCacheCall):
         selection, splits, how = kvcache.kernel_plan(profile, call)
         notes = (f"key splits: {splits} ({how})",)
         if call.head_dim != call.shape.head_dim:
             notes += (f"head_dim {call.shape.head_dim} runs zero-padded to {call.head_dim} (the caches copied "
                       "padded for each call)",)
+        if dv is not None and dv != call.shape.dv:
+            notes += (f"V's head dim {call.shape.dv} runs zero-padded to {dv} (the caches copied padded for each "
+                      "call)",)
         return Explanation(path, None, profile.name, selection, None, entry=entry, notes=notes)
-    fwd, bwd = _variant_plan(profile, call.q, call.k, call.variant)
+    fwd, bwd = _variant_plan(profile, call.q, call.k, call.variant, call.v.shape[-1] if dv is not None else None)
     return Explanation(path, None, profile.name, fwd, bwd, entry=entry, notes=notes)

@@ -153,11 +153,10 @@ def get_scheduler_metadata(batch_size, max_seqlen_q, max_seqlen_k, num_heads_q, 
 
     attention_chunk = chunk_size("attention_chunk", attention_chunk)
     _check_hints(num_splits, pack_gqa, sm_margin)
-    if headdim_v not in (None, headdim):
-        raise ValueError(f"headdim_v: got {headdim_v!r} with headdim {headdim}, expected None or {headdim}: autoflash "
-                         f"does not run a V head dim different from Q's yet")
+    headdim_v = headdim if headdim_v is None else headdim_v
     for name, value in (("batch_size", batch_size), ("max_seqlen_q", max_seqlen_q), ("max_seqlen_k", max_seqlen_k),
-                        ("num_heads_q", num_heads_q), ("num_heads_kv", num_heads_kv), ("headdim", headdim)):
+                        ("num_heads_q", num_heads_q), ("num_heads_kv", num_heads_kv), ("headdim", headdim),
+                        ("headdim_v", headdim_v)):
         if isinstance(value, bool) or not isinstance(value, int) or value < (0 if name == "max_seqlen_k" else 1):
             raise ValueError(f"{name}: got {value!r}, expected a positive int")
     if num_heads_q % num_heads_kv:
@@ -171,13 +170,13 @@ def get_scheduler_metadata(batch_size, max_seqlen_q, max_seqlen_k, num_heads_q, 
     if num_splits == 0:
         num_splits = _choose_splits(batch_size, max_seqlen_q, max_seqlen_k + max_seqlen_k_new, num_heads_q,
                                     num_heads_kv, headdim, qkv_dtype, page_size, causal, window_size, has_softcap,
-                                    cache_seqlens, attention_chunk, cache_leftpad is not None)
+                                    cache_seqlens, attention_chunk, cache_leftpad is not None, headdim_v)
     num_splits = max(1, min(num_splits, MAX_SPLITS))
     return torch.tensor([PLAN_TAG, num_splits], dtype=torch.int32, device=cache_seqlens.device)
 
 
 def _choose_splits(batch, seqlen_q, capacity, heads, heads_kv, head_dim, dtype, page_size, causal, window_size,
-                   softcap: bool, like: torch.Tensor, attention_chunk: int, leftpad: bool) -> int:
+                   softcap: bool, like: torch.Tensor, attention_chunk: int, leftpad: bool, head_dim_v: int) -> int:
     """The split count flash_attn_with_kvcache(num_splits=0) would choose for such a call on the GPU of
     `like` (kernels.decode.decode_launch, its variant from kernels.variants.resolve on stand-ins of
     the call's q and cache); 1 on CPU tensors outside autoflash.emulate(), where the PyTorch
@@ -194,7 +193,9 @@ def _choose_splits(batch, seqlen_q, capacity, heads, heads_kv, head_dim, dtype, 
     if dtype not in (torch.float16, torch.bfloat16):
         raise TypeError(f"qkv_dtype: got {dtype!r}, expected torch.float16 or torch.bfloat16")
     d = flash_api.padded_head_dim(head_dim)
-    shape = CacheShape(batch, seqlen_q, heads, heads_kv, d, max(1, capacity), page_size, 0, leftpad=leftpad)
+    dv = None if head_dim_v == head_dim else flash_api.padded_head_dim_v(head_dim_v)
+    shape = CacheShape(batch, seqlen_q, heads, heads_kv, d, max(1, capacity), page_size, 0, leftpad=leftpad,
+                       head_dim_v=dv)
     q = flash_api.stand_in((batch, heads, seqlen_q, d), dtype, like.device)
     k = flash_api.stand_in((batch, heads_kv, shape.capacity, d), dtype, like.device)
     causal, variant = resolve(q, k, causal, align="bottom_right", window=window_size, softcap=1.0 if softcap else 0.0,

@@ -95,8 +95,9 @@ def bwd(dout, q, k, v, out, softmax_lse, dq=None, dk=None, dv=None, cu_seqlens_q
     scale = flash_api._check_scale("softmax_scale", softmax_scale, d)
     window = flash_api._check_window("window_size", (window_size_left, window_size_right), is_causal)
     width = flash_api.padded_head_dim(d)
+    width_v = width if v.shape[-1] == d else flash_api.padded_head_dim_v(v.shape[-1])
     # the kernels' layout: dense (B, H, L, D) views, packed (total, H, D) as they are; padded head dims
-    views = [flash_api._pad(t, width) for t in (dout, q, k, v, out)]
+    views = [flash_api._pad(t, w) for t, w in ((dout, width_v), (q, width), (k, width), (v, width_v), (out, width_v))]
     if not packed:
         views = [t.transpose(1, 2) for t in views]
     grads = torch.ops.autoflash.flash_bwd(*views[:4], views[4], softmax_lse, None, None, cu_seqlens_q, cu_seqlens_k,
@@ -105,7 +106,7 @@ def bwd(dout, q, k, v, out, softmax_lse, dq=None, dk=None, dv=None, cu_seqlens_q
     results = []
     for given, grad, like in zip((dq, dk, dv), grads, (q, k, v)):
         grad = grad if packed else grad.transpose(1, 2)
-        grad = grad[..., :d] if width != d else grad
+        grad = grad[..., :like.shape[-1]]
         results.append(given.copy_(grad) if given is not None else grad.to(like.dtype).contiguous())
     softmax_d = (dout.float() * out.float()).sum(-1)  # rowsum(dO * O): (total, H) packed, (B, L, H) dense
     softmax_d = softmax_d.transpose(0, 1) if packed else softmax_d.transpose(1, 2)

@@ -32,7 +32,7 @@ import torch.nn.functional as F
 from autoflash.dispatch import variant_ops  # registers torch.ops.autoflash.flash_fwd / flash_bwd
 from autoflash.dispatch.policy import REFERENCE, cpu_fallback, fall_back, is_strict
 from autoflash.kernels.checks import checks_values, chunk_size, int32_vector, window_pair
-from autoflash.kernels.config import ALIGNS, HEAD_DIM_MAX, HEAD_DIM_MIN, HEAD_DIM_STEP
+from autoflash.kernels.config import ALIGNS, HEAD_DIM_MAX, HEAD_DIM_MIN, HEAD_DIM_STEP, HEAD_DIM_V_MAX
 
 __all__ = ["attention_variant", "flash_attn_func", "flash_attn_kvpacked_func", "flash_attn_qkvpacked_func",
            "flash_attn_varlen_func", "flash_attn_varlen_kvpacked_func", "flash_attn_varlen_qkvpacked_func",
@@ -58,11 +58,13 @@ class Dims:
     seqlen_q: int
     seqlen_k: int
     head_dim: int
+    head_dim_v: int  # V's (and the output's): FlashAttention-3's headdim_v, head_dim where they agree
 
 
 def _check_qkv(q, k, v, layout: str) -> Dims:
     """q, k, v tensors of `layout` (see _LAYOUTS), one dtype out of DTYPES, one device, k and v of one
-    shape, heads_k dividing heads, head_dim in 1..HEAD_DIM_MAX, the same batch, no empty dense dim."""
+    shape but for v's head dim (1..HEAD_DIM_V_MAX), heads_k dividing heads, head_dim in 1..HEAD_DIM_MAX,
+    the same batch, no empty dense dim."""
     names = _LAYOUTS[layout]
     for name, t in (("q", q), ("k", k), ("v", v)):
         if not isinstance(t, torch.Tensor):
@@ -77,11 +79,12 @@ def _check_qkv(q, k, v, layout: str) -> Dims:
     if q.device.type not in ("cuda", "cpu"):
         raise ValueError(f"device: got {q.device}, expected CUDA tensors (or CPU tensors: the kernels emulated inside "
                          "autoflash.emulate(), else the PyTorch reference)")
-    if k.shape != v.shape:
-        different_dv = k.dim() == v.dim() and k.shape[:-1] == v.shape[:-1]
-        raise ValueError(f"k and v shapes: got {tuple(k.shape)} and {tuple(v.shape)}; expected them equal"
-                         + (" (a V head dim different from Q and K's, FlashAttention-3's headdim_v, is not run yet)"
-                            if different_dv else ""))
+    if k.shape[:-1] != v.shape[:-1]:
+        raise ValueError(f"k and v shapes: got {tuple(k.shape)} and {tuple(v.shape)}; expected them equal but for the "
+                         f"head dim (V's may differ: FlashAttention-3's headdim_v)")
+    dv = v.shape[-1]
+    if not 1 <= dv <= HEAD_DIM_V_MAX:
+        raise ValueError(f"v's head dim: got {dv}, expected 1..{HEAD_DIM_V_MAX}")
     shape = dict(zip(names, q.shape))
     shape_k = dict(zip(names, k.shape))
     d = shape["head_dim"]
@@ -94,12 +97,12 @@ def _check_qkv(q, k, v, layout: str) -> Dims:
         raise ValueError(f"heads: got {hq} query heads and {hk} key/value heads; expected key/value heads dividing "
                          "query heads (MQA/GQA), both >= 1")
     if layout == "thd":
-        return Dims(None, hq, hk, shape["total"], shape_k["total"], d)
+        return Dims(None, hq, hk, shape["total"], shape_k["total"], d, dv)
     if shape["batch"] != shape_k["batch"]:
         raise ValueError(f"batch: got q {tuple(q.shape)} and k {tuple(k.shape)}; expected the same batch size")
     if 0 in (shape["batch"], shape["seqlen"], shape_k["seqlen"]):
         raise ValueError(f"empty input: got q {tuple(q.shape)}, k {tuple(k.shape)}; expected batch and seqlens >= 1")
-    return Dims(shape["batch"], hq, hk, shape["seqlen"], shape_k["seqlen"], d)
+    return Dims(shape["batch"], hq, hk, shape["seqlen"], shape_k["seqlen"], d, dv)
 
 
 def _check_flag(name: str, value) -> bool:
@@ -260,6 +263,12 @@ def padded_head_dim(head_dim: int) -> int:
     return max(HEAD_DIM_MIN, -(-head_dim // HEAD_DIM_STEP) * HEAD_DIM_STEP)
 
 
+def padded_head_dim_v(head_dim_v: int) -> int:
+    """V's head dim as the kernels run it: as padded_head_dim up to HEAD_DIM_MAX; above, the next
+    multiple of 32 (two blocks share O's columns, each a whole number of 16-column steps)."""
+    return padded_head_dim(head_dim_v) if head_dim_v <= HEAD_DIM_MAX else -(-head_dim_v // 32) * 32
+
+
 def _pad(t: torch.Tensor, width: int) -> torch.Tensor:
     return t if t.shape[-1] == width else F.pad(t, (0, width - t.shape[-1]))
 
@@ -277,6 +286,7 @@ class CheckedCall:
     variant: dict
     fallback: str | None
     head_dim: int  # the caller's, before padding
+    head_dim_v: int | None = None  # V's, the caller's, where it differs from head_dim
 
 
 class Captured(Exception):
@@ -317,22 +327,23 @@ def _run(q, k, v, *, scale: float, causal: bool, align: str, window: tuple[int, 
     dim and out cut back (autograd sees the original width). `packed`: (cu_seqlens_q, cu_seqlens_k,
     max_seqlen_q, max_seqlen_k, seqused_q, seqused_k) or None. On CPU tensors outside autoflash.emulate() the op computes
     the PyTorch reference: the fallback policy's warning first (autoflash.dispatch.policy)."""
-    d, device = q.shape[-1], q.device
+    d, dv, device = q.shape[-1], v.shape[-1], q.device
     width = padded_head_dim(d)
+    width_v = width if dv == d else padded_head_dim_v(dv)
     cu_q, cu_k, max_q, max_k, used_q, used_k = packed if packed is not None else (None, None, 0, 0, None, None)
     reason = cpu_fallback(q)
     if explaining_now():  # stand-ins of the padded tensors: their metadata, no copy
-        q, k, v = (stand_in((*t.shape[:-1], width), t.dtype, device) for t in (q, k, v))
+        q, k, v = (stand_in((*t.shape[:-1], w), t.dtype, device) for t, w in ((q, width), (k, width), (v, width_v)))
         kw = variant_ops._variant(causal, align, window[0], window[1], attention_chunk, softcap, alibi_slopes,
                                   key_bias, cu_q, cu_k, max_q, max_k, used_q, used_k)
-        raise Captured(CheckedCall(q, k, v, scale, kw, reason, d))
-    q, k, v = (_pad(t, width) for t in (q, k, v))
+        raise Captured(CheckedCall(q, k, v, scale, kw, reason, d, dv if dv != d else None))
+    q, k, v = _pad(q, width), _pad(k, width), _pad(v, width_v)
     if reason is not None:
         fall_back(entry, reason, strict, REFERENCE, explain=f"autoflash.explain(autoflash.{entry}, ...)")
     out, lse = torch.ops.autoflash.flash_fwd(q, k, v, alibi_slopes, key_bias, cu_q, cu_k, used_q, used_k, scale,
                                              causal, align, window[0], window[1], attention_chunk, softcap, max_q,
                                              max_k, deterministic)
-    return (out if width == d else out[..., :d]), lse
+    return (out if width_v == dv else out[..., :dv]), lse
 
 
 def attention_variant(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, scale: float | None = None,

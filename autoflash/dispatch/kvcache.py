@@ -21,11 +21,12 @@ from typing import Optional
 import torch
 
 from autoflash.dispatch.flash_api import Captured, _check_max_seqlen, _pad, _sequence_lengths, explaining_now, \
-    padded_head_dim
+    padded_head_dim, padded_head_dim_v
 from autoflash.dispatch.policy import REFERENCE, cpu_fallback, emulating, fall_back, is_strict
 from autoflash.dispatch.variant_ops import _like
 from autoflash.kernels.checks import check_scale, chunk_size, chunked, checks_values, window_pair
 from autoflash.kernels.decode import CacheShape, check_kvcache
+from autoflash.kernels.launch import empty_like_width
 from autoflash.kernels.variants import heads_view, resolve
 
 __all__ = ["flash_attn_with_kvcache"]
@@ -218,29 +219,33 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
         raise TypeError(f"softcap: got {softcap!r}, expected a float >= 0 (0 = no capping)")
     if softmax_scale is not None and (isinstance(softmax_scale, bool) or not isinstance(softmax_scale, (int, float))):
         raise TypeError(f"softmax_scale: got {softmax_scale!r}, expected a float or None")
-    d, width = shape.head_dim, padded_head_dim(shape.head_dim)
+    d, width, dv = shape.head_dim, padded_head_dim(shape.head_dim), shape.dv
+    width_v = width if dv == d else padded_head_dim_v(dv)
     scale = check_scale(softmax_scale, d)  # of the caller's head dim, padded or not
     seqlens_tensor = cache_seqlens if isinstance(cache_seqlens, torch.Tensor) else None
     reason = cpu_fallback(q)
     if explaining_now():
         raise Captured(KvCacheCall(q, k_cache, shape, alibi_slopes, causal, window_size, float(softcap), num_splits,
-                                   reason, width, attention_chunk, cu_seqlens_q, max_seqlen_q))
+                                   reason, width, attention_chunk, cu_seqlens_q, max_seqlen_q,
+                                   width_v if dv != d else None))
     if reason is not None:
         fall_back("flash_attn_with_kvcache", reason, strict, REFERENCE,
                   explain="autoflash.explain(autoflash.flash_attn_with_kvcache, ...)")
     caches = (k_cache, v_cache)
-    if width != d:  # zero-padded copies; the rows appended to them go back into the caller's caches below
-        q, k, v, k_cache, v_cache = (None if t is None else _pad(t, width) for t in (q, k, v, k_cache, v_cache))
+    padded = (width, width_v) != (d, dv)
+    if padded:  # zero-padded copies; the rows appended to them go back into the caller's caches below
+        q, k, k_cache = (None if t is None else _pad(t, width) for t in (q, k, k_cache))
+        v, v_cache = (None if t is None else _pad(t, width_v) for t in (v, v_cache))
     out, lse = flash_kvcache(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, rotary_seqlens, seqlens_tensor,
                              cache_seqlens if seqlens_tensor is None else 0, cache_batch_idx, cache_leftpad,
                              block_table, cu_seqlens_q, cu_seqlens_k_new, max_seqlen_q, alibi_slopes, None, scale,
                              causal, window_size[0], window_size[1], attention_chunk, float(softcap),
                              rotary_interleaved, num_splits)
-    if width != d:
+    if padded:
         if k is not None:
-            for cache, padded in zip(caches, (k_cache, v_cache)):
-                cache.copy_(padded[..., :d])
-        out = out[..., :d]
+            for cache, wide in zip(caches, (k_cache, v_cache)):
+                cache.copy_(wide[..., :cache.shape[-1]])
+        out = out[..., :dv]
     out, lse = forward_only(out, lse, "flash_attn_with_kvcache", q, *caches, k, v)
     return (out, lse) if return_softmax_lse else out
 
@@ -248,7 +253,8 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
 @dataclasses.dataclass(frozen=True)
 class KvCacheCall:
     """A flash_attn_with_kvcache call after its checks (explain mode): what the kernel choice reads,
-    and why it would not run on the kernels (None if it would). head_dim: the kernels' (padded)."""
+    and why it would not run on the kernels (None if it would). head_dim, head_dim_v: the kernels'
+    (padded; head_dim_v None where V's is head_dim)."""
 
     q: torch.Tensor
     k_cache: torch.Tensor
@@ -263,6 +269,7 @@ class KvCacheCall:
     attention_chunk: int = 0
     cu_seqlens_q: Optional[torch.Tensor] = None
     max_seqlen_q: Optional[int] = None
+    head_dim_v: Optional[int] = None
 
 
 def kernel_plan(profile, call: KvCacheCall):
@@ -272,7 +279,7 @@ def kernel_plan(profile, call: KvCacheCall):
     from autoflash.kernels.checks import DTYPE_NAMES
     from autoflash.kernels.decode import decode_launch, packed_heads
 
-    shape = dataclasses.replace(call.shape, head_dim=call.head_dim)
+    shape = dataclasses.replace(call.shape, head_dim=call.head_dim, head_dim_v=call.head_dim_v)
     q = heads_view(call.q) if shape.packed_q else call.q.transpose(1, 2)
     causal, variant = resolve(q, call.k_cache.transpose(1, 2), call.causal, align="bottom_right",
                               window=call.window, softcap=call.softcap, alibi_slopes=call.alibi_slopes,
@@ -400,10 +407,11 @@ def _flash_kvcache_fake(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, rotar
                         cache_seqlens_int, cache_batch_idx, cache_leftpad, block_table, cu_seqlens_q, cu_seqlens_k_new,
                         max_seqlen_q, alibi_slopes, key_bias, softmax_scale, causal, window_left, window_right,
                         attention_chunk, softcap, rotary_interleaved, num_splits):
+    out = empty_like_width(q, v_cache.shape[-1])
     if cu_seqlens_q is not None:  # packed (total_q, heads, d): LSE (heads, total_q)
-        return torch.empty_like(q), q.new_empty((q.shape[1], q.shape[0]), dtype=torch.float32)
+        return out, q.new_empty((q.shape[1], q.shape[0]), dtype=torch.float32)
     b, lq, h, _ = q.shape
-    return torch.empty_like(q), q.new_empty((b, h, lq), dtype=torch.float32)
+    return out, q.new_empty((b, h, lq), dtype=torch.float32)
 
 
 def attention_over_cache(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, seqlen: int, *,

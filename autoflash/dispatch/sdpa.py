@@ -31,7 +31,7 @@ from autoflash.dispatch.policy import (  # noqa: F401  (the policy's names, impo
     STRICT_ENV, FallbackWarning, UnsupportedCallError, _warned)
 from autoflash.dispatch.tensor_memo import MISSING, TensorMemo
 from autoflash.kernels.checks import GRID_YZ_MAX, device_index, host_reads_possible
-from autoflash.kernels.config import HEAD_DIM_MAX, HEAD_DIM_MIN, HEAD_DIM_STEP
+from autoflash.kernels.config import HEAD_DIM_MAX, HEAD_DIM_MIN, HEAD_DIM_STEP, HEAD_DIM_V_MAX
 
 # torch's SDPA itself (torch.nn.functional re-exports it), kept here so patch_sdpa() cannot
 # route the fallback back into autoflash.
@@ -265,9 +265,9 @@ def _decide(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gq
                        "kernels here)")
     if dropout_p > 0.0:
         reasons.append("dropout_p > 0: the kernels have no dropout yet")
-    if e != ev or e > HEAD_DIM_MAX:
-        reasons.append(f"head_dim {e} (value {ev}): the kernels run equal query/value head dims up to "
-                       f"{HEAD_DIM_MAX}")
+    if e > HEAD_DIM_MAX or ev > HEAD_DIM_V_MAX or (e != ev and query.dtype not in (torch.float16, torch.bfloat16)):
+        reasons.append(f"head_dim {e} (value {ev}): the kernels run query head dims up to {HEAD_DIM_MAX} and value "
+                       f"head dims up to {HEAD_DIM_V_MAX}, the value's its own in float16 and bfloat16")
     if not sc > 0.0:
         reasons.append(f"scale {sc}: the kernels take a positive scale")
     if query.dtype == torch.float32 and (attn_mask is not None or not native_head_dim(e)):
@@ -373,11 +373,12 @@ def attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, attn_
     whose rows are all equal (checked at call time: one comparison). A query whose keys are all
     masked gets output 0 from the kernels; torch SDPA gives 0 or NaN there, by backend and version.
     Head dims up to 256 that the kernels have no tiles for (not multiples of 8, or below 32) run
-    zero-padded, as flash-attn's wrapper does.
+    zero-padded, as flash-attn's wrapper does. A value head dim other than the query's (up to 512,
+    float16/bfloat16) runs the forward kernel's head_dim_v switch (the backward up to 256, padded).
     float32 runs the SIMT kernels (no tensor cores) for calls without a mask at the kernels' own head
     dims. What the kernels do not run (CPU tensors outside autoflash.emulate(), float64, float32
-    with a mask or a padded head dim, other masks, a mask that requires grad, dropout, a value head
-    dim other than the query's, head dims over 256, broadcast batch dims) runs torch SDPA with one
+    with a mask, a padded head dim or a value head dim of its own, other masks, a mask that requires
+    grad, dropout, head dims over 256 (values' over 512), broadcast batch dims) runs torch SDPA with one
     FallbackWarning per reason; strict=True (or AUTOFLASH_STRICT=1) raises UnsupportedCallError
     instead (autoflash.dispatch.policy).
     """
@@ -390,7 +391,7 @@ def attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, attn_
     q, k, v = (t if t.dim() == 4 else t.reshape(-1, *t.shape[-3:]) for t in (query, key, value))
     if attn_mask is not None:
         out = masked_kernels(q, k, v, key_bias(attn_mask, p.batch_shape, k.shape[-2]), p.scale)
-    elif not native_head_dim(q.shape[-1]):  # zero-padded to the kernels' next head dim, cut back after
+    elif not native_head_dim(q.shape[-1]) or v.shape[-1] != q.shape[-1]:  # zero-padded, or V's own head dim
         out = masked_kernels(q, k, v, None, p.scale, causal=is_causal)
     elif not torch.compiler.is_compiling():  # a CUDA tensor, or a CPU one inside autoflash.emulate()
         out = _eager(q, k, v, is_causal, p.scale)

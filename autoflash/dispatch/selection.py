@@ -180,14 +180,15 @@ def select_decode(profile: GpuProfile, q, shape) -> tuple[KernelConfig | None, i
     the cache's capacity (keys a sequence may hold: the lengths themselves are tensor values, never
     read here), the batch, and paged or not; tables are looked up in select_config's order. A
     seqlen_q above 16 has no decode key; a paged call whose page size the tuned key tile does not
-    divide (keys are tuned with pages of 256) falls back too. Reads q's dtype only: no tensor
-    contents, no synchronisation. Cached as select_config is."""
+    divide (keys are tuned with pages of 256) falls back too, and so does a V head dim of its own (no
+    key holds one). Reads q's dtype only: no tensor contents, no synchronisation. Cached as
+    select_config is."""
     from autoflash.kernels.checks import DTYPE_NAMES
     from autoflash.tuning import decode as dk
 
     dtype = DTYPE_NAMES.get(q.dtype)
     q_bucket = dk.q_bucket(shape.seqlen_q)
-    if dtype not in ("fp16", "bf16") or q_bucket is None:
+    if dtype not in ("fp16", "bf16") or q_bucket is None or shape.head_dim_v is not None:
         return None, 0
     buckets = (q_bucket, dk.cache_bucket(max(1, shape.capacity)), dk.batch_bucket(shape.batch))
     user = os.environ.get(USER_DIR_ENV)

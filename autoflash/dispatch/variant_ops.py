@@ -21,7 +21,8 @@ import torch
 from autoflash.dispatch.policy import emulating
 from autoflash.dispatch.selection import HEURISTIC, Selection, select_config
 from autoflash.kernels.checks import DTYPE_NAMES, chunked
-from autoflash.kernels.launch import flash_backward, flash_forward, profile_for
+from autoflash.kernels.config import HEAD_DIM_MAX
+from autoflash.kernels.launch import empty_like_width, flash_backward, flash_forward, profile_for
 
 
 def _variant(causal, align, window_left, window_right, attention_chunk, softcap, alibi_slopes, key_bias, cu_seqlens_q,
@@ -41,16 +42,20 @@ def _variant(causal, align, window_left, window_right, attention_chunk, softcap,
 
 
 def _like(t: torch.Tensor, ref: torch.Tensor) -> torch.Tensor:
-    """`t` with `ref`'s dtype and strides (what the fake implementations promise): a copy only when
-    it differs."""
-    if t.dtype == ref.dtype and t.stride() == ref.stride():
+    """`t` with `ref`'s dtype and strides (what the fake implementations promise; an output as wide as
+    V's head dim takes ref's dim order, empty_like_width): a copy only when it differs."""
+    want = empty_like_width(ref.to(device="meta"), t.shape[-1])
+    if t.dtype == ref.dtype and t.stride() == want.stride():
         return t
-    return torch.empty_like(ref).copy_(t)
+    return empty_like_width(ref, t.shape[-1]).copy_(t)
 
 
 # ------------------------------------------------------------------ the kernels
-def _config(q: torch.Tensor, direction: str, kw: dict, seqlen_k: int):
-    """The tuned config for a call on q's GPU (tuned_selection), or None: the launcher's built-in tiles."""
+def _config(q: torch.Tensor, v: torch.Tensor, direction: str, kw: dict, seqlen_k: int):
+    """The tuned config for a call on q's GPU (tuned_selection), or None: the launcher's built-in tiles
+    (always for a V head dim of its own: no table holds one)."""
+    if v.shape[-1] != q.shape[-1]:
+        return None
     selection = tuned_selection(profile_for(q, "autoflash.dispatch.variant_ops"), q, direction, kw, seqlen_k)
     return None if selection is None else selection.config
 
@@ -84,10 +89,11 @@ def tuned_selection(profile, q: torch.Tensor, direction: str, kw: dict, seqlen_k
     return None if selection.origin.startswith(HEURISTIC) else selection
 
 
-def kernel_plan(profile, q, k, kw: dict, directions=("fwd", "bwd")) -> tuple:
+def kernel_plan(profile, q, k, kw: dict, directions=("fwd", "bwd"), head_dim_v: int | None = None) -> tuple:
     """What the ops would launch for a checked call, per direction: Selection(tuner key or None,
     the KernelConfig with the call's switches, where its tiles came from). Metadata only: nothing is
-    compiled or launched (autoflash.explain)."""
+    compiled or launched (autoflash.explain). `head_dim_v`: V's head dim where it differs (the
+    forward's own kernel; the backward's at the wider head dim, _backward_kernels)."""
     from autoflash.kernels.defaults import stack_note
     from autoflash.kernels.launch import family_reason, variant_config
     from autoflash.kernels.variants import resolve, views
@@ -96,10 +102,16 @@ def kernel_plan(profile, q, k, kw: dict, directions=("fwd", "bwd")) -> tuple:
     rest = {n: value for n, value in kw.items() if n != "causal"}
     causal, variant = resolve(q4, k4, kw["causal"], **rest)
     dtype, d = DTYPE_NAMES[q.dtype], q.shape[-1]
+    wide_v = head_dim_v is not None and head_dim_v != d
     chosen = []
     for direction in directions:
-        tuned = tuned_selection(profile, q, direction, kw, max(1, _seqlen_k(k, kw)))
-        config = variant_config(tuned.config if tuned else None, direction, d, dtype, causal, variant, profile)
+        tuned = None if wide_v else tuned_selection(profile, q, direction, kw, max(1, _seqlen_k(k, kw)))
+        dims = (d, head_dim_v) if direction == "fwd" else (max(d, head_dim_v or d), None)
+        if dims[0] > HEAD_DIM_MAX:  # no backward (flash_backward refuses it)
+            chosen.append(None)
+            continue
+        config = variant_config(tuned.config if tuned else None, direction, dims[0], dtype, causal, variant, profile,
+                                dims[1])
         origin = tuned.origin if tuned else HEURISTIC + (", the tiles for the call's variant switches"
                                                           if variant.needs_registers and config.family == "sm80" else "")
         why = family_reason(config, variant, profile)
@@ -116,7 +128,7 @@ def _seqlen_k(k: torch.Tensor, kw: dict) -> int:
 
 def _forward_kernels(q, k, v, scale, kw):
     q, k, v = chunked(q), chunked(k), chunked(v)
-    out, lse = flash_forward(q, k, v, scale=scale, config=_config(q, "fwd", kw, _seqlen_k(k, kw)), **kw)
+    out, lse = flash_forward(q, k, v, scale=scale, config=_config(q, v, "fwd", kw, _seqlen_k(k, kw)), **kw)
     return _like(out, q), lse
 
 
@@ -124,7 +136,7 @@ def _backward_kernels(dout, q, k, v, out, lse, scale, deterministic, kw):
     dq_like, dk_like, dv_like = q, k, v
     q, k, v, out, dout = (chunked(t) for t in (q, k, v, out, dout))
     dq, dk, dv = flash_backward(dout, q, k, v, out, lse, scale=scale, deterministic=deterministic,
-                                config=_config(q, "bwd", kw, _seqlen_k(k, kw)), **kw)
+                                config=_config(q, v, "bwd", kw, _seqlen_k(k, kw)), **kw)
     return _like(dq, dq_like), _like(dk, dk_like), _like(dv, dv_like)
 
 
@@ -179,8 +191,9 @@ def flash_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, alibi_slopes: O
               seqused_k: Optional[torch.Tensor], scale: float, causal: bool, align: str, window_left: int,
               window_right: int, attention_chunk: int, softcap: float, max_seqlen_q: int, max_seqlen_k: int,
               deterministic: bool) -> tuple[torch.Tensor, torch.Tensor]:
-    """(out like q, lse fp32): dense q (B, Hq, Lq, D), k/v (B, Hkv, Lk, D), lse (B, Hq, Lq); packed
-    (cu_seqlens given) q (total_q, Hq, D), k/v (total_k, Hkv, D), lse (Hq, total_q). `deterministic`
+    """(out like q, as wide as v, lse fp32): dense q (B, Hq, Lq, D), k/v (B, Hkv, Lk, D), lse
+    (B, Hq, Lq); packed (cu_seqlens given) q (total_q, Hq, D), k/v (total_k, Hkv, D), lse (Hq, total_q);
+    v's head dim may differ from q's and k's (up to 512; the backward up to 256). `deterministic`
     is the backward's, kept for it. lse carries no gradient."""
     kw = _variant(causal, align, window_left, window_right, attention_chunk, softcap, alibi_slopes, key_bias,
                   cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, seqused_q, seqused_k)
@@ -202,7 +215,7 @@ def _flash_fwd_fake(q, k, v, alibi_slopes, key_bias, cu_seqlens_q, cu_seqlens_k,
                     align, window_left, window_right, attention_chunk, softcap, max_seqlen_q, max_seqlen_k,
                     deterministic):
     lse_shape = (q.shape[1], q.shape[0]) if cu_seqlens_q is not None else q.shape[:-1]
-    return torch.empty_like(q), q.new_empty(lse_shape, dtype=torch.float32)
+    return empty_like_width(q, v.shape[-1]), q.new_empty(lse_shape, dtype=torch.float32)
 
 
 @torch.library.custom_op("autoflash::flash_bwd", mutates_args=(), device_types="cuda")
