@@ -100,6 +100,7 @@ DECODE_SETS = (dict(),
 # V head dims of their own (head_dim_v; FlashAttention-3's pairs and (128, 256)): the forward's and the
 # KV-cache kernel's defaults, held to the variant and decode sets as the others are.
 HEAD_DIM_V_PAIRS = ((64, 256), (64, 512), (192, 128), (128, 256))
+QV_PAIRS = ((320, 256), (576, 512))  # FlashAttention-3's qv: Q and K with its columns appended (forward only)
 _NO_SWITCHES = dict(align="top_left", window=False, chunk=False, softcap=False, alibi=False, key_bias=False, varlen=False)
 
 
@@ -117,7 +118,7 @@ def defaults():
     h100 = ARCH_PROFILES["sm_90"]
     sm90 = {(make(d, "bf16", c, h100), "sm_90") for make in (default_config, default_backward_config)
             for d in range(32, 257, 16) for c in (False, True)}
-    wide_v = {(call_default("fwd", d, dt, c, _NO_SWITCHES, prof, dv), arch) for d, dv in HEAD_DIM_V_PAIRS
+    wide_v = {(call_default("fwd", d, dt, c, _NO_SWITCHES, prof, dv), arch) for d, dv in HEAD_DIM_V_PAIRS + QV_PAIRS
               for dt in ("fp16", "bf16") for c in (False, True) for arch, prof in ARCH_PROFILES.items()}
     wide_v |= {(default_decode_config(d, dt, prof, None, False, head_dim_v=dv), arch) for d, dv in HEAD_DIM_V_PAIRS
                for dt in ("fp16", "bf16") for arch, prof in ARCH_PROFILES.items()}
@@ -135,8 +136,8 @@ def switched_defaults():
                 if not (direction == "fwd" and arch == "sm_90" and d % 16 == 0)]
     h100 = ARCH_PROFILES["sm_90"]
     variants += [(_variant_default("fwd", d, v, h100), "sm_90") for d in range(32, 257, 16) for v in SM90_VARIANT_SETS]
-    variants += [(_variant_default("fwd", d, v, prof, dv), arch) for d, dv in HEAD_DIM_V_PAIRS for v in VARIANT_SETS
-                 for arch, prof in ARCH_PROFILES.items()]
+    variants += [(_variant_default("fwd", d, v, prof, dv), arch) for d, dv in HEAD_DIM_V_PAIRS + QV_PAIRS
+                 for v in VARIANT_SETS for arch, prof in ARCH_PROFILES.items()]
     decode = [(default_decode_config(d, dt, prof, 256 if v.get("paged") and not v.get("gather") else None,
                                      "window" in v or "key_bias" in v, bool(v.get("gather")), dv).replace(**v), arch)
               for d, dv in [(d, None) for d in HEAD_DIMS] + list(HEAD_DIM_V_PAIRS)

@@ -93,7 +93,7 @@ def test_varlen_and_packed_qkv_with_gqa(launched):
 
 
 @pytest.mark.parametrize("call, name", [
-    (lambda q: fa3.flash_attn_func(q, q, q, qv=q), "qv"),
+    (lambda q: fa3.flash_attn_with_kvcache(q, q, q, qv=q, cache_seqlens=4), "qv"),  # runs in the dense entries
     (lambda q: fa3.flash_attn_func(q, q, q, q_descale=torch.ones(1, 2)), "q_descale"),
     (lambda q: fa3.flash_attn_func(q, q, q, attention_chunk=-16), "attention_chunk"),
     (lambda q: fa3.flash_attn_varlen_func(q[0], q[0], q[0], torch.tensor([0, 8], dtype=torch.int32),

@@ -183,3 +183,77 @@ def test_refusals_name_the_v_head_dim():
             flash_attn_func(q.transpose(1, 2), k.transpose(1, 2), torch.randn(1, 16, 2, 520).bfloat16())
         with pytest.raises(ValueError, match="expected them equal but for the head dim"):
             flash_attn_func(q.transpose(1, 2), k.transpose(1, 2), torch.randn(1, 15, 2, 256).bfloat16())
+
+
+def _qv_reference(q, k, v, qv, causal, window, softcap, dtype):
+    """FlashAttention-3's reference with qv (hopper/test_util.py attention_ref): scores (q . k + q_v . v)
+    / sqrt(d + dv), softcapped, masked bottom-right (causal, window), in `dtype`; (batch, seqlen, heads,
+    dim) tensors, K/V heads repeated for the query heads."""
+    group = q.shape[2] // k.shape[2]
+    k, v = (t.repeat_interleave(group, 2).to(dtype) for t in (k, v))
+    q, qv = q.to(dtype), qv.to(dtype)
+    scale = (q.shape[-1] + v.shape[-1]) ** -0.5
+    s = (torch.einsum("bthd,bshd->bhts", q, k) + torch.einsum("bthd,bshd->bhts", qv, v)) * scale
+    if softcap:
+        s = softcap * torch.tanh(s / softcap)
+    lq, lk = q.shape[1], k.shape[1]
+    rows, cols = torch.arange(lq)[:, None] + lk - lq, torch.arange(lk)[None]
+    left, right = window if not causal else (window[0], 0)
+    hidden = torch.zeros(lq, lk, dtype=torch.bool)
+    if right >= 0:
+        hidden |= cols > rows + right
+    if left >= 0:
+        hidden |= cols < rows - left
+    s = s.masked_fill(hidden, float("-inf"))
+    p = torch.softmax(s, dim=-1).nan_to_num(0.0)
+    return torch.einsum("bhts,bshd->bthd", p, v)
+
+
+@pytest.mark.sweep
+@pytest.mark.parametrize("pair", PAIRS, ids=lambda p: f"{p[0]}x{p[1]}")
+@pytest.mark.parametrize("d", [(64, 256), (64, 512)], ids=lambda p: f"d{p[0]}-dv{p[1]}")
+@pytest.mark.parametrize("variant", ["plain", "causal", "local", "softcap"])
+def test_qv_meets_flashattention_rule(target, variant, d, pair):
+    """FlashAttention-3's qv (its test_flash_attn_output with has_qv: d = 64, dv = 256 and 512): the
+    scores q . k + q_v . v, run as one product of [q, qv] with [k, v]; forward only, as in FA3."""
+    (d, dv), (lq, lk), dev, dt = d, pair, device(target), torch.bfloat16
+    g = torch.Generator().manual_seed(d + dv + lq + len(variant))
+    q = torch.randn(2, lq, 4, d, generator=g).to(dev, dt).requires_grad_()
+    k = torch.randn(2, lk, 2, d, generator=g).to(dev, dt)
+    v = torch.randn(2, lk, 2, dv, generator=g).to(dev, dt)
+    qv = torch.randn(2, lq, 4, dv, generator=g).to(dev, dt)
+    kw = dict(causal=variant == "causal", window_size=(19, 3) if variant == "local" else (-1, -1),
+              softcap=15.0 if variant == "softcap" else 0.0)
+    out = fa3_flash_attn_func(q, k, v, qv=qv, **kw)
+    assert out.shape == (2, lq, 4, dv)
+    args = (q.detach().cpu(), k.cpu(), v.cpu(), qv.cpu(), kw["causal"], kw["window_size"], kw["softcap"])
+    ref, torch_out = _qv_reference(*args, torch.float32), _qv_reference(*args, dt)
+    ok, err, bound = within_tolerance(out.detach().cpu(), ref, torch_out, softcap=kw["softcap"])
+    assert ok, f"out: err {err:.3e} > bound {bound:.3e}"
+    with pytest.raises(RuntimeError, match="flash_attn_func with qv is forward only"):
+        out.sum().backward()
+
+
+def test_qv_packed_and_its_refusals():
+    """qv in flash_attn_varlen_func (packed rows), and what it does not take: another shape than q's rows
+    by v's head dim, and the KV cache (not run yet), each refused by name."""
+    from autoflash.flash_attn_interface import flash_attn_varlen_func as fa3_varlen, flash_attn_with_kvcache
+
+    g = torch.Generator().manual_seed(8)
+    lens_q, lens_k = [3, 40], [50, 7]
+    cu_q, cu_k = _cu(lens_q, "cpu"), _cu(lens_k, "cpu")
+    q, qv = torch.randn(43, 4, 64, generator=g).bfloat16(), torch.randn(43, 4, 256, generator=g).bfloat16()
+    k, v = torch.randn(57, 2, 64, generator=g).bfloat16(), torch.randn(57, 2, 256, generator=g).bfloat16()
+    with autoflash.emulate("a100"):
+        out = fa3_varlen(q, k, v, cu_q, cu_k, 40, 50, causal=True, qv=qv)
+    for b in range(2):
+        rows, keys = slice(cu_q[b], cu_q[b + 1]), slice(cu_k[b], cu_k[b + 1])
+        args = (q[rows][None], k[keys][None], v[keys][None], qv[rows][None], True, (-1, -1), 0.0)
+        ok, err, bound = within_tolerance(out[rows][None], _qv_reference(*args, torch.float32),
+                                          _qv_reference(*args, torch.bfloat16))
+        assert ok, f"sequence {b}: err {err:.3e} > bound {bound:.3e}"
+    dense = torch.randn(1, 8, 4, 64).bfloat16()
+    with pytest.raises(ValueError, match=r"qv: got \(1, 8, 4, 64\) .* expected \(1, 8, 4, 256\)"):
+        fa3_flash_attn_func(dense, dense[:, :, :2], torch.randn(1, 8, 2, 256).bfloat16(), qv=dense)
+    with pytest.raises(ValueError, match="qv: got a Tensor, expected None: .* in the KV cache"):
+        flash_attn_with_kvcache(dense, dense, dense, qv=dense, cache_seqlens=4)

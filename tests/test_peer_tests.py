@@ -36,7 +36,7 @@ def test_output(seqlen_q, seqlen_k, causal):
 
 def test_refused():
     q = torch.randn(1, 8, 2, 64, device="cuda", dtype=torch.bfloat16)
-    flash_attn_func(q, q, q, qv=q)
+    flash_attn_func(q, q, q, q_descale=torch.ones(1, 2))
 
 
 def test_wrong():
@@ -70,11 +70,11 @@ def test_the_command_runs_a_peer_test_file_on_the_emulator(tmp_path):
     assert sorted(by_test) == ["test_output[False-40-70]", "test_output[True-40-70]", "test_refused", "test_wrong"]
     for case in ("test_output[False-40-70]", "test_output[True-40-70]"):
         assert by_test[case]["outcome"] == "passed" and by_test[case]["families"] == ["sm90"], by_test[case]
-    assert by_test["test_refused"]["outcome"] == "failed" and "qv" in by_test["test_refused"]["reason"]
+    assert by_test["test_refused"]["outcome"] == "failed" and "q_descale" in by_test["test_refused"]["reason"]
     assert by_test["test_wrong"]["outcome"] == "failed"
     summary = peer_tests.summarize(records)
     assert summary["outcomes"] == {"passed": 2, "failed": 2} and summary["sm90_share"] == 1.0
-    assert any(cause.startswith("FlashAttention-3's qv") for cause in summary["causes"]), summary["causes"]
+    assert any(cause.startswith("fp8 inputs with descales") for cause in summary["causes"]), summary["causes"]
     report = next(out.glob("*.md")).read_text()
     assert "| test_output | 2 | 0 | 0 |" in report and "on the sm90 family: 100%" in report
 

@@ -148,7 +148,8 @@ def _head_dim_v_notes(dv: int, width: int, width_v: int) -> tuple[str, ...]:
     wider = max(width, width_v)
     return ((f"V's head dim {dv} runs zero-padded to {width_v}",) if width_v != dv else ()) + \
         ((f"the backward runs Q, K and V zero-padded to one head dim, {wider} (no backward kernel has two)",)
-         if wider <= HEAD_DIM_MAX else (f"no backward: V's head dim is above {HEAD_DIM_MAX}",))
+         if wider <= HEAD_DIM_MAX else (f"no backward: its head dims, {width} and {width_v}, reach past "
+                                        f"{HEAD_DIM_MAX}",))
 
 
 def _variant_plan(profile, q, k, kw, head_dim_v: int | None = None):

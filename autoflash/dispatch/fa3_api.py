@@ -8,7 +8,9 @@ dispatch/kvcache.py): the same custom ops, autograd and torch.compile support, t
 CPU tensors inside autoflash.emulate() and the same reference fallback outside it.
 
 What FlashAttention-3 has and autoflash does not run raises ValueError naming the argument: fp8
-inputs with descales (q_descale, k_descale, v_descale) and qv. attention_chunk, seqused_q / seqused_k,
+inputs with descales (q_descale, k_descale, v_descale), and qv in the KV cache. qv in flash_attn_func
+and flash_attn_varlen_func (scores q . k + q_v . v, forward only as in FA3) runs as one product of
+[q, qv] with [k, v], their columns appended per call (a copy of k and v). attention_chunk, seqused_q / seqused_k,
 rotary_seqlens and flash_attn_with_kvcache's packed queries and new keys (cu_seqlens_q,
 cu_seqlens_k_new) run as FA3 runs them. num_splits, pack_gqa and sm_margin are scheduling choices that
 do not change the result: they are checked and taken as FA3 takes them where autoflash has the same
@@ -35,9 +37,41 @@ def _refuse(name: str, value, missing: str) -> None:
 
 
 def _unsupported(qv=None, q_descale=None, k_descale=None, v_descale=None) -> None:
-    _refuse("qv", qv, "FlashAttention-3's qv (scores with an added q_v . v term)")
+    _refuse("qv", qv, "FlashAttention-3's qv (scores with an added q_v . v term) in the KV cache")
     for name, value in (("q_descale", q_descale), ("k_descale", k_descale), ("v_descale", v_descale)):
         _refuse(name, value, "fp8 inputs with descales yet")
+
+
+def _with_qv(q, k, v, qv, softmax_scale):
+    """(q, k, softmax_scale) of a call with FA3's qv (q's rows with dv columns more, v's width): the
+    scores q . k + q_v . v as one product, [q, qv] . [k, v], and FA3's default scale for them,
+    1/sqrt(d + dv). Without qv, the arguments as they are."""
+    if qv is None:
+        return q, k, softmax_scale
+    for name, t in (("q", q), ("k", k), ("v", v), ("qv", qv)):
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"{name}: got {type(t).__name__}, expected a torch.Tensor")
+    want = (*q.shape[:-1], v.shape[-1])
+    if tuple(qv.shape) != want or qv.dtype != q.dtype or qv.device != q.device:
+        raise ValueError(f"qv: got {tuple(qv.shape)} {qv.dtype} on {qv.device}, expected {want} {q.dtype} on "
+                         f"{q.device} (q's rows, v's head dim)")
+    if k.shape[:-1] != v.shape[:-1]:
+        raise ValueError(f"k and v shapes: got {tuple(k.shape)} and {tuple(v.shape)}; expected them equal but for the "
+                         f"head dim")
+    if softmax_scale is None:
+        softmax_scale = (q.shape[-1] + v.shape[-1]) ** -0.5
+    return torch.cat([q, qv], -1), torch.cat([k, v], -1), softmax_scale
+
+
+def _qv_forward_only(out, qv, entry: str, *inputs):
+    """flash_attn_func's result with qv: its gradient an error that names qv (FA3 has no backward
+    with it either)."""
+    if qv is None:
+        return out
+    if isinstance(out, tuple):
+        o, lse = kvcache.forward_only(out[0], out[1], f"{entry} with qv", *inputs, qv)
+        return (o, lse, *out[2:])
+    return kvcache.forward_only(out, out, f"{entry} with qv", *inputs, qv)[0]
 
 
 def _check_hints(num_splits, pack_gqa, sm_margin) -> None:
@@ -57,11 +91,15 @@ def flash_attn_func(q, k, v, softmax_scale=None, causal=False, qv=None, q_descal
     heads_k, head_dim), heads_k dividing heads; causal, window_size and attention_chunk (> 0: only the
     keys of the chunk holding query i's diagonal key) bottom-right aligned; softcap > 0 caps the
     scores. Returns out (batch, seqlen_q, heads, head_dim), or with return_attn_probs (out,
-    softmax_lse (batch, heads, seqlen_q) fp32). Differentiable in q, k, v."""
-    _unsupported(qv, q_descale, k_descale, v_descale)
+    softmax_lse (batch, heads, seqlen_q) fp32). Differentiable in q, k, v. v may have a head dim of its
+    own (FA3's headdim_v); qv (batch, seqlen_q, heads, v's head dim) adds q_v . v to the scores
+    (forward only; _with_qv)."""
+    _unsupported(None, q_descale, k_descale, v_descale)
     _check_hints(num_splits, pack_gqa, sm_margin)
-    out = flash_api.flash_attn_func(q, k, v, 0.0, softmax_scale, causal, window_size, softcap, None, deterministic,
+    qk, kk, scale = _with_qv(q, k, v, qv, softmax_scale)
+    out = flash_api.flash_attn_func(qk, kk, v, 0.0, scale, causal, window_size, softcap, None, deterministic,
                                     return_attn_probs, attention_chunk=attention_chunk)
+    out = _qv_forward_only(out, qv, "flash_attn_func", q, k, v)
     return out[:2] if return_attn_probs else out  # FA3: (out, softmax_lse), flash-attn 2: + None
 
 
@@ -73,13 +111,16 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
     (total_k, heads_k, head_dim) with int32 cu_seqlens_q / cu_seqlens_k (batch + 1,) and host ints
     max_seqlen_q / max_seqlen_k. Returns out (total_q, heads, head_dim), or with return_attn_probs
     (out, softmax_lse (heads, total_q) fp32). seqused_q / seqused_k (int32 (batch,)): only the first
-    seqused[b] rows of sequence b's span are used, as in FA3 (autoflash gives the rest out 0, lse +inf)."""
-    _unsupported(qv, q_descale, k_descale, v_descale)
+    seqused[b] rows of sequence b's span are used, as in FA3 (autoflash gives the rest out 0, lse +inf).
+    qv (total_q, heads, v's head dim) as in flash_attn_func."""
+    _unsupported(None, q_descale, k_descale, v_descale)
     _check_hints(num_splits, pack_gqa, sm_margin)
-    out = flash_api.flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, 0.0,
-                                           softmax_scale, causal, window_size, softcap, None, deterministic,
+    qk, kk, scale = _with_qv(q, k, v, qv, softmax_scale)
+    out = flash_api.flash_attn_varlen_func(qk, kk, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, 0.0,
+                                           scale, causal, window_size, softcap, None, deterministic,
                                            return_attn_probs, attention_chunk=attention_chunk, seqused_q=seqused_q,
                                            seqused_k=seqused_k)
+    out = _qv_forward_only(out, qv, "flash_attn_varlen_func", q, k, v)
     return out[:2] if return_attn_probs else out  # FA3: (out, softmax_lse), flash-attn 2: + None
 
 

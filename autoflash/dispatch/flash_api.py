@@ -32,7 +32,7 @@ import torch.nn.functional as F
 from autoflash.dispatch import variant_ops  # registers torch.ops.autoflash.flash_fwd / flash_bwd
 from autoflash.dispatch.policy import REFERENCE, cpu_fallback, fall_back, is_strict
 from autoflash.kernels.checks import checks_values, chunk_size, int32_vector, window_pair
-from autoflash.kernels.config import ALIGNS, HEAD_DIM_MAX, HEAD_DIM_MIN, HEAD_DIM_STEP, HEAD_DIM_V_MAX
+from autoflash.kernels.config import ALIGNS, HEAD_DIM_MAX, HEAD_DIM_MIN, HEAD_DIM_QV_MAX, HEAD_DIM_STEP, HEAD_DIM_V_MAX
 
 __all__ = ["attention_variant", "flash_attn_func", "flash_attn_kvpacked_func", "flash_attn_qkvpacked_func",
            "flash_attn_varlen_func", "flash_attn_varlen_kvpacked_func", "flash_attn_varlen_qkvpacked_func",
@@ -90,8 +90,10 @@ def _check_qkv(q, k, v, layout: str) -> Dims:
     d = shape["head_dim"]
     if shape_k["head_dim"] != d:
         raise ValueError(f"head_dim: got q {tuple(q.shape)} and k {tuple(k.shape)}; expected the same head_dim")
-    if not 1 <= d <= HEAD_DIM_MAX:
-        raise ValueError(f"head_dim: got {d}, expected 1..{HEAD_DIM_MAX}")
+    most = HEAD_DIM_QV_MAX if dv != d else HEAD_DIM_MAX  # the forward beside V's own (its backward: 256)
+    if not 1 <= d <= most:
+        raise ValueError(f"head_dim: got {d}, expected 1..{HEAD_DIM_MAX} ({HEAD_DIM_QV_MAX} beside v's head dim of "
+                         f"its own, forward only above {HEAD_DIM_MAX})")
     hq, hk = shape["heads"], shape_k["heads"]
     if hq == 0 or hk == 0 or hq % hk:
         raise ValueError(f"heads: got {hq} query heads and {hk} key/value heads; expected key/value heads dividing "

@@ -107,7 +107,7 @@ def kernel_plan(profile, q, k, kw: dict, directions=("fwd", "bwd"), head_dim_v: 
     for direction in directions:
         tuned = None if wide_v else tuned_selection(profile, q, direction, kw, max(1, _seqlen_k(k, kw)))
         dims = (d, head_dim_v) if direction == "fwd" else (max(d, head_dim_v or d), None)
-        if dims[0] > HEAD_DIM_MAX:  # no backward (flash_backward refuses it)
+        if direction == "bwd" and dims[0] > HEAD_DIM_MAX:  # no backward (flash_backward refuses it)
             chosen.append(None)
             continue
         config = variant_config(tuned.config if tuned else None, direction, dims[0], dtype, causal, variant, profile,

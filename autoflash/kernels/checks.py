@@ -8,7 +8,8 @@ import os
 
 import torch
 
-from autoflash.kernels.config import HEAD_DIM_MAX, HEAD_DIM_MIN, HEAD_DIM_STEP, HEAD_DIM_V_MAX, KernelConfig
+from autoflash.kernels.config import HEAD_DIM_MAX, HEAD_DIM_MIN, HEAD_DIM_QV_MAX, HEAD_DIM_STEP, HEAD_DIM_V_MAX, \
+    KernelConfig
 from autoflash.kernels.gpus import GpuProfile
 
 DTYPE_NAMES = {torch.float16: "fp16", torch.bfloat16: "bf16", torch.float32: "fp32"}
@@ -82,12 +83,13 @@ def check_qkv_shapes(q, k, v, dtypes: tuple[torch.dtype, ...]) -> None:
 def check_qkv(q, k, v) -> str:
     """Validates (batch, heads, seqlen, head_dim) inputs; returns the dtype name ("fp16", ...)."""
     check_qkv_shapes(q, k, v, tuple(DTYPE_NAMES))
-    (b, hq, lq, d), lk = q.shape, k.shape[2]
-    if not (HEAD_DIM_MIN <= d <= HEAD_DIM_MAX and d % HEAD_DIM_STEP == 0):
+    (b, hq, lq, d), lk, dv = q.shape, k.shape[2], v.shape[-1]
+    most = HEAD_DIM_QV_MAX if dv != d and q.dtype in (torch.float16, torch.bfloat16) else HEAD_DIM_MAX
+    if not (HEAD_DIM_MIN <= d <= most and d % HEAD_DIM_STEP == 0):
         raise ValueError(
-            f"head_dim: got {d}, expected a multiple of {HEAD_DIM_STEP} in [{HEAD_DIM_MIN}, {HEAD_DIM_MAX}]"
+            f"head_dim: got {d}, expected a multiple of {HEAD_DIM_STEP} in [{HEAD_DIM_MIN}, {HEAD_DIM_MAX}] "
+            f"({HEAD_DIM_QV_MAX} in fp16/bf16 with v's head dim its own)"
         )
-    dv = v.shape[-1]
     if not (HEAD_DIM_MIN <= dv <= HEAD_DIM_V_MAX and dv % HEAD_DIM_STEP == 0):
         raise ValueError(f"v's head dim: got {dv}, expected a multiple of {HEAD_DIM_STEP} in [{HEAD_DIM_MIN}, "
                          f"{HEAD_DIM_V_MAX}]")

@@ -36,6 +36,9 @@ HEAD_DIM_MIN, HEAD_DIM_MAX, HEAD_DIM_STEP = 32, 256, 8
 # V's head dim where it differs from Q and K's (FlashAttention-3's headdim_v; the forward): up to 512,
 # O's columns beyond 256 shared among head_split blocks of at most 256 each.
 HEAD_DIM_V_MAX, O_SLICE_MAX = 512, 256
+# Q and K's head dim beside a V head dim of its own, in the forward: up to 576, FlashAttention-3's qv
+# (q_v . v added to the scores) run as one product over Q's and qv's columns (64 + 512, DeepSeek's MLA).
+HEAD_DIM_QV_MAX = 576
 MAX_THREADS_PER_BLOCK = 1024
 MMA_M = 16  # rows of one mma.sync.m16n8k16 tile: each warp owns a multiple of 16 query rows
 MMA_K = 16  # its k extent: tensor-core head dims are padded up to a multiple of 16
@@ -229,10 +232,13 @@ class KernelConfig:
         if self.dtype not in DTYPES:
             raise ValueError(f"KernelConfig.dtype: got {self.dtype!r}, expected one of {DTYPES}")
         d = self.head_dim
-        if not (HEAD_DIM_MIN <= d <= HEAD_DIM_MAX and d % HEAD_DIM_STEP == 0):
+        wide = self.head_dim_v not in (None, d) and self.direction == "fwd" and self.tensor_cores
+        most = HEAD_DIM_QV_MAX if wide else HEAD_DIM_MAX
+        if not (HEAD_DIM_MIN <= d <= most and d % HEAD_DIM_STEP == 0):
             raise ValueError(
                 f"KernelConfig.head_dim: got {d}, expected a multiple of {HEAD_DIM_STEP} "
-                f"in [{HEAD_DIM_MIN}, {HEAD_DIM_MAX}]"
+                f"in [{HEAD_DIM_MIN}, {HEAD_DIM_MAX}] ({HEAD_DIM_QV_MAX} in the fp16/bf16 forward beside "
+                f"a head_dim_v of its own)"
             )
         for f in ("block_m", "block_n"):
             v = getattr(self, f)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 
-from autoflash.kernels.config import O_SLICE_MAX, VARIANTS, KernelConfig
+from autoflash.kernels.config import HEAD_DIM_MAX, O_SLICE_MAX, VARIANTS, KernelConfig
 from autoflash.kernels.gpus import GpuProfile
 
 # A100-class parts let one block use up to 163 KB of shared memory; sm_86/sm_89 parts only 99 KB.
@@ -236,7 +236,7 @@ def default_config(head_dim: int, dtype: str, causal: bool, profile: GpuProfile,
         if family == "sm90":
             raise ValueError(f"family 'sm90': no forward for head_dim={head_dim} with head_dim_v={head_dim_v}; a V head "
                              f"dim of its own runs on family 'sm80'")
-        return _wide_v_config(head_dim, head_dim_v, dtype, causal, profile)
+        return _wide_v_config(head_dim, head_dim_v, dtype, causal, profile, variant)
     if _family_wanted(family, variant, sm90_applies(head_dim, dtype, profile), "fwd", dtype, head_dim, causal, profile):
         m, n, pingpong = _sm90_tiles(head_dim, causal)
         return _first_fitting([dict(head_dim=head_dim, dtype=dtype, block_m=m, block_n=n, num_warps=m // 16,
@@ -258,16 +258,22 @@ def _o_split(head_dim: int, head_dim_v: int) -> tuple[int, int]:
     return split, max(head_dim, dv_padded // split)
 
 
-def _wide_v_config(head_dim: int, head_dim_v: int, dtype: str, causal: bool, profile: GpuProfile) -> KernelConfig:
+def _wide_v_config(head_dim: int, head_dim_v: int, dtype: str, causal: bool, profile: GpuProfile,
+                   variant: bool = False) -> KernelConfig:
     """The forward for V's head dim differing from Q and K's (FlashAttention-3's headdim_v): O shared
     among the fewest blocks (head_split) that keep at most 256 of its columns each, and the tiles the
     variant kernels take at the wider of the two head dims a block holds (its Q and K columns, its
     O and V columns), whose registers those set."""
     split, width = _o_split(head_dim, head_dim_v)
     big = profile.smem_per_block_optin >= _BIG_SMEM
+    # Q and K wider than 256 (qv's columns appended): 64 query rows, as many keys as shared memory holds;
+    # 32 rows on GPUs of 99 KB a block (d = 576: 88 KB). With a variant switch half the keys: ptxas
+    # 12.1-13.0.88 spilled 64-key tiles (sm_80, sm_90) and 32 x 32 (sm_89) under the heaviest sets.
+    wide = ((64, 32, 4), (32, 16, 2)) if variant else ((64, 64, 4), (64, 32, 4), (32, 32, 2))
+    tiles = wide if width > HEAD_DIM_MAX else _candidates(width, dtype, causal, big, profile.arch, True)
     return _first_fitting(
         (dict(head_dim=head_dim, head_dim_v=head_dim_v, head_split=split, dtype=dtype, block_m=m, block_n=n,
-              num_warps=w, causal=causal) for m, n, w in _candidates(width, dtype, causal, big, profile.arch, True)),
+              num_warps=w, causal=causal) for m, n, w in tiles),
         profile, f"head_dim={head_dim}, head_dim_v={head_dim_v} {dtype}")
 
 
@@ -425,7 +431,8 @@ def call_default(direction: str, head_dim: int, dtype: str, causal: bool, switch
     default = default_config if direction == "fwd" else default_backward_config
     banded = causal or bool(switches.get("window"))
     if head_dim_v is not None and head_dim_v != head_dim:
-        config = default_config(head_dim, dtype, banded, profile, head_dim_v=head_dim_v)
+        heavy = switches.get("align", "top_left") != "top_left" or any(switches.get(f) for f in VARIANTS)
+        config = default_config(head_dim, dtype, banded, profile, heavy, head_dim_v=head_dim_v)
         keys = _chunked_keys("sm80", max(head_dim, config.o_columns), config.block_n, switches)
         return config.replace(causal=causal, block_n=keys, **switches)
     if not sm90_fallback(switches, direction):
