@@ -167,8 +167,8 @@ def check_config(config: KernelConfig, head_dim: int, dtype: str, causal: bool, 
             f"config {config.name} is for (head_dim, dtype, causal, direction) = {got}; the call needs {want}"
         )
     if config.dv != (head_dim_v or head_dim):
-        raise ValueError(f"config {config.name} is for V's head dim {config.dv}; the call's is {head_dim_v or head_dim} "
-                         f"(KernelConfig.head_dim_v)")
+        raise ValueError(f"config {config.name} is for V's head dim {config.dv}; the call's is "
+                         f"{head_dim_v or head_dim} (KernelConfig.head_dim_v)")
     if config.family == "sm90" and profile.arch != "sm_90":
         raise ValueError(f"config {config.name} is of the sm90 family (wgmma, TMA), which runs on sm_90 GPUs (H100, "
                          f"H200); {profile.name} is {profile.arch}: use a config of family 'sm80'")

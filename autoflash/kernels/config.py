@@ -187,7 +187,7 @@ class KernelConfig:
     num_stages: int = 2
     causal: bool = False
     direction: str = "fwd"
-    head_split: int = 1  # blocks sharing one key block (backward) or query block (forward), each a slice of the head dim
+    head_split: int = 1  # blocks sharing a key block (backward) or query block (forward), a head-dim slice each
     dq: str = "atomic"  # backward: dQ by fp32 atomics in the dK/dV kernel, or by a separate pass
     v_in_regs: bool = False  # backward: each warp keeps its keys' V fragments in registers for dP
     # ---- variants (tensor-core kernels, both directions); all off is plain attention ----

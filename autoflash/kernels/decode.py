@@ -366,8 +366,8 @@ def flash_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, 
                shape.page_size or 1, num_splits, qpack, scale * LOG2E, *variant.softcap_factors(scale))
     tensors = (q4, k_cache, v_cache, out4, lse4, *variant.pointers, seqused, cache_batch_idx, cache_leftpad,
                block_table, o_accum, lse_accum)
-    _call(fns[config.name], (m_blocks * num_splits * config.head_split, heads, b), config.threads, config.smem_bytes, device,
-          FWD_PARAMS, tensors, scalars, FWD_NAMES)
+    _call(fns[config.name], (m_blocks * num_splits * config.head_split, heads, b), config.threads, config.smem_bytes,
+          device, FWD_PARAMS, tensors, scalars, FWD_NAMES)
     if split:
         n_rows = b * heads * rows
         _call(fns[f"{config.name}_combine"], (math.ceil(n_rows / COMBINE_ROWS_PER_BLOCK), 1, 1),

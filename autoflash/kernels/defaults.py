@@ -234,8 +234,8 @@ def default_config(head_dim: int, dtype: str, causal: bool, profile: GpuProfile,
     not head_dim (_wide_v_config)."""
     if head_dim_v is not None and head_dim_v != head_dim:
         if family == "sm90":
-            raise ValueError(f"family 'sm90': no forward for head_dim={head_dim} with head_dim_v={head_dim_v}; a V head "
-                             f"dim of its own runs on family 'sm80'")
+            raise ValueError(f"family 'sm90': no forward for head_dim={head_dim} with head_dim_v={head_dim_v}; a V "
+                             f"head dim of its own runs on family 'sm80'")
         return _wide_v_config(head_dim, head_dim_v, dtype, causal, profile, variant)
     if _family_wanted(family, variant, sm90_applies(head_dim, dtype, profile), "fwd", dtype, head_dim, causal, profile):
         m, n, pingpong = _sm90_tiles(head_dim, causal)
@@ -404,8 +404,8 @@ def default_decode_config(head_dim: int, dtype: str, profile: GpuProfile, page_s
         (dict(head_dim=head_dim, head_dim_v=head_dim_v, head_split=split, dtype=dtype, block_m=m, block_n=n,
               num_warps=w, kvcache=True, stages=stages)
          for m, n, w, stages in _decode_candidates(width, page_size, variant, gather)),
-        profile, f"the KV-cache kernel at head_dim={head_dim}" + (f", head_dim_v={head_dim_v}" if head_dim_v not in (None, head_dim) else "") +
-        f" {dtype}")
+        profile, f"the KV-cache kernel at head_dim={head_dim}"
+        + (f", head_dim_v={head_dim_v}" if head_dim_v not in (None, head_dim) else "") + f" {dtype}")
 
 
 def sm90_fallback(switches: dict, direction: str) -> str | None:

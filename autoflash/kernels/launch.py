@@ -402,7 +402,8 @@ def flash_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: 
                scale * LOG2E, *variant.softcap_factors(scale))
     for sequences, pointers in variant.runs(b):
         _call(fn, (math.ceil(lq / config.block_m) * config.head_split, hq, sequences), config.threads,
-              config.smem_bytes, q.device, FWD_PARAMS, (q, k, v, out, lse, *pointers, *(None,) * len(DECODE_POINTERS)), scalars, FWD_NAMES)
+              config.smem_bytes, q.device, FWD_PARAMS, (q, k, v, out, lse, *pointers, *(None,) * len(DECODE_POINTERS)),
+              scalars, FWD_NAMES)
     return out, lse
 
 
@@ -504,7 +505,10 @@ def flash_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torc
         if width > HEAD_DIM_MAX:
             raise ValueError(f"flash_backward: got head dims {d} (q, k) and {dv} (v); the backward runs V head dims up "
                              f"to {HEAD_DIM_MAX} (FlashAttention-3's too), expected v.shape[-1] <= {HEAD_DIM_MAX}")
-        pad = lambda t: torch.nn.functional.pad(t, (0, width - t.shape[-1])) if isinstance(t, torch.Tensor) else t  # noqa
+
+        def pad(t):
+            return torch.nn.functional.pad(t, (0, width - t.shape[-1])) if isinstance(t, torch.Tensor) else t
+
         dq, dk, dv_ = flash_backward(
             pad(dout), pad(q), pad(k), pad(v), pad(out), lse, causal=causal, scale=check_scale(scale, d), config=config,
             deterministic=deterministic, align=align, window=window, softcap=softcap, alibi_slopes=alibi_slopes,
