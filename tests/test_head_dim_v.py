@@ -257,3 +257,15 @@ def test_qv_packed_and_its_refusals():
         fa3_flash_attn_func(dense, dense[:, :, :2], torch.randn(1, 8, 2, 256).bfloat16(), qv=dense)
     with pytest.raises(ValueError, match="qv: got a Tensor, expected None: .* in the KV cache"):
         flash_attn_with_kvcache(dense, dense, dense, qv=dense, cache_seqlens=4)
+
+
+def test_explain_says_how_qv_runs():
+    """explain() of a qv call names the appended product (its kernel shows Q and K d + dv wide) and that
+    it has no backward."""
+    q, k = torch.randn(1, 20, 2, 64).bfloat16(), torch.randn(1, 20, 2, 64).bfloat16()
+    v, qv = torch.randn(1, 20, 2, 256).bfloat16(), torch.randn(1, 20, 2, 256).bfloat16()
+    plan = autoflash.explain(fa3_flash_attn_func, q, k, v, causal=True, qv=qv, gpu="a100")
+    text = str(plan)
+    assert plan.forward.config.head_dim == 320 and plan.forward.config.head_dim_v == 256
+    assert "one product of [q, qv] with [k, v], Q and K 64 + 256 columns wide" in text
+    assert plan.backward is None and "no backward" in text

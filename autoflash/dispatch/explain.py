@@ -181,6 +181,7 @@ def _explain_entry(fn, args, kwargs, gpu: str | None) -> Explanation:
     dv = getattr(call, "head_dim_v", None)
     if dv is not None and not isinstance(call, kvcache.KvCacheCall):
         notes += _head_dim_v_notes(dv, call.q.shape[-1], call.v.shape[-1])
+    notes = getattr(call, "notes", ()) + notes
     if isinstance(call, kvcache.KvCacheCall):
         selection, splits, how = kvcache.kernel_plan(profile, call)
         notes = (f"key splits: {splits} ({how})",)

@@ -19,6 +19,8 @@ forward never splits; autoflash folds query heads into one tile where the KV-cac
 it; it uses every SM)."""
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 
 from autoflash.dispatch import flash_api, kvcache
@@ -63,6 +65,19 @@ def _with_qv(q, k, v, qv, softmax_scale):
     return torch.cat([q, qv], -1), torch.cat([k, v], -1), softmax_scale
 
 
+def _qv_run(run, qv, d: int):
+    """run() with FA3's qv appended to q (d its own columns): under explain() the captured call notes
+    it, since the kernel then shows Q and K as wide as both."""
+    try:
+        return run()
+    except flash_api.Captured as captured:
+        if qv is not None:
+            note = (f"qv: the scores q . k + q_v . v run as one product of [q, qv] with [k, v], Q and K {d} + "
+                    f"{qv.shape[-1]} columns wide (k and v copied for each call); forward only",)
+            captured.call = dataclasses.replace(captured.call, notes=note + captured.call.notes)
+        raise
+
+
 def _qv_forward_only(out, qv, entry: str, *inputs):
     """flash_attn_func's result with qv: its gradient an error that names qv (FA3 has no backward
     with it either)."""
@@ -97,8 +112,9 @@ def flash_attn_func(q, k, v, softmax_scale=None, causal=False, qv=None, q_descal
     _unsupported(None, q_descale, k_descale, v_descale)
     _check_hints(num_splits, pack_gqa, sm_margin)
     qk, kk, scale = _with_qv(q, k, v, qv, softmax_scale)
-    out = flash_api.flash_attn_func(qk, kk, v, 0.0, scale, causal, window_size, softcap, None, deterministic,
-                                    return_attn_probs, attention_chunk=attention_chunk)
+    out = _qv_run(lambda: flash_api.flash_attn_func(qk, kk, v, 0.0, scale, causal, window_size, softcap, None,
+                                                    deterministic, return_attn_probs, attention_chunk=attention_chunk),
+                  qv, q.shape[-1])
     out = _qv_forward_only(out, qv, "flash_attn_func", q, k, v)
     return out[:2] if return_attn_probs else out  # FA3: (out, softmax_lse), flash-attn 2: + None
 
@@ -116,10 +132,10 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
     _unsupported(None, q_descale, k_descale, v_descale)
     _check_hints(num_splits, pack_gqa, sm_margin)
     qk, kk, scale = _with_qv(q, k, v, qv, softmax_scale)
-    out = flash_api.flash_attn_varlen_func(qk, kk, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, 0.0,
-                                           scale, causal, window_size, softcap, None, deterministic,
-                                           return_attn_probs, attention_chunk=attention_chunk, seqused_q=seqused_q,
-                                           seqused_k=seqused_k)
+    out = _qv_run(lambda: flash_api.flash_attn_varlen_func(
+        qk, kk, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, 0.0, scale, causal, window_size, softcap,
+        None, deterministic, return_attn_probs, attention_chunk=attention_chunk, seqused_q=seqused_q,
+        seqused_k=seqused_k), qv, q.shape[-1])
     out = _qv_forward_only(out, qv, "flash_attn_varlen_func", q, k, v)
     return out[:2] if return_attn_probs else out  # FA3: (out, softmax_lse), flash-attn 2: + None
 

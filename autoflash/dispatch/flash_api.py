@@ -289,6 +289,7 @@ class CheckedCall:
     fallback: str | None
     head_dim: int  # the caller's, before padding
     head_dim_v: int | None = None  # V's, the caller's, where it differs from head_dim
+    notes: tuple[str, ...] = ()  # what the entry did to the call before it reached here (explain prints them)
 
 
 class Captured(Exception):
