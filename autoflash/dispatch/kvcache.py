@@ -24,9 +24,8 @@ from autoflash.dispatch.flash_api import Captured, _check_max_seqlen, _pad, _seq
     padded_head_dim, padded_head_dim_v
 from autoflash.dispatch.policy import REFERENCE, cpu_fallback, emulating, fall_back, is_strict
 from autoflash.dispatch.variant_ops import _like
-from autoflash.kernels.checks import check_scale, chunk_size, chunked, checks_values, window_pair
+from autoflash.kernels.checks import check_scale, chunk_size, chunked, checks_values, empty_like_width, window_pair
 from autoflash.kernels.decode import CacheShape, check_kvcache
-from autoflash.kernels.launch import empty_like_width
 from autoflash.kernels.variants import heads_view, resolve
 
 __all__ = ["flash_attn_with_kvcache"]

@@ -20,9 +20,9 @@ import torch
 
 from autoflash.dispatch.policy import emulating
 from autoflash.dispatch.selection import HEURISTIC, Selection, select_config
-from autoflash.kernels.checks import DTYPE_NAMES, chunked
+from autoflash.kernels.checks import DTYPE_NAMES, chunked, empty_like_width
 from autoflash.kernels.config import HEAD_DIM_MAX
-from autoflash.kernels.launch import empty_like_width, flash_backward, flash_forward, profile_for
+from autoflash.kernels.launch import flash_backward, flash_forward, profile_for
 
 
 def _variant(causal, align, window_left, window_right, attention_chunk, softcap, alibi_slopes, key_bias, cu_seqlens_q,
@@ -44,8 +44,9 @@ def _variant(causal, align, window_left, window_right, attention_chunk, softcap,
 def _like(t: torch.Tensor, ref: torch.Tensor) -> torch.Tensor:
     """`t` with `ref`'s dtype and strides (what the fake implementations promise; an output as wide as
     V's head dim takes ref's dim order, empty_like_width): a copy only when it differs."""
-    want = empty_like_width(ref.to(device="meta"), t.shape[-1])
-    if t.dtype == ref.dtype and t.stride() == want.stride():
+    same = t.shape[-1] == ref.shape[-1]
+    want = ref.stride() if same else empty_like_width(ref.to(device="meta"), t.shape[-1]).stride()
+    if t.dtype == ref.dtype and t.stride() == want:
         return t
     return empty_like_width(ref, t.shape[-1]).copy_(t)
 

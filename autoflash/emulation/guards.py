@@ -22,7 +22,7 @@ import weakref
 
 import torch
 
-from autoflash.kernels.launch import empty_like_width, physical_order
+from autoflash.kernels.checks import empty_like_width, physical_order
 
 GUARD_ROWS = 256  # the largest tile: a ragged last tile overruns by less
 GUARD_BYTES = 32  # per row: two 16-byte chunks past the last column

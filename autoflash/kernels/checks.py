@@ -120,6 +120,19 @@ def chunked(t: torch.Tensor) -> torch.Tensor:
     return c if c.data_ptr() % 16 == 0 else c.clone()
 
 
+def physical_order(t: torch.Tensor) -> tuple[int, ...]:
+    """The dims of t from outermost to innermost as torch.empty_like lays them out."""
+    like = torch.empty_like(t, device="meta")  # torch's own choice of strides, at no cost
+    return tuple(sorted(range(t.dim()), key=lambda i: -like.stride(i)))
+
+
+def empty_like_width(t: torch.Tensor, width: int | None) -> torch.Tensor:
+    """torch.empty_like(t), its last dim `width` wide where given: the same physical order."""
+    if width is None or width == t.shape[-1]:
+        return torch.empty_like(t)
+    return torch.empty_permuted((*t.shape[:-1], width), physical_order(t), dtype=t.dtype, device=t.device)
+
+
 def check_chunked_layout(name: str, t: torch.Tensor) -> None:
     """Raises with the offending strides when `t` is not is_chunked_layout."""
     if is_chunked_layout(t):

@@ -430,12 +430,8 @@ def call_default(direction: str, head_dim: int, dtype: str, causal: bool, switch
     dim differs (head_dim_v) takes _wide_v_config's kernel."""
     default = default_config if direction == "fwd" else default_backward_config
     banded = causal or bool(switches.get("window"))
-    if head_dim_v is not None and head_dim_v != head_dim:
-        heavy = switches.get("align", "top_left") != "top_left" or any(switches.get(f) for f in VARIANTS)
-        config = default_config(head_dim, dtype, banded, profile, heavy, head_dim_v=head_dim_v)
-        keys = _chunked_keys("sm80", max(head_dim, config.o_columns), config.block_n, switches)
-        return config.replace(causal=causal, block_n=keys, **switches)
-    if not sm90_fallback(switches, direction):
+    wide_v = {"head_dim_v": head_dim_v} if head_dim_v not in (None, head_dim) else {}  # the forward's only
+    if not wide_v and not sm90_fallback(switches, direction):
         plain = default(head_dim, dtype, banded, profile)
         if plain.family == "sm90":  # the plain tiles take the switches
             if switches.get("key_bias") and (switches.get("softcap") or switches.get("alibi")):
@@ -444,7 +440,8 @@ def call_default(direction: str, head_dim: int, dtype: str, causal: bool, switch
                 plain = plain.replace(block_n=_chunked_keys("sm90", head_dim, plain.block_n, switches))
             return plain.replace(causal=causal, **switches)
     heavy = switches.get("align", "top_left") != "top_left" or any(switches.get(f) for f in VARIANTS)
-    config = default(head_dim, dtype, banded, profile, heavy)
-    if direction == "fwd":
-        config = config.replace(block_n=_chunked_keys("sm80", head_dim, config.block_n, switches))
+    config = default(head_dim, dtype, banded, profile, heavy, **wide_v)
+    if direction == "fwd":  # the wider of the head dims a block holds (O's columns: head_dim's padded to 16 alone)
+        width = max(head_dim, config.o_columns)
+        config = config.replace(block_n=_chunked_keys("sm80", width, config.block_n, switches))
     return config.replace(causal=causal, **switches)

@@ -12,7 +12,8 @@ import threading
 import torch
 
 from autoflash.kernels import backend
-from autoflash.kernels.checks import DTYPE_NAMES, check_config, check_like, check_qkv, check_scale, device_index
+from autoflash.kernels.checks import DTYPE_NAMES, check_config, check_like, check_qkv, check_scale, device_index, \
+    empty_like_width
 from autoflash.kernels.compiler import compile_config
 from autoflash.kernels.config import HEAD_DIM_MAX, KernelConfig
 from autoflash.kernels.defaults import call_default, sm90_fallback
@@ -106,19 +107,6 @@ def empty_like(t: torch.Tensor, dims: str, *, name: str = "", rows: str | None =
     if t.device.type != "cpu":
         return empty_like_width(t, width)
     return backend.host().empty_like(t, dims, name=name, rows=rows, width=width)
-
-
-def physical_order(t: torch.Tensor) -> tuple[int, ...]:
-    """The dims of t from outermost to innermost as torch.empty_like lays them out."""
-    like = torch.empty_like(t, device="meta")  # torch's own choice of strides, at no cost
-    return tuple(sorted(range(t.dim()), key=lambda i: -like.stride(i)))
-
-
-def empty_like_width(t: torch.Tensor, width: int | None) -> torch.Tensor:
-    """torch.empty_like(t), its last dim `width` wide where given: the same physical order."""
-    if width is None or width == t.shape[-1]:
-        return torch.empty_like(t)
-    return torch.empty_permuted((*t.shape[:-1], width), physical_order(t), dtype=t.dtype, device=t.device)
 
 
 def _prepare(q, k, v, causal, scale, what: str):

@@ -10,7 +10,8 @@ import math
 
 import torch
 
-from autoflash.kernels.checks import GRID_YZ_MAX, check_scale, chunk_size, cu_seqlens_vector, int32_vector, window_pair
+from autoflash.kernels.checks import GRID_YZ_MAX, check_scale, chunk_size, cu_seqlens_vector, empty_like_width, \
+    int32_vector, window_pair
 from autoflash.kernels.config import ALIGNS, KernelConfig
 
 LOG2E = 1.4426950408889634
@@ -228,5 +229,5 @@ def empty_forward(q, k, v, causal, scale, cu_q, cu_k, max_q, max_k, alibi_slopes
             alibi_slopes=alibi_slopes, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k, max_seqlen_q=max_q, max_seqlen_k=max_k,
             attention_chunk=attention_chunk, seqused_q=seqused_q, seqused_k=seqused_k)
     check_scale(scale, q.shape[-1])
-    out = q.new_zeros((*q.shape[:-1], v.shape[-1]))
-    return out, torch.full((q.shape[1], q.shape[0]), math.inf, dtype=torch.float32, device=q.device)
+    lse = torch.full((q.shape[1], q.shape[0]), math.inf, dtype=torch.float32, device=q.device)
+    return empty_like_width(q, v.shape[-1]).zero_(), lse
