@@ -20,6 +20,7 @@ for fp32 inputs), ref' = ref rounded to the input dtype, x_torch = PyTorch in th
   python -m autoflash.selfcheck --emulate h100 --sanitize --backward --window 16,0 --softcap 30 --alibi --varlen
   python -m autoflash.selfcheck --emulate h100 --sanitize --kvcache --shape 3,6,2,4,300,128 --causal --new 4 \
       --paged 64 --splits 3 --rotary neox
+  python -m autoflash.selfcheck --emulate a100 --sanitize --backward --shape 2,4,2,77,131,64 --head-dim-v 256 --causal
   compute-sanitizer --tool memcheck python -m autoflash.selfcheck --backward
 With --sanitize every finding is printed with its kind, kernel, template file:line, block and thread.
 Exit status: 0 all within the rule (and, sanitizing, no finding), 1 a result outside it or a
@@ -55,6 +56,9 @@ def _parser() -> argparse.ArgumentParser:
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--shape", type=shape_arg, default=None,
                    help="b,hq,hkv,lq,lk,d (default 2,6,2,113,203,96: odd lengths, GQA; d from --config if given)")
+    p.add_argument("--head-dim-v", type=int, default=None, metavar="DV",
+                   help="V's (and the output's) head dim where it differs from d (FlashAttention-3's headdim_v; "
+                        "default d, or --config's)")
     p.add_argument("--dtype", choices=("fp16", "bf16", "fp32"), default=None, help="default bf16 (or --config's)")
     p.add_argument("--causal", action="store_true")
     p.add_argument("--backward", action="store_true", help="also check dq, dk, dv")
@@ -104,11 +108,13 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def _resolve(args, parser):
-    """(shape, dtype, causal, forward config or None, backward config or None, backward?)."""
+    """(shape, dtype, causal, forward config or None, backward config or None, backward?); sets
+    args.head_dim_v (d where not given)."""
     from autoflash.kernels.config import KernelConfig
 
     shape, dtype, causal = args.shape or (2, 6, 2, 113, 203, 96), args.dtype or "bf16", args.causal
     fwd = bwd = None
+    given_v = args.head_dim_v
     if args.config:
         try:
             cfg = KernelConfig.from_name(args.config)
@@ -118,8 +124,12 @@ def _resolve(args, parser):
             parser.error(f"--config {cfg.name} has head_dim {cfg.head_dim}; --shape gives d = {args.shape[5]}")
         if args.dtype and args.dtype != cfg.dtype:
             parser.error(f"--config {cfg.name} is {cfg.dtype}; --dtype gives {args.dtype}")
+        if given_v is not None and given_v != cfg.dv:
+            parser.error(f"--config {cfg.name} has V head dim {cfg.dv}; --head-dim-v gives {given_v}")
         shape, dtype, causal = (*shape[:5], cfg.head_dim), cfg.dtype, cfg.causal
         fwd, bwd = (cfg, None) if cfg.direction == "fwd" else (None, cfg)
+        given_v = cfg.dv
+    args.head_dim_v = shape[5] if given_v is None else given_v
     return shape, dtype, causal, fwd, bwd, args.backward or bwd is not None
 
 
@@ -187,7 +197,8 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     where = (f"emulated {args.emulate} on the CPU{' (sanitizer on)' if args.sanitize else ''}" if args.emulate
              else torch.cuda.get_device_name())
-    print(f"{where}  shape b,hq,hkv,lq,lk,d = {shape}  {dtype}{'  causal' if causal else ''}"
+    dv = f"  dv {args.head_dim_v}" if args.head_dim_v != shape[5] else ""
+    print(f"{where}  shape b,hq,hkv,lq,lk,d = {shape}{dv}  {dtype}{'  causal' if causal else ''}"
           f"{'  ' + _describe(args) if variant or args.kvcache else ''}")
     failed = False
     for name, ok, err, bound in results:
@@ -214,24 +225,25 @@ def _check(args, shape, dtype, causal, fwd_cfg, bwd_cfg, backward) -> list[tuple
     dt = TORCH_DTYPES[dtype]
     device = "cpu" if args.emulate else "cuda"
     g = torch.Generator(device=device).manual_seed(args.seed)
+    dv = args.head_dim_v
     if args.sanitize:  # guard bands after every row and sequence: reads past them are findings
         from autoflash.emulation.guards import guarded_randn
 
-        def make(h, n):
-            return guarded_randn(b, h, n, d, dt, g)
+        def make(h, n, width=d):
+            return guarded_randn(b, h, n, width, dt, g)
     else:
-        def make(h, n):
-            return torch.randn(b, h, n, d, device=device, dtype=dt, generator=g)
+        def make(h, n, width=d):
+            return torch.randn(b, h, n, width, device=device, dtype=dt, generator=g)
 
     up = torch.float64 if dt == torch.float32 else torch.float32
-    q, k, v = (make(h, n).requires_grad_(backward) for h, n in ((hq, lq), (hkv, lk), (hkv, lk)))
+    q, k, v = (make(h, n, w).requires_grad_(backward) for h, n, w in ((hq, lq, d), (hkv, lk, d), (hkv, lk, dv)))
     out = flash_attn(q, k, v, causal=causal, deterministic=args.deterministic, config=fwd_cfg,
                      backward_config=bwd_cfg)
     x = [t.detach() for t in (q, k, v)]
     checks = [("out", out.detach(), attention_ref(*(t.to(up) for t in x), causal=causal)[0],
                attention_ref(*x, causal=causal, upcast=False)[0])]
     if backward:
-        dout = make(hq, lq)
+        dout = make(hq, lq, dv)
         grads = torch.autograd.grad(out, (q, k, v), dout)
         ref = attention_backward_ref(*(t.to(up) for t in x), dout.to(up), causal=causal)
         yard = attention_backward_ref(*x, dout, causal=causal, upcast=False)
@@ -265,6 +277,7 @@ def _check_variant(args, shape, dtype, causal, backward) -> list[tuple[str, bool
     from autoflash.reference.forward import attention_ref, attention_varlen_ref, within_tolerance
 
     b, hq, hkv, lq, lk, d = shape
+    dv = args.head_dim_v
     dt = TORCH_DTYPES[dtype]
     device = "cpu" if args.emulate else "cuda"
     g = torch.Generator().manual_seed(args.seed)
@@ -281,11 +294,11 @@ def _check_variant(args, shape, dtype, causal, backward) -> list[tuple[str, bool
         cu = [torch.tensor([0] + torch.tensor(n).cumsum(0).tolist(), dtype=torch.int32, device=device)
               for n in (lens_q, lens_k)]
 
-        def make(h, lengths):
-            t = guarded_randn(1, h, sum(lengths), d, dt, g, layout="bshd")[0].transpose(0, 1)
+        def make(h, lengths, width=d):
+            t = guarded_randn(1, h, sum(lengths), width, dt, g, layout="bshd")[0].transpose(0, 1)
             return t.to(device)
-        q, dout = make(hq, lens_q), make(hq, lens_q)
-        k, v = make(hkv, lens_k), make(hkv, lens_k)
+        q, dout = make(hq, lens_q), make(hq, lens_q, dv)
+        k, v = make(hkv, lens_k), make(hkv, lens_k, dv)
         kw.update(cu_seqlens_q=cu[0], cu_seqlens_k=cu[1])
         if args.seqused:  # a random prefix of each sequence's rows and keys in use
             for name, lens in (("seqused_q", lens_q), ("seqused_k", lens_k)):
@@ -301,8 +314,8 @@ def _check_variant(args, shape, dtype, causal, backward) -> list[tuple[str, bool
             for i, n in enumerate(torch.randint(0, lk + 1, (b,), generator=g).tolist()):
                 bias[i, n:] = float("-inf")
             kw["key_bias"] = bias.to(device)
-        q, dout = (guarded_randn(b, hq, lq, d, dt, g).to(device) for _ in range(2))
-        k, v = (guarded_randn(b, hkv, lk, d, dt, g).to(device) for _ in range(2))
+        q, dout = (guarded_randn(b, hq, lq, w, dt, g).to(device) for w in (d, dv))
+        k, v = (guarded_randn(b, hkv, lk, w, dt, g).to(device) for w in (d, dv))
         launch_kw = kw
 
         def reference(*x, upcast=True):

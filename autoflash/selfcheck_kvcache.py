@@ -22,8 +22,10 @@ def check_kvcache(args, shape, dtype, causal) -> list[tuple[str, bool, float, fl
     device = "cpu" if args.emulate else "cuda"
     g = torch.Generator().manual_seed(args.seed)
     rng = random.Random(args.seed)
-    def flash_layout(n, h, length):  # (n, length, h, d) with guard bands after rows and sequences
-        return guarded_randn(n, h, length, d, dt, g, layout="bshd").transpose(1, 2).to(device)
+    dv = args.head_dim_v
+
+    def flash_layout(n, h, length, width=d):  # (n, length, h, width) with guard bands after rows and sequences
+        return guarded_randn(n, h, length, width, dt, g, layout="bshd").transpose(1, 2).to(device)
 
     q = flash_layout(b, hq, lq)
     new = args.new
@@ -32,11 +34,11 @@ def check_kvcache(args, shape, dtype, causal) -> list[tuple[str, bool, float, fl
     if args.paged:
         per_seq = -(-capacity // args.paged)
         pages = rows * per_seq + 1
-        k_cache, v_cache = flash_layout(pages, hkv, args.paged), flash_layout(pages, hkv, args.paged)
+        k_cache, v_cache = flash_layout(pages, hkv, args.paged), flash_layout(pages, hkv, args.paged, dv)
         block_table = torch.randperm(pages, generator=g)[:rows * per_seq].reshape(rows, per_seq).to(torch.int32)
         capacity = per_seq * args.paged
     else:
-        k_cache, v_cache = flash_layout(rows, hkv, capacity), flash_layout(rows, hkv, capacity)
+        k_cache, v_cache = flash_layout(rows, hkv, capacity), flash_layout(rows, hkv, capacity, dv)
     if args.batch_idx:
         batch_idx = torch.randperm(rows, generator=g)[:b].to(torch.int32)
     if new > capacity:
@@ -48,7 +50,7 @@ def check_kvcache(args, shape, dtype, causal) -> list[tuple[str, bool, float, fl
         leftpad = torch.tensor([rng.randint(0, n) for n in seqlens], dtype=torch.int32)
     k = v = cos = sin = None
     if new:
-        k, v = flash_layout(b, hkv, new), flash_layout(b, hkv, new)
+        k, v = flash_layout(b, hkv, new), flash_layout(b, hkv, new, dv)
     interleaved = args.rotary == "interleaved"
     if args.rotary != "none":
         cos, sin = (torch.randn(capacity, d // 32 * 8, generator=g).to(device, dt) for _ in range(2))

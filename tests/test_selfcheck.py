@@ -31,11 +31,21 @@ def test_emulated_selfcheck_runs_without_a_gpu(capsys):
     assert out.startswith("emulated l4 on the CPU") and out.count(" ok") == 4
 
 
+def test_a_v_head_dim_of_its_own_is_checked_and_sanitized(capsys):
+    """--head-dim-v: V and the output that wide, the gradients through the padded backward; sanitized."""
+    assert main(["--emulate", "a100", "--sanitize", "--backward", "--shape", "1,2,1,40,57,64", "--head-dim-v", "128",
+                 "--causal"]) == 0
+    out = capsys.readouterr().out
+    assert "dv 128" in out and out.count(" ok") == 4 and "sanitizer: 0 findings" in out
+
+
 @pytest.mark.parametrize("argv, message", [
     (["--sanitize"], "--sanitize checks kernels on the emulator: add --emulate GPU"),
     (["--emulate", "h100", "--config", "fwd_hd64_bf16_m64n64"], "--config: kernel name"),
     (["--emulate", "h100", "--config", "fwd_hd64_bf16_m64n64w4s2", "--shape", "1,1,1,8,8,128"], "has head_dim 64"),
     (["--emulate", "h100", "--config", "fwd_hd64_bf16_m64n64w4s2", "--dtype", "fp16"], "is bf16; --dtype gives fp16"),
+    (["--emulate", "h100", "--config", "fwd_hd64_bf16_m64n64w4s2", "--head-dim-v", "128"],
+     "has V head dim 64; --head-dim-v gives 128"),
     (["--emulate", "h1000"], "get_profile: got 'h1000', expected a profile name"),
 ])
 def test_emulate_argument_errors(argv, message, capsys):
