@@ -72,9 +72,10 @@ def _variant_default(direction: str, d: int, switches: dict, prof, head_dim_v: i
                         {k: v for k, v in switches.items() if k != "causal"}, prof, head_dim_v)
 
 
-# The sm90 forward's sets, at every head dim it takes: the heaviest with a window, with causal and with
-# attention chunks, and a key bias read beside softcap and ALiBi (kernels/defaults.py _sm90_biased_keys);
-# ptxas leaves their producer and consumers little to spare at single head dims.
+# The sm90 family's sets, forward and backward, at every head dim it takes: the heaviest with a window,
+# with causal and with attention chunks, and a key bias read beside softcap and ALiBi (kernels/defaults.py
+# _sm90_biased_keys, _sm90_variant_tiles); ptxas leaves their producer and consumers little to spare
+# at single head dims.
 SM90_VARIANT_SETS = (dict(window=True, softcap=True, alibi=True, varlen=True, align="bottom_right"),
                      dict(causal=True, softcap=True, alibi=True, varlen=True, align="bottom_right"),
                      dict(softcap=True, alibi=True, key_bias=True), HEAVIEST_CHUNKED)
@@ -127,15 +128,16 @@ def defaults():
 
 
 def switched_defaults():
-    """The defaults under each variant set (forward and backward; the sm90 forward's under its own
+    """The defaults under each variant set (forward and backward; the sm90 family's under its own
     sets at every head dim it takes) and each decode set besides the plain cache. A run compiles one
     set per (direction, head dim, dtype, arch), drawn from the seed (AUTOFLASH_SWEEP=full compiles
     them all)."""
     variants = [(_variant_default(direction, d, v, prof), arch) for direction in ("fwd", "bwd")
                 for d in HEAD_DIMS for v in VARIANT_SETS for arch, prof in ARCH_PROFILES.items()
-                if not (direction == "fwd" and arch == "sm_90" and d % 16 == 0)]
+                if not (arch == "sm_90" and d % 16 == 0)]
     h100 = ARCH_PROFILES["sm_90"]
-    variants += [(_variant_default("fwd", d, v, h100), "sm_90") for d in range(32, 257, 16) for v in SM90_VARIANT_SETS]
+    variants += [(_variant_default(direction, d, v, h100), "sm_90") for direction in ("fwd", "bwd")
+                 for d in range(32, 257, 16) for v in SM90_VARIANT_SETS]
     variants += [(_variant_default("fwd", d, v, prof, dv), arch) for d, dv in HEAD_DIM_V_PAIRS + QV_PAIRS
                  for v in VARIANT_SETS for arch, prof in ARCH_PROFILES.items()]
     decode = [(default_decode_config(d, dt, prof, 256 if v.get("paged") and not v.get("gather") else None,

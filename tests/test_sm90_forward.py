@@ -222,7 +222,7 @@ def test_the_entry_points_run_the_sm90_family_on_an_emulated_h100(launches):
     assert launches[1].align == "bottom_right"  # flash-attn's causal
 
 
-def test_variant_forwards_run_the_sm90_family_and_their_backwards_the_sm80(launches):
+def test_variant_calls_run_the_sm90_family_both_ways(launches):
     q = torch.randn(1, 2, 64, 128).bfloat16()
     bias = torch.zeros(1, 64)
     with autoflash.emulate("h100"):
@@ -236,8 +236,9 @@ def test_variant_forwards_run_the_sm90_family_and_their_backwards_the_sm80(launc
     with autoflash.emulate("a100"):
         with pytest.raises(Exception):
             flash_forward(q, q, q, window=(8, 0))
-    assert [c.family for c in launches] == ["sm90", "sm80"] * 4 + ["sm80"] * 2
+    assert [c.family for c in launches] == ["sm90", "sm90"] * 4 + ["sm80"] * 2
     assert [c.variants for c in launches[:8:2]] == [("window",), ("softcap",), ("alibi",), ("key_bias",)]
+    assert [c.variants for c in launches[1:8:2]] == [("window",), ("softcap",), ("alibi",), ("key_bias",)]
     assert launches[0].name == "fwd_hd128_bf16_win_m128n128w8s2_sm90a_pp_ov"  # a window: the causal tiles
 
 
@@ -256,12 +257,12 @@ def test_explain_names_the_family_and_why_not(launches):
     softcap = str(autoflash.explain(autoflash.flash_attn_func, q.transpose(1, 2), q.transpose(1, 2),
                                     q.transpose(1, 2), softcap=5.0, gpu="h100"))
     assert "forward: fwd_hd128_bf16_cap_m128n176w8s2_sm90a_pp_ov" in softcap
-    assert "family sm80 on this sm_90 GPU: the backward with softcap runs on the sm80 family" in softcap
+    assert "backward: bwd_hd128_bf16_cap_m64n128w8s2_sm90a" in softcap and "family sm80" not in softcap
     packed, cu = torch.randn(100, 2, 128).bfloat16(), torch.tensor([0, 40, 100], dtype=torch.int32)
     varlen = str(autoflash.explain(autoflash.flash_attn_varlen_func, packed, packed, packed, cu, cu, 60, 60,
                                    window_size=(16, 0), gpu="h100"))
     assert "forward: fwd_hd128_bf16_br_win_varlen_m128n128w8s2_sm90a_pp_ov" in varlen
-    assert "the backward with window, varlen runs on the sm80 family" in varlen
+    assert "backward: bwd_hd128_bf16_br_win_varlen_m64n128w8s2_sm90a" in varlen and "family sm80" not in varlen
 
 
 def test_an_sm90_config_is_refused_on_other_gpus():
@@ -279,7 +280,7 @@ def test_an_sm90_config_is_refused_on_other_gpus():
     (dict(direction="bwd", head_dim=64, block_m=48), "block_m a multiple of 32"),
     (dict(dtype="fp32", block_m=128), "is fp16/bf16"),
     (dict(head_dim=72), "multiple of 16"),
-    (dict(direction="bwd", window=True), "its backward plain and causal"),
+    (dict(direction="bwd", dq="pass"), "the dQ pass"),
     (dict(kvcache=True), "the decode switches"),
     (dict(block_m=96, num_warps=6), "num_warps"),
     (dict(block_m=64, num_warps=4, pingpong=True), "pingpong takes turns"),

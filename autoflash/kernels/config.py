@@ -366,14 +366,14 @@ class KernelConfig:
         if self.head_dim % 16:
             raise ValueError(f"{what}: expected a head dim that is a multiple of 16 (wgmma's k step); others run "
                              f"on family 'sm80', padded")
-        off = [f for f in (VARIANTS if self.direction == "bwd" else ()) + DECODE_SWITCHES if getattr(self, f)]
+        off = [f for f in DECODE_SWITCHES if getattr(self, f)]
         if self.head_dim_v is not None:
             raise ValueError(f"{what}: got head_dim_v={self.head_dim_v}; a V head dim of its own runs on family "
                              f"'sm80' (expected None)")
         if off or self.head_split != 1 or self.dq != "atomic" or self.v_in_regs:
-            raise ValueError(f"{what}: got {', '.join(off) or 'backward switches'}; the sm90 family's forward takes "
-                             f"the variants ({', '.join(VARIANTS)}), its backward plain and causal attention (either "
-                             f"alignment); the decode switches and the backward's variants run on family 'sm80'")
+            raise ValueError(f"{what}: got {', '.join(off) or 'backward switches'}; the sm90 family takes the "
+                             f"variants ({', '.join(VARIANTS)}) forward and backward; the decode switches, head_split, "
+                             f"the dQ pass and V in registers run on family 'sm80'")
         if self.direction == "bwd":
             return self._validate_sm90_backward(what)
         if self.num_warps not in (4, 8, 12) or self.block_m != 16 * self.num_warps:

@@ -157,6 +157,29 @@ def _sm90_biased_keys(head_dim: int, block_n: int) -> int:
     return min(block_n, 128 if head_dim <= 128 else 96 if head_dim <= 192 else 64)
 
 
+def _sm90_variant_tiles(head_dim: int, block_m: int, switches: dict) -> dict:
+    """The sm90 backward's tiles with a variant switch (VARIANTS; the alignment and packed sequences
+    alone keep the plain ones, as FlashAttention-3's varlen backward does), as KernelConfig.replace
+    arguments. Up to d = 128 a consumer thread holds S^T, dP^T and dK, dV of 64 keys, and a window's
+    second limit, softcap's tanh or ALiBi's distances spilled 4-232 bytes on the plain tiles (128, 96 and
+    80 queries a step; NVRTC 13.5). Up to d = 64, 96 queries (FlashAttention-3's causal softcap tile
+    there); 64 with two score modifiers (softcap, ALiBi, key bias: 8-16 bytes at 96) or a window beside
+    another switch (4 bytes). Above, 64 (FA3's tile for local or softcap attention at d = 128), 48 with
+    two score modifiers (4-52 bytes at d = 128 under NVRTC 13.5, 13.0.88 or 12.9). At d = 128 a window
+    beside any other switch spilled 4-28 bytes on those: there the two warpgroups share 64 keys
+    (dkv_split), which every switch set compiles clean. Above d = 128 (dK and dV split already) the
+    plain tiles take every switch."""
+    if head_dim > 128 or not any(switches.get(f) for f in VARIANTS if f != "varlen"):
+        return {}
+    twice = sum(bool(switches.get(f)) for f in ("softcap", "alibi", "key_bias")) > 1
+    banded = switches.get("window") and sum(bool(switches.get(f)) for f in VARIANTS) > 1  # a window and more
+    if head_dim <= 64:
+        return {"block_m": min(block_m, 64 if twice or banded else 96)}
+    if head_dim > 112 and banded:
+        return {"block_m": 64, "block_n": 64}
+    return {"block_m": min(block_m, 48 if twice else 64)}
+
+
 def _chunked_keys(family: str, head_dim: int, block_n: int, switches: dict) -> int:
     """block_n of a forward with attention chunks: each masked tile computes its rows' chunk limits
     (an integer division by the run-time chunk). Beside a score modifier (a key bias, or softcap with
@@ -206,19 +229,17 @@ def _sm90_backward_tiles(head_dim: int, causal: bool) -> tuple[int, int, int, tu
     return 64, 64, 8, (2, 1)
 
 
-def _family_wanted(family: str | None, variant: bool, applies: bool, direction: str, dtype: str, head_dim: int,
-                   causal: bool, profile: GpuProfile) -> bool:
+def _family_wanted(family: str | None, applies: bool, direction: str, dtype: str, head_dim: int, causal: bool,
+                   profile: GpuProfile) -> bool:
     """Whether a default is the sm90 family's: asked for (`family`), or by default where it applies."""
     if family not in (None, "sm80", "sm90"):
         raise ValueError(f"family: got {family!r}, expected 'sm80', 'sm90' or None (the GPU's default)")
-    refused = variant and direction == "bwd"  # the sm90 backward runs plain and causal attention only
-    if family == "sm90" and (refused or not applies):
+    if family == "sm90" and not applies:
         raise ValueError(f"family 'sm90': no {direction} default for head_dim={head_dim} on {profile.name} "
-                         f"(the family runs 16-bit attention at head dims that are multiples of 16 on sm_90 GPUs, "
-                         f"its backward plain and causal attention only)")
+                         f"(the family runs 16-bit attention at head dims that are multiples of 16 on sm_90 GPUs)")
     if family is not None:
         return family == "sm90"
-    return not refused and applies and not stack_spill(profile.arch, "sm90", direction, dtype, head_dim, causal)
+    return applies and not stack_spill(profile.arch, "sm90", direction, dtype, head_dim, causal)
 
 
 @functools.lru_cache(maxsize=None)
@@ -237,7 +258,7 @@ def default_config(head_dim: int, dtype: str, causal: bool, profile: GpuProfile,
             raise ValueError(f"family 'sm90': no forward for head_dim={head_dim} with head_dim_v={head_dim_v}; a V "
                              f"head dim of its own runs on family 'sm80'")
         return _wide_v_config(head_dim, head_dim_v, dtype, causal, profile, variant)
-    if _family_wanted(family, variant, sm90_applies(head_dim, dtype, profile), "fwd", dtype, head_dim, causal, profile):
+    if _family_wanted(family, sm90_applies(head_dim, dtype, profile), "fwd", dtype, head_dim, causal, profile):
         m, n, pingpong = _sm90_tiles(head_dim, causal)
         return _first_fitting([dict(head_dim=head_dim, dtype=dtype, block_m=m, block_n=n, num_warps=m // 16,
                                     causal=causal, family="sm90", pingpong=pingpong, overlap=True, stages=(2,))],
@@ -348,8 +369,8 @@ def default_backward_config(head_dim: int, dtype: str, causal: bool, profile: Gp
     `variant` and `family` as for default_config. On sm_90 GPUs a plain or causal backward (no
     `variant`) is the sm90 family's where sm90_backward_applies and the installed NVRTC compiles it
     clean."""
-    if _family_wanted(family, variant, sm90_backward_applies(head_dim, dtype, profile), "bwd", dtype, head_dim,
-                      causal, profile):
+    if _family_wanted(family, sm90_backward_applies(head_dim, dtype, profile), "bwd", dtype, head_dim, causal,
+                      profile):
         m, n, w, stages = _sm90_backward_tiles(head_dim, causal)
         return _first_fitting([dict(head_dim=head_dim, dtype=dtype, block_m=m, block_n=n, num_warps=w,
                                     causal=causal, direction="bwd", family="sm90", stages=stages)],
@@ -408,36 +429,28 @@ def default_decode_config(head_dim: int, dtype: str, profile: GpuProfile, page_s
         + (f", head_dim_v={head_dim_v}" if head_dim_v not in (None, head_dim) else "") + f" {dtype}")
 
 
-def sm90_fallback(switches: dict, direction: str) -> str | None:
-    """Why a call with these variant switches (kernels.variants.Variant.switches) does not run on the
-    sm90 family (None: it may): its forward takes every variant, its backward plain and causal
-    attention only."""
-    on = [f for f in VARIANTS if switches.get(f)]
-    if on and direction == "bwd":
-        return (f"the backward with {', '.join(on)} runs on the sm80 family (the sm90 family's backward has plain "
-                f"and causal attention only)")
-    return None
-
-
 def call_default(direction: str, head_dim: int, dtype: str, causal: bool, switches: dict,
                  profile: GpuProfile, head_dim_v: int | None = None) -> KernelConfig:
     """The built-in kernel of a call: the direction's default for its problem with the call's variant
-    switches (Variant.switches: align and VARIANTS) turned on. The sm90 family's plain default where
-    sm90_fallback allows it (a window takes the causal tiles, as FlashAttention-3's is_causal or
-    is_local; a key bias beside softcap or ALiBi fewer keys a tile, _sm90_biased_keys); else the sm80
-    family's, with the tiles for variant kernels where any switch is on. Attention chunks beside a
-    score modifier take fewer keys a tile on either family (_chunked_keys). A forward whose V head
-    dim differs (head_dim_v) takes _wide_v_config's kernel."""
+    switches (Variant.switches: align and VARIANTS) turned on. The sm90 family's plain default where it
+    is the GPU's (a window takes the causal tiles, as FlashAttention-3's is_causal or is_local; in the
+    forward a key bias beside softcap or ALiBi fewer keys a tile, _sm90_biased_keys; the backward with
+    a variant fewer queries a step, _sm90_variant_tiles); else the sm80 family's, with the tiles for
+    variant kernels where any switch is on. Forward attention chunks beside a score modifier take fewer
+    keys a tile on either family (_chunked_keys). A forward whose V head dim differs (head_dim_v) takes
+    _wide_v_config's kernel."""
     default = default_config if direction == "fwd" else default_backward_config
     banded = causal or bool(switches.get("window"))
     wide_v = {"head_dim_v": head_dim_v} if head_dim_v not in (None, head_dim) else {}  # the forward's only
-    if not wide_v and not sm90_fallback(switches, direction):
+    if not wide_v:
         plain = default(head_dim, dtype, banded, profile)
         if plain.family == "sm90":  # the plain tiles take the switches
-            if switches.get("key_bias") and (switches.get("softcap") or switches.get("alibi")):
-                plain = plain.replace(block_n=_sm90_biased_keys(head_dim, plain.block_n))
             if direction == "fwd":
+                if switches.get("key_bias") and (switches.get("softcap") or switches.get("alibi")):
+                    plain = plain.replace(block_n=_sm90_biased_keys(head_dim, plain.block_n))
                 plain = plain.replace(block_n=_chunked_keys("sm90", head_dim, plain.block_n, switches))
+            else:  # the backward's block_n is its consumer warpgroups' keys: fewer queries a step instead
+                plain = plain.replace(**_sm90_variant_tiles(head_dim, plain.block_m, switches))
             return plain.replace(causal=causal, **switches)
     heavy = switches.get("align", "top_left") != "top_left" or any(switches.get(f) for f in VARIANTS)
     config = default(head_dim, dtype, banded, profile, heavy, **wide_v)

@@ -16,7 +16,7 @@ from autoflash.kernels.checks import DTYPE_NAMES, check_config, check_like, chec
     empty_like_width
 from autoflash.kernels.compiler import compile_config
 from autoflash.kernels.config import HEAD_DIM_MAX, KernelConfig
-from autoflash.kernels.defaults import call_default, sm90_fallback
+from autoflash.kernels.defaults import call_default
 from autoflash.kernels.driver import check_driver
 from autoflash.kernels.gpus import GpuProfile, detect
 from autoflash.kernels.tensor_map import for_tensor
@@ -196,13 +196,15 @@ BWD_PARAMS = KernelParams(15, "q" * 22 + "iiiiii" + "ffff" + "i")  # q k v dout 
 # window_left window_right chunk; scale_log2 softcap_in softcap_out.
 SM90_FWD_NAMES = ("q", "k", "v", "out", "out", "lse", *_VARIANT_POINTERS)
 SM90_FWD_PARAMS = KernelParams(8, "q" * 6 + "i" * 6 + "fff", maps=4)
-# The sm90 family's backward (templates/flash_bwd_sm90.cu.j2): its delta kernel, o dout lse delta lse2;
-# o and dout strides, lse's two; seqlen_q padded_q. The main kernel: q k v dout maps; lse2 delta
-# dq_accum dk dv; dk and dv strides; seqlen_q seqlen_k padded_q group; scale scale_log2; n_block0.
-SM90_DELTA_NAMES = ("out", "dout", "lse", "delta", "lse2")
-SM90_DELTA_PARAMS = KernelParams(5, "q" * 8 + "ii")
-SM90_BWD_NAMES = ("q", "k", "v", "dout", "lse2", "delta", "dq_accum", "dk", "dv")
-SM90_BWD_PARAMS = KernelParams(5, "q" * 6 + "iiii" + "ff" + "i", maps=4)
+# The sm90 family's backward (templates/flash_bwd_sm90.cu.j2): its delta kernel, o dout lse delta lse2
+# cu_seqlens_q seq_end_q q_pad; o and dout strides, lse's two; seqlen_q padded_q. The main kernel: q k v
+# dout maps; lse2 delta dq_accum dk dv +6 variant pointers, q_pad; dk and dv strides, alibi_sb bias_sb;
+# seqlen_q seqlen_k padded_q group window_left window_right chunk; scale scale_log2 softcap_in
+# softcap_out; n_block0. q_pad (packed sequences): each sequence's first row in the padded buffers.
+SM90_DELTA_NAMES = ("out", "dout", "lse", "delta", "lse2", "cu_seqlens_q", "seq_end_q", "q_pad")
+SM90_DELTA_PARAMS = KernelParams(8, "q" * 8 + "ii")
+SM90_BWD_NAMES = ("q", "k", "v", "dout", "lse2", "delta", "dq_accum", "dk", "dv", *_VARIANT_POINTERS, "q_pad")
+SM90_BWD_PARAMS = KernelParams(12, "q" * 8 + "i" * 7 + "ffff" + "i", maps=4)
 DQ_PARAMS = KernelParams(13, "q" * 19 + "iiiiii" + "ffff")  # q k v dout lse delta dq +6; 5 x 3 strides +4;
 #                                       seqlen_q seqlen_k group +3; scale scale_log2 +2 (the dQ pass)
 
@@ -293,10 +295,7 @@ def variant_config(config: KernelConfig | None, direction: str, d: int, dtype: s
                    profile: GpuProfile, head_dim_v: int | None = None) -> KernelConfig:
     """The kernel a call launches: `config` (tuned or explicit) with the call's variant switches
     (kernels.variants.resolve) turned on, or the built-in one (defaults.call_default; `head_dim_v`:
-    V's head dim where it differs). A tuned or explicit sm90 config that cannot take the switches
-    (sm90_fallback: the sm90 backward with a variant) gives way to the built-in one."""
-    if config is not None and config.family == "sm90" and sm90_fallback(variant.switches, direction):
-        config = None
+    V's head dim where it differs)."""
     if config is None:
         return call_default(direction, d, dtype, causal, variant.switches, profile, head_dim_v)
     return with_variant(config, causal, variant)
@@ -307,8 +306,6 @@ def family_reason(config: KernelConfig, variant, profile: GpuProfile) -> str | N
     or the GPU has no sm90 family): what explain() says."""
     if profile.arch != "sm_90" or config.family == "sm90":
         return None
-    if why := sm90_fallback(variant.switches, config.direction):
-        return why
     if config.head_dim_v is not None:
         return (f"V's head dim {config.head_dim_v} differs from Q and K's {config.head_dim} (the sm90 family's kernels "
                 f"have one head dim)")
@@ -428,39 +425,68 @@ def summed_kv_heads(dk_x: torch.Tensor, dv_x: torch.Tensor, k: torch.Tensor, v: 
             torch.empty_like(v).copy_(dv_x.view(rows).sum(2, dtype=torch.float32)))
 
 
-def sm90_backward(config: KernelConfig, fns: dict, dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor,
-                  v: torch.Tensor, out: torch.Tensor, lse: torch.Tensor, scale: float, deterministic: bool):
-    """flash_backward on the sm90 family (plain and causal, (batch, heads, seqlen, d) tensors): the
-    delta kernel writes delta and the LSE in base 2 for query rows padded to whole tiles, the main
-    kernel adds dQ^T tile by tile into an fp32 buffer of those rows by bulk reductions (one launch
-    per key block when deterministic, so the adds come in a fixed order) and writes dK, dV per
-    query head (GQA: summed here); dQ is that buffer's tiles turned back into rows and scaled."""
-    b, hq, lq, d = q.shape
-    hkv, lk = k.shape[1], k.shape[2]
-    group = hq // hkv
-    padded = -(-lq // config.block_m) * config.block_m
-    delta = empty((b, hq, padded), torch.float32, q.device, "bhl", name="delta", contiguous=True)
-    lse2 = empty((b, hq, padded), torch.float32, q.device, "bhl", name="lse2", contiguous=True)
-    _call(fns[f"{config.name}_delta"], (-(-padded // 128), hq, b), 128, 0, q.device, SM90_DELTA_PARAMS,
-          (out, dout, lse, delta, lse2), (*_strides(out), *_strides(dout), lse.stride(0), lse.stride(1), lq, padded),
-          SM90_DELTA_NAMES)
-    rows = config.head_rows  # the head dim rounded up to 64: the kernel's dQ^T tiles have that many rows
-    dq_accum = zeros((b, hq, padded, rows), torch.float32, q.device, "bhld", name="dq_accum", contiguous=True)
-    dk_x, dv_x = kv_grad_buffers(k, v, hq, varlen=False)
+def sm90_backward(config: KernelConfig, fns: dict, variant, dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor,
+                  v: torch.Tensor, out: torch.Tensor, lse: torch.Tensor, scale: float, deterministic: bool, b: int,
+                  lq: int, lk: int):
+    """flash_backward on the sm90 family, tensors as the call gave them ((batch, heads, seqlen, d), or
+    packed (total, heads, d) rows; b, lq, lk the batch and its longest lengths): the delta kernel writes
+    delta and the LSE in base 2 for query rows padded to whole tiles (packed sequences each from its
+    own tile: q_pad), the main kernel adds dQ^T tile by tile into an fp32 buffer of those rows by bulk
+    reductions (one launch per key block when deterministic, so the adds come in a fixed order) and
+    writes dK, dV per query head (GQA: summed here); dQ is that buffer's tiles turned back into rows and
+    scaled."""
+    varlen, m = variant.varlen, config.block_m
     if dout.stride(-1) != 1 or any(s % 8 for s in dout.stride()[:-1]) or 0 in dout.stride():
         dout = dout.contiguous()  # TMA reads rows 16-byte aligned and apart (autograd may pass expanded zeros)
-    maps = tile_maps(config, (q, config.block_m), (k, config.block_n), (v, config.block_n), (dout, config.block_m))
+    q4, k4, v4, out4, dout4 = (heads_view(t) if varlen else t for t in (q, k, v, out, dout))
+    hq, d, hkv = q4.shape[1], q4.shape[3], k4.shape[1]
+    if varlen:  # FlashAttention-3's padded offsets: sequence s's tiles from (cu_seqlens_q[s] + s m) // m * m on
+        cu_q = variant.pointers[0]
+        q_pad = (cu_q[:-1] + torch.arange(b, dtype=torch.int32, device=q.device) * m) // m * m
+        padded, rows_shape = (q.shape[0] + b * m) // m * m, (hq,)
+    else:
+        q_pad, padded, rows_shape = None, -(-lq // m) * m, (b, hq)
+    dims = "hl" if varlen else "bhl"
+    delta = empty((*rows_shape, padded), torch.float32, q.device, dims, name="delta", contiguous=True)
+    lse2 = empty((*rows_shape, padded), torch.float32, q.device, dims, name="lse2", contiguous=True)
+    rows = config.head_rows  # the head dim rounded up to 64: the kernel's dQ^T tiles have that many rows
+    dq_accum = zeros((*rows_shape, padded, rows), torch.float32, q.device, dims + "d", name="dq_accum",
+                     contiguous=True)
+    dk_x, dv_x = kv_grad_buffers(k, v, hq, varlen)
+    if variant.seqused:  # key rows past seqused_k are never written: no gradient
+        dk_x.zero_()
+        dv_x.zero_()
+    dk4, dv4 = (heads_view(dk_x), heads_view(dv_x)) if varlen else (dk_x, dv_x)
+    runs, start = [], 0
+    for sequences, pointers in variant.runs(b):  # with each run's q_pad from its first sequence on
+        runs.append((sequences, pointers, q_pad[start:] if varlen else None))
+        start += sequences
+    lse_sb, lse_sh, alibi_sb, bias_sb = variant.scalars(lse)
+    for sequences, (cu_seqlens_q, _, seq_end_q, *_), pad in runs:
+        _call(fns[f"{config.name}_delta"], (-(-(-(-lq // m) * m) // 128), hq, sequences), 128, 0, q.device,
+              SM90_DELTA_PARAMS, (out4, dout4, lse, delta, lse2, cu_seqlens_q, seq_end_q, pad),
+              (*_strides(out4, varlen), *_strides(dout4, varlen), lse_sb, lse_sh, lq, padded), SM90_DELTA_NAMES)
+    maps = tile_maps(config, (q4, m), (k4, config.block_n), (v4, config.block_n), (dout4, m))
     n_blocks = -(-lk // config.block_n)
-    scalars = (*_strides(dk_x), *_strides(dv_x), lq, lk, padded, group, scale, scale * LOG2E)
+    scalars = (*_strides(dk4, varlen), *_strides(dv4, varlen), alibi_sb, bias_sb, lq, lk, padded, hq // hkv,
+               *variant.window, scale, scale * LOG2E, *variant.softcap_factors(scale))
     for n_block0, blocks in ([(j, 1) for j in range(n_blocks)] if deterministic else [(0, n_blocks)]):
-        _call(fns[config.name], (blocks, hq, b), config.threads, config.smem_bytes, q.device, SM90_BWD_PARAMS,
-              (lse2, delta, dq_accum, dk_x, dv_x), (*scalars, n_block0), SM90_BWD_NAMES, maps)
+        for sequences, pointers, pad in runs if blocks else ():
+            _call(fns[config.name], (blocks, hq, sequences), config.threads, config.smem_bytes, q.device,
+                  SM90_BWD_PARAMS, (lse2, delta, dq_accum, dk_x, dv_x, *pointers, pad), (*scalars, n_block0),
+                  SM90_BWD_NAMES, maps)
     # Each query tile of dq_accum holds dQ^T as the kernel's tile keeps it (its DQ_AT: head-dim row
     # blocks of 64, query column groups of 8, warps, lanes' row lane / 4 and column pair lane % 4, then
     # row half and column): back to rows, scaled (the kernel adds unscaled dS K, as FA3's postprocess).
-    tiles = dq_accum.view(b, hq, padded // config.block_m, rows // 64, config.block_m // 8, 4, 8, 4, 2, 2)
+    tiles = dq_accum.view(-1, hq, padded // m, rows // 64, m // 8, 4, 8, 4, 2, 2)
     back = tiles.permute(0, 1, 2, 4, 7, 9, 3, 5, 8, 6)  # (query: group, pair, column), (d: block, warp, half, row)
-    dq = torch.empty_like(q).copy_(torch.mul(back, scale).reshape(b, hq, padded, rows)[:, :, :lq, :d])
+    by_row = torch.mul(back, scale).reshape(-1, hq, padded, rows)
+    if varlen:  # packed row i of sequence s: padded row q_pad[s] + i - cu_seqlens_q[s]
+        i = torch.arange(q.shape[0], device=q.device)
+        s = torch.searchsorted(cu_q.long(), i, right=True) - 1
+        dq = torch.empty_like(q).copy_(by_row[0][:, q_pad.long()[s] + i - cu_q.long()[s], :d].transpose(0, 1))
+    else:
+        dq = torch.empty_like(q).copy_(by_row[:, :, :lq, :d])
     return (dq, *summed_kv_heads(dk_x, dv_x, k, v))
 
 
@@ -532,9 +558,9 @@ def flash_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torc
     config = variant_config(config, "bwd", d, dtype, causal, variant, profile)
     check_config(config, d, dtype, causal, profile, "bwd")
     fns = kernel_functions(config, profile, q)
-    out4, dout4 = (heads_view(out), heads_view(dout)) if varlen else (out, dout)
     if config.family == "sm90":
-        return sm90_backward(config, fns, dout4, q4, k4, v4, out4, lse, scale, deterministic)
+        return sm90_backward(config, fns, variant, dout, q, k, v, out, lse, scale, deterministic, b, lq, lk)
+    out4, dout4 = (heads_view(out), heads_view(dout)) if varlen else (out, dout)
 
     # delta per query row; packed rows are one long sequence to it, (H, total_q) like the LSE
     delta = empty(lse_shape, torch.float32, q.device, "hl" if varlen else "bhl", name="delta", rows="q",

@@ -84,14 +84,14 @@ SM90_OVERHEAD_REGISTERS = 40
 
 def knob_sets(key: ProblemKey) -> list[dict[str, tuple]]:
     """The product spaces whose union is the key's space: one per kernel family it may run on (the
-    sm90 family besides sm80 for a forward, and a plain backward, on an sm_90 GPU where sm90_applies)."""
+    sm90 family besides sm80, forward and backward, on an sm_90 GPU where sm90_applies)."""
     if key.is_decode:
         return [DECODE_KNOBS]
     from autoflash.kernels.defaults import sm90_applies, sm90_backward_applies
     from autoflash.kernels.gpus import get_profile
 
     if key.direction == "bwd":
-        if key.variant == "plain" and sm90_backward_applies(key.head_dim, key.dtype, get_profile(key.gpu)):
+        if sm90_backward_applies(key.head_dim, key.dtype, get_profile(key.gpu)):  # it takes every variant too
             return [BACKWARD_KNOBS, SM90_BACKWARD_KNOBS]
         return [BACKWARD_KNOBS]
     if sm90_applies(key.head_dim, key.dtype, get_profile(key.gpu)):  # the sm90 forward takes every variant
