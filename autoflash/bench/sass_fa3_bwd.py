@@ -5,8 +5,14 @@ The first run downloads the `dew-flash-attn-cu13` wheel from PyPI once (78 MB; o
 library, libdew_flash_attn3.so, 18 MB, is kept: the wheel's other library is FlashAttention-2, sm_80 and
 sm_120 only) into <workdir>/fa3bwd. cuobjdump extracts its sm_90a cubins; their kernels are indexed by the
 template arguments of their demangled `CollectiveMainloopBwdSm90<...>` (tile, dtype, causal, deterministic,
-...), and the kernel FA3 runs for a plain backward (non-deterministic, no varlen, softcap, local window or
-GQA epilogue) is disassembled with nvdisasm for head dims 64, 128, 192 and 256, bf16, causal off and on.
+...). This module's own main disassembles with nvdisasm the kernel FA3 runs for a plain backward
+(non-deterministic, no varlen, softcap, local window or GQA epilogue) at head dims 64, 128, 192 and 256, bf16,
+causal off and on. The side-by-side with autoflash's sm90 backward (side_by_side, for `python -m autoflash.bench
+sass --fa3`) takes those plain kernels at COMPARED_HEAD_DIMS and, at each of them, the variants the library holds
+that autoflash's sm90 backward has a counterpart of (VARIANT_ROWS): FA3's local (sliding window) kernel against
+our window kernel, its varlen kernel, causal off and on, against our varlen kernels; FA3's picks are
+non-deterministic and non-GQA, as the plain ones are, and our side is the kernel a call with those switches
+launches (kernels.defaults.call_default). The library holds no softcap backward kernel.
 
 What is counted: FA3's backward main kernel gives each CTA one key/value block (n_block) and loops over the
 query blocks (m_block); one trip of that loop runs the five GEMMs of one query tile (S = Q K^T, dP = dO V^T,
@@ -162,16 +168,23 @@ def fa3_bwd_index(cubins: Path) -> list[Fa3BwdKernel]:
     return found
 
 
-def pick_fa3_bwd(index: list[Fa3BwdKernel], d: int, causal: bool, dtype: str = "bf16") -> Fa3BwdKernel:
-    """The kernel FA3 runs for a plain (or causal) backward at head dim d: non-deterministic, no varlen,
-    softcap or local window, and the plain (non-GQA) epilogue."""
-    plain = [k for k in index if k.dtype == dtype and k.head_dim == d and k.causal == causal
-             and not any(k.flags[f] for f in ("local", "softcap", "varlen", "deterministic", "gqa"))]
-    if len(plain) != 1:
+_SWITCHES = ("local", "softcap", "varlen")  # the variant flags a pick names; deterministic and GQA are never picked
+
+
+def pick_fa3_bwd(index: list[Fa3BwdKernel], d: int, causal: bool, dtype: str = "bf16",
+                 on: tuple[str, ...] = ()) -> Fa3BwdKernel:
+    """The kernel FA3 runs for a backward at head dim d with the switches `on` (of _SWITCHES) and no other:
+    by default a plain (or causal) backward, no varlen, softcap or local window; always non-deterministic,
+    with the plain (non-GQA) epilogue."""
+    if set(on) - set(_SWITCHES):
+        raise ValueError(f"unknown FA3 backward switches {sorted(set(on) - set(_SWITCHES))}, expected of {_SWITCHES}")
+    found = [k for k in index if k.dtype == dtype and k.head_dim == d and k.causal == causal
+             and all(k.flags[f] == (f in on) for f in _SWITCHES) and not k.deterministic and not k.flags["gqa"]]
+    if len(found) != 1:
         have = sorted({(k.head_dim, k.dtype) for k in index})
-        raise RuntimeError(f"FA3 backward index: {len(plain)} {dtype} kernels for d={d} causal={causal}, expected 1 "
-                           f"(the index has head dim, dtype {have})")
-    return plain[0]
+        raise RuntimeError(f"FA3 backward index: {len(found)} {dtype} kernels for d={d} causal={causal} with "
+                           f"{on or 'no switch'}, expected 1 (the index has head dim, dtype {have})")
+    return found[0]
 
 
 def _gemm_share(rows: int, cols: int, depth: int, atom_m: int, atom_n: int, what: str) -> tuple[str, int]:
@@ -269,7 +282,8 @@ def measure(k: Fa3BwdKernel, text: str, registers: int, spill: int) -> dict:
     eq = _equivalents(tile)
     inline = inline_instructions(text, steady.header_addr) / trips
     c = steady.counts
-    row = {"kernel": f"FlashAttnBwdSm90 {k.dtype} d{k.head_dim}{' causal' if k.causal else ''}",
+    what = "".join(f" {f}" for f in _SWITCHES if k.flags[f]) + (" causal" if k.causal else "")
+    row = {"kernel": f"FlashAttnBwdSm90 {k.dtype} d{k.head_dim}{what}",
            "symbol": k.symbol, "cubin": k.cubin,
            "tile": f"{k.block_m}x{k.block_n} {k.warpgroups}WG",
            "swapAB": "".join(n for n, f in (("SdP ", "sdp_swapab"), ("dKV ", "dkv_swapab"), ("dQ", "dq_swapab"))
@@ -314,17 +328,41 @@ def collect_fa3_bwd(workdir: Path, log=print, dtype: str = "bf16") -> list[dict]
 # The side-by-side with autoflash's sm90 backward (python -m autoflash.bench sass --fa3): the head dims of the
 # Hopper backward issue's target.
 COMPARED_HEAD_DIMS = (64, 128, 256)
+# The variants of FA3's backward library that autoflash's sm90 backward has a counterpart of, at each of
+# COMPARED_HEAD_DIMS: (FA3's flags, causal, autoflash's switches), as sass_fa3.VARIANT_ROWS for the forward. FA3's
+# local kernel (is_local, not is_causal) against our window, aligned bottom right as FA3's window is; FA3's varlen,
+# causal off and on. Each side's tiles are its own default for the call (FA3: run_mha_bwd_hdim* in
+# hopper/flash_bwd_launch_template.h with its flags; autoflash: kernels.defaults.call_default). The library holds no
+# softcap backward kernel.
+VARIANT_ROWS = ((("local",), False, dict(window=True, align="bottom_right")),
+                (("varlen",), False, dict(varlen=True)),
+                (("varlen",), True, dict(varlen=True, align="bottom_right")))
+
+
+def compared_pairs(index: list[Fa3BwdKernel], profile) -> list[tuple[Fa3BwdKernel, object]]:
+    """(FA3's kernel, autoflash's KernelConfig) for each row pair of the side-by-side: at COMPARED_HEAD_DIMS, the
+    plain bf16 backward, causal off and on, then VARIANT_ROWS; our side is the built-in kernel a call with those
+    switches launches (call_default; with none, default_backward_config's)."""
+    from autoflash.kernels.defaults import call_default
+
+    pairs = []
+    for d in COMPARED_HEAD_DIMS:
+        for on, causal, switches in [((), False, {}), ((), True, {})] + list(VARIANT_ROWS):
+            pairs.append((pick_fa3_bwd(index, d, causal, on=on), call_default("bwd", d, "bf16", causal, switches,
+                                                                              profile)))
+    return pairs
 
 
 def ours_row(cfg, text: str, registers: int, spill: int) -> dict:
     """autoflash's sm90 backward kernel as a row of the side-by-side, per consumer warp and query tile, counted
-    as sass_fa3 counts the forward: its loop over query tiles, or with the masked tiles peeled into a loop of
-    their own (head dims up to 64), the unmasked loop as the steady one and the masked one beside it (in the
-    one loop the mask sits behind a uniform branch, counted as taken). Also in-line, as FA3's rows are
-    (inline_instructions: without the out-of-line mbarrier retry paths)."""
+    as sass_fa3 counts the forward: its loop over query tiles, or with the masked tiles peeled into loops of
+    their own (head dims up to 64: the first tiles, and with a window the last ones too, as FA3 peels them),
+    the unmasked loop as the steady one and the costliest masked one beside it (in the one loop the mask sits
+    behind a uniform branch, counted as taken). Also in-line, as FA3's rows are (inline_instructions: without
+    the out-of-line mbarrier retry paths)."""
     loops = sass.hgmma_loops(text)
-    if len(loops) not in (1, 2) or any(lp.shapes != loops[0].shapes for lp in loops):
-        raise RuntimeError(f"{cfg.name}: loops holding HGMMA {[lp.shapes for lp in loops]}, expected one or two "
+    if len(loops) not in (1, 2, 3) or any(lp.shapes != loops[0].shapes for lp in loops):
+        raise RuntimeError(f"{cfg.name}: loops holding HGMMA {[lp.shapes for lp in loops]}, expected one to three "
                            f"over query tiles, each a tile's GEMMs")
     tile = f"{cfg.block_m}x{cfg.block_n} {cfg.consumer_groups}WG" + (" dKV split" if cfg.dkv_split else "")
     row = _row("autoflash", cfg.name, tile, text, registers, spill)
@@ -334,12 +372,12 @@ def ours_row(cfg, text: str, registers: int, spill: int) -> dict:
 
 
 def side_by_side(workdir: Path, log=print) -> tuple[list[dict], bool]:
-    """(rows, every autoflash row meets the target): FA3's plain bf16 backward and the H100's built-in
-    backward at COMPARED_HEAD_DIMS, causal off and on. A row meets the target where both its counts, with the
-    out-of-line retry paths and in-line, are at or below FA3's and nothing spills. Where the built-in backward
-    is not the sm90 family, autoflash's row says so and misses the target."""
+    """(rows, every autoflash row meets the target): FA3's bf16 backward and the kernel the H100's built-in
+    backward launches for the same call, at COMPARED_HEAD_DIMS: plain, causal off and on, then VARIANT_ROWS
+    (compared_pairs). A row meets the target where both its counts, with the out-of-line retry paths and in-line,
+    are at or below FA3's and nothing spills. Where the built-in backward is not the sm90 family, autoflash's
+    row says so and misses the target."""
     from autoflash.kernels.compiler import compile_config
-    from autoflash.kernels.defaults import default_backward_config
     from autoflash.kernels.gpus import get_profile
 
     workdir = Path(workdir).expanduser()
@@ -347,30 +385,31 @@ def side_by_side(workdir: Path, log=print) -> tuple[list[dict], bool]:
     index = fa3_bwd_index(cubins)
     tool = cuobjdump(workdir)
     profile = get_profile("h100")
+    listings: dict[str, dict[str, str]] = {}
     rows, verdicts = [], []
-    for d in COMPARED_HEAD_DIMS:
-        for causal in (False, True):
-            k = pick_fa3_bwd(index, d, causal)
-            log(f"FA3 bwd {k.symbol[:60]}... ({k.cubin})")
-            regs, local = _registers(tool, cubins / k.cubin, k.symbol)
-            theirs = measure(k, sass.functions(_listing(cubins / k.cubin))[k.symbol], regs, local)
-            rows.append({"side": "FA3", **theirs})
-            cfg = default_backward_config(d, "bf16", causal, profile)
-            if cfg.family != "sm90":
-                rows.append({"side": "autoflash", "kernel": f"{cfg.name} (sm80 family: no sm90 backward at d{d})",
-                             "meets target": "NO"})
-                verdicts.append(False)
-                continue
-            log(f"autoflash {cfg.name}")
-            compiled = compile_config(cfg, profile.arch)  # the sm90 gate: no serialization notices, no spills
-            res = compiled.resources
-            ours = ours_row(cfg, sass.disassemble(compiled.cubin_path, cfg.name), res.registers,
-                            res.spill_stores + res.spill_loads)
-            meets = (ours["insns/eq"] <= theirs["insns/eq"] and ours["in-line insns/eq"] <= theirs["in-line insns/eq"]
-                     and not ours["spill bytes"])
-            ours["meets target"] = "yes" if meets else "NO"
-            verdicts.append(ours["meets target"] == "yes")
-            rows.append(ours)
+    for k, cfg in compared_pairs(index, profile):
+        log(f"FA3 bwd {k.symbol[:60]}... ({k.cubin})")
+        if k.cubin not in listings:
+            listings[k.cubin] = sass.functions(_listing(cubins / k.cubin))
+        regs, local = _registers(tool, cubins / k.cubin, k.symbol)
+        theirs = measure(k, listings[k.cubin][k.symbol], regs, local)
+        rows.append({"side": "FA3", **theirs})
+        if cfg.family != "sm90":
+            rows.append({"side": "autoflash",
+                         "kernel": f"{cfg.name} (sm80 family: no sm90 backward at d{cfg.head_dim})",
+                         "meets target": "NO"})
+            verdicts.append(False)
+            continue
+        log(f"autoflash {cfg.name}")
+        compiled = compile_config(cfg, profile.arch)  # the sm90 gate: no serialization notices, no spills
+        res = compiled.resources
+        ours = ours_row(cfg, sass.disassemble(compiled.cubin_path, cfg.name), res.registers,
+                        res.spill_stores + res.spill_loads)
+        meets = (ours["insns/eq"] <= theirs["insns/eq"] and ours["in-line insns/eq"] <= theirs["in-line insns/eq"]
+                 and not ours["spill bytes"])
+        ours["meets target"] = "yes" if meets else "NO"
+        verdicts.append(meets)
+        rows.append(ours)
     return rows, all(verdicts)
 
 
