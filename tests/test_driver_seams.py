@@ -13,7 +13,7 @@ import torch
 
 import sampling
 
-from autoflash.kernels.defaults import default_backward_config, default_config
+from autoflash.kernels.defaults import call_default, default_backward_config, default_config
 from autoflash.kernels.gpus import get_profile
 from autoflash.kernels.launch import sm90_maps, tile_maps
 from autoflash.kernels.tensor_map import DATA_TYPES, SWIZZLES, for_tensor
@@ -196,7 +196,7 @@ def _every_default_kernel():
                 configs.add((default_backward_config(d, "fp16", causal, prof), prof.arch))
             configs.add((default_config(d, "bf16", True, prof, True).replace(
                 causal=False, window=True, softcap=True, alibi=True, varlen=True, align="bottom_right"), prof.arch))
-            configs.add((default_backward_config(d, "bf16", False, prof, True).replace(key_bias=True), prof.arch))
+            configs.add((call_default("bwd", d, "bf16", False, {"key_bias": True}, prof), prof.arch))
             configs.add((default_decode_config(d, "bf16", prof, 256).replace(paged=True, split=True), prof.arch))
             configs.add((default_decode_config(d, "bf16", prof, None, False, True).replace(  # FA3's varlen, pages of 4
                 causal=True, align="bottom_right", varlen=True, paged=True, gather=True, split=True), prof.arch))

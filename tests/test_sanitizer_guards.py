@@ -67,7 +67,7 @@ MUTATIONS = {
     # the sm90 backward's dQ reduction one query row longer than its tile: past the padded
     # accumulator's end at the last tile of the last head
     "dq-sm90": ("bwd", "dq_tile, BLOCK_M * D_ROWS * 4, L2_EVICT_LAST);", "dq_tile, (BLOCK_M + 1) * D_ROWS * 4, L2_EVICT_LAST);",
-                [*SHAPE, "--backward"], "flash_bwd_sm90.cu.j2", "bulk_reduce_add(dq_first + it * (BLOCK_M",
+                [*SHAPE, "--backward"], "flash_bwd_sm90.cu.j2", "bulk_reduce_add(dq_next, dq_tile",
                 "dq_accum"),
     # a store far past every tensor: memory of no tensor of the launch (the block stops before it)
     "wild-write": ("fwd", "lse_base[m_start + row] = row_lse(row_max[mt][h], l);",

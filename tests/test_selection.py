@@ -5,6 +5,7 @@ import re
 import warnings
 
 import pytest
+import torch
 
 from autoflash.dispatch import selection
 from autoflash.kernels import resources
@@ -138,6 +139,25 @@ def test_an_untuned_variant_falls_back_to_its_default(_folders):
         assert sel.key == key and sel.origin == HEURISTIC and sel.config == default_for(key, H100)
         assert sel.config.variants == (variant,)
     assert select_config(H100, "fwd", "bf16", 128, True, 4096).config == _cfg(64, 96, 4)
+
+
+def test_a_tuned_sm90_backward_takes_no_switch_its_key_lacks(_folders):
+    """A varlen key's tuned sm90 backward serves packed calls; one with a window or softcap besides takes
+    the built-in tiles for those switches (the sm90 backward's depend on them: the tuned tiles were
+    compiled with the key's switches alone)."""
+    from autoflash.dispatch.variant_ops import tuned_selection
+
+    user, _ = _folders
+    key = ProblemKey("h100", "bwd", "bf16", 128, True, "le4k", "varlen")
+    tuned = KernelConfig(block_m=80, block_n=128, num_warps=8, family="sm90", **key.config_fields())
+    path = _write_entry(user, key, tuned)
+    q = torch.zeros(1, 4, 128, dtype=torch.bfloat16)
+    call = dict(window=(-1, -1), softcap=0.0, alibi_slopes=None, key_bias=None, align="bottom_right", causal=True,
+                cu_seqlens_k=torch.zeros(2, dtype=torch.int32))
+    sel = tuned_selection(H100, q, "bwd", call, 4096)
+    assert sel.config == tuned and sel.origin == f"tuned table {path}"
+    for more in (dict(window=(64, 0)), dict(softcap=5.0), dict(key_bias=torch.zeros(1, 1))):
+        assert tuned_selection(H100, q, "bwd", {**call, **more}, 4096) is None, more
 
 
 def test_the_variant_is_part_of_the_cache_key():

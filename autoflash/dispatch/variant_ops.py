@@ -87,6 +87,13 @@ def tuned_selection(profile, q: torch.Tensor, direction: str, kw: dict, seqlen_k
                                   variant=variant)
     except ValueError:  # a variant with no tuner key (e.g. fp32): the built-in tiles
         return None
+    # The sm90 backward's tiles depend on the switches (defaults._sm90_variant_tiles): a config tuned for
+    # a window or varlen key was compiled with that key's switches alone, so a call with more takes the
+    # built-in tiles for them.
+    more = kw["softcap"] or kw["alibi_slopes"] is not None or kw["key_bias"] is not None \
+        or (variant == "varlen" and windowed)
+    if more and direction == "bwd" and selection.config.family == "sm90":
+        return None
     return None if selection.origin.startswith(HEURISTIC) else selection
 
 
