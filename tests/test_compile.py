@@ -115,7 +115,7 @@ def defaults():
     decode = {(default_decode_config(d, dt, prof, None, False), arch)
               for d in HEAD_DIMS for dt in ("fp16", "bf16") for arch, prof in ARCH_PROFILES.items()}
     # The sm90 family's defaults at every head dim it takes (multiples of 16): ptxas releases differ at
-    # single head dims (12.9 and 13.0.88 spill d = 208's forward and d = 80's backward).
+    # single head dims (12.9 and 13.0.88 spill d = 208's forward).
     h100 = ARCH_PROFILES["sm_90"]
     sm90 = {(make(d, "bf16", c, h100), "sm_90") for make in (default_config, default_backward_config)
             for d in range(32, 257, 16) for c in (False, True)}

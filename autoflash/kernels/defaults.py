@@ -54,8 +54,6 @@ STACK_SPILLS = (
     StackSpill(("sm_80", "sm_90"), "sm80", "fwd", ("fp32",), (40,), _BOTH, (64, 32, 4), (13, 5),
                "12-20 bytes under 12.1, 12.9 and 13.0.88"),
     StackSpill(("sm_90",), "sm90", "fwd", _16BIT, (208,), _BOTH, None, (13, 5), "16 bytes under 12.9 and 13.0.88"),
-    StackSpill(("sm_90",), "sm90", "bwd", _16BIT, (80,), (False,), None, (13, 5), "8 bytes under 12.9 and 13.0.88"),
-    StackSpill(("sm_90",), "sm90", "bwd", _16BIT, (128,), (False,), None, (12, 9), "4 bytes under 12.1"),
 )
 
 
@@ -158,8 +156,9 @@ def _sm90_biased_keys(head_dim: int, block_n: int) -> int:
 
 
 def _sm90_variant_tiles(head_dim: int, block_m: int, switches: dict) -> dict:
-    """The sm90 backward's tiles with a variant switch (VARIANTS; the alignment and packed sequences
-    alone keep the plain ones, as FlashAttention-3's varlen backward does), as KernelConfig.replace
+    """The sm90 backward's tiles with a variant switch (VARIANTS; the alignment alone keeps the plain
+    ones, and packed sequences alone up to d = 64, as FlashAttention-3's varlen backward does: at
+    d = 128 NVRTC 12.1 and 12.8 spilled 4-16 B on its 80 queries a step), as KernelConfig.replace
     arguments. Up to d = 128 a consumer thread holds S^T, dP^T and dK, dV of 64 keys, and a window's
     second limit, softcap's tanh or ALiBi's distances spilled 4-232 bytes on the plain tiles (128, 96 and
     80 queries a step; NVRTC 13.5). Up to d = 64, 96 queries (FlashAttention-3's causal softcap tile
@@ -169,7 +168,7 @@ def _sm90_variant_tiles(head_dim: int, block_m: int, switches: dict) -> dict:
     beside any other switch spilled 4-28 bytes on those: there the two warpgroups share 64 keys
     (dkv_split), which every switch set compiles clean. Above d = 128 (dK and dV split already) the
     plain tiles take every switch."""
-    if head_dim > 128 or not any(switches.get(f) for f in VARIANTS if f != "varlen"):
+    if head_dim > 128 or not any(switches.get(f) for f in VARIANTS if f != "varlen" or head_dim > 64):
         return {}
     twice = sum(bool(switches.get(f)) for f in ("softcap", "alibi", "key_bias")) > 1
     banded = switches.get("window") and sum(bool(switches.get(f)) for f in VARIANTS) > 1  # a window and more
