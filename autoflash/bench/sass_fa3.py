@@ -186,8 +186,10 @@ leaves those paths out (the issue's 1.28 for FA3 at d128), and a row meets the t
 autoflash's sm90 backward peels the masked tiles into a loop of their own at d = 64 (as FA3 does) and keeps the
 causal mask behind a uniform branch in its one loop above (counted as taken, as FA3's). At d = 256 its two
 warpgroups share 64 keys, one accumulating dV^T and the other dK^T (dkv_split; FA3's dKV_swapAB splits both by
-head-dim halves over 80 keys). Target (the Hopper backward issue): insns/eq at or below FA3's at d 64, 128, 256,
-causal off and on, no spills, no serialization notices."""
+head-dim halves over 80 keys). Beside the plain rows, FA3's local (windowed), varlen and causal varlen backward
+kernels at each head dim against the kernels autoflash launches for those calls (sass_fa3_bwd.VARIANT_ROWS).
+Target (the Hopper backward issue): insns/eq at or below FA3's at d 64, 128, 256, causal off and on, and for
+each variant row, no spills, no serialization notices."""
 
 
 def render(report: dict, command: str, date: str) -> str:
