@@ -28,7 +28,7 @@ from autoflash.reference.backward import attention_backward_ref
 from autoflash.reference.forward import attention_ref, attention_varlen_ref, within_tolerance
 
 from gpu_inputs import device
-from variant_inputs import VARIANTS, arguments
+from variant_inputs import SM90_VARIANT_PAIRS as VARIANT_PAIRS, VARIANTS, arguments
 
 PAIRS = ((113, 203), (1, 239), (256, 128))  # flash-attn's (Lq, Lk) at emulator sizes; Lq > Lk too
 HEADS = ((4, 2), (3, 1))  # GQA, MQA (MHA: the sanitizer test)
@@ -105,7 +105,6 @@ def test_sm90_backward_meets_flashattention_rule(target, d, dtype, causal, sched
 # keys at d = 96, 32 queries a step above. Dense batches of two: batch 1 of "padding" sees no key at all.
 VARIANT_SCHEDULES = {64: (64, 64, 4, 2), 96: (64, 64, 8, 2), 128: (48, 64, 4, 2), 192: (32, 64, 8, 1),
                      256: (32, 64, 8, 2)}
-VARIANT_PAIRS = ((113, 203), (77, 1), (203, 113))
 
 
 def check_variant(grads, q, k, v, dout, kw, ref_of=attention_backward_ref):

@@ -24,7 +24,7 @@ from autoflash.kernels.launch import flash_backward, flash_forward
 from autoflash.reference.forward import attention_ref, attention_varlen_ref, within_tolerance
 
 from gpu_inputs import device
-from variant_inputs import VARIANTS, arguments
+from variant_inputs import SM90_VARIANT_PAIRS as VARIANT_PAIRS, VARIANTS, arguments
 
 # (Lq, Lk) from flash-attn's tests (tests/test_flash_attn.py), at sizes the emulator runs quickly;
 # Lq > Lk too (bottom-right: rows that see no key)
@@ -94,9 +94,6 @@ def test_sm90_forward_meets_flashattention_rule(target, d, dtype, causal, schedu
 # The variants (tests/variant_inputs.py) on the family's schedules: every head dim FlashAttention-3
 # tests, the defaults and the three schedules above, dense batches of two (batch 1 of "padding" sees no
 # key at all) and packed sequences.
-VARIANT_PAIRS = ((113, 203), (77, 1), (203, 113))
-
-
 @pytest.mark.sweep
 @pytest.mark.parametrize("pair", VARIANT_PAIRS, ids=lambda p: f"{p[0]}x{p[1]}")
 @pytest.mark.parametrize("schedule", sorted(SCHEDULES))

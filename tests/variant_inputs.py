@@ -27,6 +27,10 @@ VARIANTS = {
     "chunk-window": dict(attention_chunk=50, window=(20, 5), align="bottom_right"),
 }
 
+# (Lq, Lk) of the sm90 family's variant sweeps (test_sm90_forward.py, test_sm90_backward.py): fewer
+# queries than keys, one key, more queries than keys.
+SM90_VARIANT_PAIRS = ((113, 203), (77, 1), (203, 113))
+
 
 def arguments(spec: dict, b: int, hq: int, lk: int, dev: str, g: torch.Generator) -> dict:
     """The launcher's keyword arguments for a VARIANTS entry; padding: batch 0 keeps a random prefix

@@ -122,7 +122,7 @@ def kernel_plan(profile, q, k, kw: dict, directions=("fwd", "bwd"), head_dim_v: 
                                 dims[1])
         origin = tuned.origin if tuned else HEURISTIC + (", the tiles for the call's variant switches"
                                                           if variant.needs_registers and config.family == "sm80" else "")
-        why = family_reason(config, variant, profile)
+        why = family_reason(config, profile)
         origin += f"; family sm80 on this sm_90 GPU: {why}" if why else ""
         note = None if tuned else stack_note(config, profile)
         origin += f"; {note}" if note and note not in origin else ""

@@ -168,10 +168,11 @@ def _sm90_variant_tiles(head_dim: int, block_m: int, switches: dict) -> dict:
     beside any other switch spilled 4-28 bytes on those: there the two warpgroups share 64 keys
     (dkv_split), which every switch set compiles clean. Above d = 128 (dK and dV split already) the
     plain tiles take every switch."""
-    if head_dim > 128 or not any(switches.get(f) for f in VARIANTS if f != "varlen" or head_dim > 64):
+    on = [f for f in VARIANTS if switches.get(f)]
+    if head_dim > 128 or not on or (on == ["varlen"] and head_dim <= 64):
         return {}
-    twice = sum(bool(switches.get(f)) for f in ("softcap", "alibi", "key_bias")) > 1
-    banded = switches.get("window") and sum(bool(switches.get(f)) for f in VARIANTS) > 1  # a window and more
+    twice = sum(f in on for f in ("softcap", "alibi", "key_bias")) > 1
+    banded = "window" in on and len(on) > 1  # a window and more
     if head_dim <= 64:
         return {"block_m": min(block_m, 64 if twice or banded else 96)}
     if head_dim > 112 and banded:
@@ -365,7 +366,7 @@ def default_backward_config(head_dim: int, dtype: str, causal: bool, profile: Gp
                             variant: bool = False, family: str | None = None) -> KernelConfig:
     """The built-in backward config for the profile's arch: the first preferred tile that fits its
     shared memory, with the stage count _first_fitting picks among those the candidate allows.
-    `variant` and `family` as for default_config. On sm_90 GPUs a plain or causal backward (no
+    `variant` and `family` as for default_config. On sm_90 GPUs the backward (with or without
     `variant`) is the sm90 family's where sm90_backward_applies and the installed NVRTC compiles it
     clean."""
     if _family_wanted(family, sm90_backward_applies(head_dim, dtype, profile), "bwd", dtype, head_dim, causal,

@@ -301,7 +301,7 @@ def variant_config(config: KernelConfig | None, direction: str, d: int, dtype: s
     return with_variant(config, causal, variant)
 
 
-def family_reason(config: KernelConfig, variant, profile: GpuProfile) -> str | None:
+def family_reason(config: KernelConfig, profile: GpuProfile) -> str | None:
     """Why a forward or backward on an sm_90 GPU runs on the sm80 family (None where it runs on sm90,
     or the GPU has no sm90 family): what explain() says."""
     if profile.arch != "sm_90" or config.family == "sm90":
@@ -404,15 +404,18 @@ def sm90_maps(config: KernelConfig, q: torch.Tensor, k: torch.Tensor, v: torch.T
     return tile_maps(config, (q, 64), (k, config.block_n), (v, config.block_n), (out, 64))
 
 
-def kv_grad_buffers(k: torch.Tensor, v: torch.Tensor, heads_q: int, varlen: bool) -> tuple:
+def kv_grad_buffers(k: torch.Tensor, v: torch.Tensor, heads_q: int, varlen: bool, zero: bool) -> tuple:
     """The dK, dV buffers a backward kernel writes, for k, v of (batch, heads_kv, seqlen_k, d) or,
     packed, (total_k, heads_kv, d): like k and v, or per query head (heads_q in place of heads_kv)
-    where query heads share a K/V head (GQA/MQA), for summed_kv_heads to sum."""
+    where query heads share a K/V head (GQA/MQA), for summed_kv_heads to sum. `zero`: filled with 0
+    first, where the kernels leave rows unwritten (the key rows past seqused_k: no gradient)."""
     dims = "lhd" if varlen else "bhld"
     if heads_q == k.shape[1]:
-        return (empty_like(k, dims, name="dk", rows="k"), empty_like(v, dims, name="dv", rows="k"))
-    shape = (k.shape[0], heads_q, *k.shape[2:])
-    return tuple(empty(shape, k.dtype, k.device, dims, name=n, rows="k") for n in ("dk", "dv"))
+        bufs = (empty_like(k, dims, name="dk", rows="k"), empty_like(v, dims, name="dv", rows="k"))
+    else:
+        shape = (k.shape[0], heads_q, *k.shape[2:])
+        bufs = tuple(empty(shape, k.dtype, k.device, dims, name=n, rows="k") for n in ("dk", "dv"))
+    return tuple(b.zero_() for b in bufs) if zero else bufs
 
 
 def summed_kv_heads(dk_x: torch.Tensor, dv_x: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> tuple:
@@ -452,18 +455,16 @@ def sm90_backward(config: KernelConfig, fns: dict, variant, dout: torch.Tensor, 
     rows = config.head_rows  # the head dim rounded up to 64: the kernel's dQ^T tiles have that many rows
     dq_accum = zeros((*rows_shape, padded, rows), torch.float32, q.device, dims + "d", name="dq_accum",
                      contiguous=True)
-    dk_x, dv_x = kv_grad_buffers(k, v, hq, varlen)
-    if variant.seqused:  # key rows past seqused_k are never written: no gradient
-        dk_x.zero_()
-        dv_x.zero_()
+    dk_x, dv_x = kv_grad_buffers(k, v, hq, varlen, zero=variant.seqused)
     dk4, dv4 = (heads_view(dk_x), heads_view(dv_x)) if varlen else (dk_x, dv_x)
     runs, start = [], 0
     for sequences, pointers in variant.runs(b):  # with each run's q_pad from its first sequence on
         runs.append((sequences, pointers, q_pad[start:] if varlen else None))
         start += sequences
     lse_sb, lse_sh, alibi_sb, bias_sb = variant.scalars(lse)
+    longest = -(-lq // m) * m  # the longest sequence's rows padded to whole query tiles: a thread each
     for sequences, (cu_seqlens_q, _, seq_end_q, *_), pad in runs:
-        _call(fns[f"{config.name}_delta"], (-(-(-(-lq // m) * m) // 128), hq, sequences), 128, 0, q.device,
+        _call(fns[f"{config.name}_delta"], (-(-longest // 128), hq, sequences), 128, 0, q.device,
               SM90_DELTA_PARAMS, (out4, dout4, lse, delta, lse2, cu_seqlens_q, seq_end_q, pad),
               (*_strides(out4, varlen), *_strides(dout4, varlen), lse_sb, lse_sh, lq, padded), SM90_DELTA_NAMES)
     maps = tile_maps(config, (q4, m), (k4, config.block_n), (v4, config.block_n), (dout4, m))
@@ -574,10 +575,7 @@ def flash_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torc
     # dq_accum's rows are the LSE's, (B, H, L) or (H, total_q), each of d floats.
     dq_accum = None if dq_pass else zeros((*lse_shape, d), torch.float32, q.device, "hld" if varlen else "bhld",
                                                  name="dq_accum", rows="q", contiguous=True)
-    dk_x, dv_x = kv_grad_buffers(k, v, hq, varlen)
-    if variant.seqused:  # key rows past seqused_k are never written: no gradient
-        dk_x.zero_()
-        dv_x.zero_()
+    dk_x, dv_x = kv_grad_buffers(k, v, hq, varlen, zero=variant.seqused)
     dk4, dv4 = (heads_view(dk_x), heads_view(dv_x)) if varlen else (dk_x, dv_x)
     n_blocks, split = math.ceil(lk / config.block_n), config.head_split
     extra_scalars = variant.scalars(lse)
