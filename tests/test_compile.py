@@ -99,7 +99,8 @@ DECODE_SETS = (dict(),
 
 
 # V head dims of their own (head_dim_v; FlashAttention-3's pairs and (128, 256)): the forward's and the
-# KV-cache kernel's defaults, held to the variant and decode sets as the others are.
+# KV-cache kernel's defaults, held to the variant and decode sets as the others are (on sm_90 the sm90
+# family's forward to its own sets).
 HEAD_DIM_V_PAIRS = ((64, 256), (64, 512), (192, 128), (128, 256))
 QV_PAIRS = ((320, 256), (576, 512))  # FlashAttention-3's qv: Q and K with its columns appended (forward only)
 _NO_SWITCHES = dict(align="top_left", window=False, chunk=False, softcap=False, alibi=False, key_bias=False, varlen=False)
@@ -139,7 +140,8 @@ def switched_defaults():
     variants += [(_variant_default(direction, d, v, h100), "sm_90") for direction in ("fwd", "bwd")
                  for d in range(32, 257, 16) for v in SM90_VARIANT_SETS]
     variants += [(_variant_default("fwd", d, v, prof, dv), arch) for d, dv in HEAD_DIM_V_PAIRS + QV_PAIRS
-                 for v in VARIANT_SETS for arch, prof in ARCH_PROFILES.items()]
+                 for arch, prof in ARCH_PROFILES.items()
+                 for v in (SM90_VARIANT_SETS if arch == "sm_90" and d <= 256 else VARIANT_SETS)]
     decode = [(default_decode_config(d, dt, prof, 256 if v.get("paged") and not v.get("gather") else None,
                                      "window" in v or "key_bias" in v, bool(v.get("gather")), dv).replace(**v), arch)
               for d, dv in [(d, None) for d in HEAD_DIMS] + list(HEAD_DIM_V_PAIRS)

@@ -6,9 +6,10 @@ FlashAttention-3's test file pairs d = 64 with dv = 256 and 512 and d = 192 with
 test_flash_attn_output and the KV-cache test; gradients up to dv = 256); the issue adds (128, 256).
 Each case runs under FlashAttention-3's rule (autoflash.reference.forward.within_tolerance: out and
 the gradients within 2x, 3x with a softcap, of PyTorch's own error in the input dtype against the
-fp32 reference), on a GPU (`gpu` marker) and on the emulator (an H100: the forward on the sm80
-family, which has the switch; the padded backward on the sm90 family's where it takes the call); the
-emulated grid is sampled per run (conftest.py)."""
+fp32 reference), on a GPU (`gpu` marker) and on the emulator (an H100: the forward on the sm90
+family, V's 512 columns in two blocks of 256; the padded backward on the sm90 family's where it takes
+the call); the emulated grid is sampled per run (conftest.py). The sm80 forward's own tests run on an
+emulated A100 (test_sm80_family_meets_flashattention_rule)."""
 import pytest
 import torch
 
@@ -16,11 +17,13 @@ import autoflash
 from autoflash import flash_attn_func, flash_attn_varlen_func
 from autoflash.flash_attn_interface import flash_attn_func as fa3_flash_attn_func
 from autoflash.kernels.config import KernelConfig
+from autoflash.kernels.defaults import default_config
+from autoflash.kernels.gpus import get_profile
 from autoflash.kernels.launch import flash_backward, flash_forward
 from autoflash.reference.backward import attention_backward_ref
 from autoflash.reference.forward import attention_ref, attention_varlen_ref, within_tolerance
 
-from gpu_inputs import TORCH_DTYPES, device
+from gpu_inputs import EMULATED_GPU, TORCH_DTYPES, device
 from variant_inputs import VARIANTS, arguments
 
 DIMS = ((64, 256), (64, 512), (192, 128), (128, 256))  # (d, dv): FlashAttention-3's pairs and (128, 256)
@@ -35,7 +38,9 @@ NAMES = ("plain", "causal-br", "window-5-3", "softcap-2", "chunk-causal", "gemma
 @pytest.mark.parametrize("d", DIMS, ids=lambda p: f"d{p[0]}-dv{p[1]}")
 @pytest.mark.parametrize("dtype", ["fp16", "bf16"])
 @pytest.mark.parametrize("variant", NAMES)
-def test_head_dim_v_meets_flashattention_rule(target, variant, dtype, d, heads, pair):
+@pytest.mark.parametrize("family", ["default", "sm80"])
+def test_head_dim_v_meets_flashattention_rule(target, family, variant, dtype, d, heads, pair, launched):
+    """The built-in forward (on an H100 the sm90 family's) and the sm80 family's asked for."""
     (d, dv), (hq, hkv), (lq, lk) = d, heads, pair
     b, dev, dt = 2, device(target), TORCH_DTYPES[dtype]
     g = torch.Generator().manual_seed(hash((variant, dtype, d, dv, heads, pair)) % 2**31)
@@ -44,9 +49,15 @@ def test_head_dim_v_meets_flashattention_rule(target, variant, dtype, d, heads, 
     v = torch.randn(b, hkv, lk, dv, generator=g).to(dev, dt)
     dout = torch.randn(b, hq, lq, dv, generator=g).to(dev, dt)
     kw = {} if variant == "plain" else arguments(VARIANTS[variant], b, hq, lk, dev, g)
+    config = None
+    if family == "sm80":
+        config = default_config(d, dtype, False, get_profile(EMULATED_GPU if target == "emulated" else "a100"),
+                                variant=True, family="sm80", head_dim_v=dv)
 
-    out, lse = flash_forward(q, k, v, **kw)
+    out, lse = flash_forward(q, k, v, config=config, **kw)
     assert out.shape == (b, hq, lq, dv)
+    if target == "emulated":
+        assert launched[0].family == ("sm80" if family == "sm80" else "sm90"), launched[0].name
     up = [t.float() for t in (q, k, v)]
     ref_out, ref_lse = attention_ref(*up, **kw)
     torch_out, _ = attention_ref(q, k, v, upcast=False, **kw)
@@ -126,7 +137,7 @@ def test_output_width_is_vs_and_keeps_the_callers_layout():
 
 def test_fa3_api_runs_the_mla_shapes_and_explains_them():
     """FlashAttention-3's flash_attn_func with (d, dv) = (64, 512): out as wide as v, and explain() on an
-    H100 names the sm80 forward with two O slices and why, and no backward."""
+    H100 names the sm90 forward with two O slices, and no backward."""
     g = torch.Generator().manual_seed(5)
     q, k = (torch.randn(1, 20, 2, 64, generator=g).bfloat16() for _ in range(2))
     v = torch.randn(1, 20, 2, 512, generator=g).bfloat16()
@@ -140,7 +151,7 @@ def test_fa3_api_runs_the_mla_shapes_and_explains_them():
     plan = autoflash.explain(fa3_flash_attn_func, q, k, v, causal=True, gpu="h100")
     text = str(plan)
     assert plan.forward.config.head_dim_v == 512 and plan.forward.config.head_split == 2
-    assert plan.forward.config.family == "sm80" and "V's head dim 512 differs" in text
+    assert plan.forward.config.family == "sm90" and "sm90 (FlashAttention-3 design" in text
     assert plan.backward is None and "no backward" in text
 
 
@@ -157,7 +168,8 @@ def test_config_names_validates_and_sizes_the_v_head_dim():
         (dict(head_dim_v=300), "expected a multiple of 8"),
         (dict(head_dim_v=256, direction="bwd"), "zero-padded to the wider head dim"),
         (dict(head_dim_v=256, dtype="fp32", block_m=64), "fp16/bf16 forward"),
-        (dict(head_dim_v=256, family="sm90", block_m=64, block_n=128, num_warps=4), "family 'sm80'"),
+        (dict(head_dim_v=200, family="sm90", block_m=64, block_n=128, num_warps=4), "multiples of 16"),
+        (dict(head_dim_v=272, family="sm90", block_m=64, block_n=128, num_warps=4, head_split=2), "wgmma"),
         (dict(head_dim_v=200, head_split=2), "equal whole 16-column slices"),
     ]
     for changes, message in refusals:
@@ -269,3 +281,40 @@ def test_explain_says_how_qv_runs():
     assert plan.forward.config.head_dim == 320 and plan.forward.config.head_dim_v == 256
     assert "one product of [q, qv] with [k, v], Q and K 64 + 256 columns wide" in text
     assert plan.backward is None and "no backward" in text
+
+
+@pytest.mark.parametrize("schedule", ["default", "released-first"])
+def test_sm90_wide_v_forward_is_clean_under_the_sanitizer(schedule, launched):
+    """The sm90 forward with V's own head dim on guard-banded inputs at an odd GQA shape: (64, 512) in two
+    O slices with a causal window and softcap, (192, 128) with ALiBi bottom-right, and packed sequences
+    (0 and 1 among them) at (64, 256). No finding under either schedule, and each result within the rule."""
+    from autoflash import emulation
+    from autoflash.emulation.guards import guarded_randn
+
+    g = torch.Generator().manual_seed(7)
+    calls = []
+    for (d, dv), kw in (((64, 512), dict(window=(30, 0), softcap=4.0, align="bottom_right")),
+                        ((192, 128), dict(alibi_slopes=torch.rand(4, generator=g), causal=True, align="bottom_right"))):
+        q = guarded_randn(2, 4, 77, d, torch.bfloat16, g, "bshd")
+        k = guarded_randn(2, 2, 133, d, torch.bfloat16, g, "bshd")
+        v = guarded_randn(2, 2, 133, dv, torch.bfloat16, g, "bshd")
+        calls.append(((q, k, v), kw, attention_ref))
+    lens_q, lens_k = [0, 1, 70, 33], [5, 1, 80, 64]
+    cu = {name: torch.tensor([0] + torch.tensor(lens).cumsum(0).tolist(), dtype=torch.int32)
+          for name, lens in (("cu_seqlens_q", lens_q), ("cu_seqlens_k", lens_k))}
+    packed = [torch.randn(sum(n), h, w, generator=g).bfloat16()
+              for n, h, w in ((lens_q, 4, 64), (lens_k, 2, 64), (lens_k, 2, 256))]
+    calls.append((packed, dict(causal=True, align="bottom_right", max_seqlen_q=70, max_seqlen_k=80, **cu),
+                  attention_varlen_ref))
+    emulation.clear_findings()
+    with autoflash.emulate("h100", sanitize=True, schedule=schedule):
+        results = [flash_forward(*inputs, **kw) for inputs, kw, _ in calls]
+    assert [str(f) for f in emulation.findings()] == []
+    assert [(c.family, c.head_split) for c in launched] == [("sm90", 2), ("sm90", 1), ("sm90", 1)], launched
+    for (out, lse), (inputs, kw, ref_of) in zip(results, calls):
+        kw = {n: a for n, a in kw.items() if not n.startswith("max_seqlen")}
+        ref, ref_lse = ref_of(*(t.float() for t in inputs), **kw)
+        torch_out, _ = ref_of(*inputs, upcast=False, **kw)
+        ok, err, bound = within_tolerance(out, ref, torch_out, softcap=kw.get("softcap", 0.0))
+        assert ok, f"out: err {err:.3e} > bound {bound:.3e} ({sorted(kw)})"
+        assert within_tolerance(lse, ref_lse, ref_lse, atol=1e-3)[0]

@@ -1,7 +1,8 @@
 """`python -m autoflash.bench sass --fa3`: a static SASS side-by-side of autoflash's sm90 forward family
 and FlashAttention-3's own compiled forward kernels, bf16, head dims 64, 128 and 256, causal off and
-on, and at d = 128 the variants FA3's wheel holds (softcap and packed sequences, causal off and on:
-VARIANT_ROWS), the H100's defaults on both sides. Needs no GPU.
+on, at d = 128 the variants FA3's wheel holds (softcap and packed sequences, causal off and on:
+VARIANT_ROWS), and V head dims of their own (WIDE_V_ROWS), the H100's defaults on both sides. Needs no
+GPU.
 
 The first run downloads the `fa3-fwd` wheel from PyPI once (FlashAttention-3's hopper/ kernels built
 with CUDA 13.0, 28 MB; only its library is kept) and nvidia-cuda-cuobjdump, into --workdir. cuobjdump
@@ -52,6 +53,7 @@ class Fa3Kernel:
     block_n: int
     dtype: str
     flags: dict
+    head_dim_v: int = 0  # V's head dim (FA3's hdimV); 0 in an index cached before it was read
 
 
 def fa3_cubins(workdir: Path) -> Path:
@@ -79,7 +81,9 @@ def fa3_index(cubins: Path) -> list[Fa3Kernel]:
     """Every FlashAttnFwdSm90 kernel of the cubins, with its template arguments (cached in index.json)."""
     cached = cubins / "index.json"
     if cached.exists():
-        return [Fa3Kernel(**k) for k in json.loads(cached.read_text())]
+        index = [Fa3Kernel(**k) for k in json.loads(cached.read_text())]
+        if all(k.head_dim_v for k in index):  # else cached before V's head dim was read: index again
+            return index
     found = []
     for cubin in sorted(cubins.glob("*.sm_90a.cubin")):
         text = subprocess.run([sass.nvdisasm(), "-c", str(cubin)], capture_output=True, text=True, check=True).stdout
@@ -89,11 +93,9 @@ def fa3_index(cubins: Path) -> list[Fa3Kernel]:
             if m is None:
                 continue
             _, bm, bn, d, dv, element, flags = m.groups()
-            if d != dv:
-                continue
             found.append(Fa3Kernel(cubin.name, symbol, int(d), int(bm), int(bn),
                                    {"bfloat16_t": "bf16", "half_t": "fp16"}.get(element, element),
-                                   dict(zip(_FLAGS, (f == "true" for f in flags.split(", "))))))
+                                   dict(zip(_FLAGS, (f == "true" for f in flags.split(", ")))), int(dv)))
     cached.write_text(json.dumps([dataclasses.asdict(k) for k in found], indent=1))
     return found
 
@@ -106,17 +108,24 @@ VARIANT_ROWS = ((("softcap",), False, dict(softcap=True)),
                 (("softcap",), True, dict(softcap=True, align="bottom_right")),
                 (("varlen",), False, dict(varlen=True)),
                 (("varlen",), True, dict(varlen=True, align="bottom_right")))
+# V's head dim apart from Q and K's (FA3's hdimV, DeepSeek's MLA shapes), plain and causal: (d, dv) pairs
+# where both sides run one block per query tile. FA3's (64, 512) has its first consumer warpgroup hand P
+# to the second through shared memory, each computing 256 of O's columns; autoflash's runs two blocks of
+# 256 columns, each computing S: their loops are not alike, so that pair has no row.
+WIDE_V_ROWS = ((64, 256), (192, 128))
 
 
-def pick_fa3(index: list[Fa3Kernel], d: int, causal: bool, on: tuple[str, ...] = ()) -> Fa3Kernel:
-    """The bf16 kernel FA3 runs for a forward at head dim d with the switches `on` (of _SWITCHES) and no
-    other: by default a plain (or causal) forward, no local window, softcap, varlen, paging, appended
-    KV, Qv, packed GQA or split."""
-    found = [k for k in index if k.dtype == "bf16" and k.head_dim == d and k.flags["causal"] == causal
-             and all(k.flags[f] == (f in on) for f in _SWITCHES)]
+def pick_fa3(index: list[Fa3Kernel], d: int, causal: bool, on: tuple[str, ...] = (),
+             dv: int | None = None) -> Fa3Kernel:
+    """The bf16 kernel FA3 runs for a forward at head dim d (V's dv, by default d) with the switches `on`
+    (of _SWITCHES) and no other: by default a plain (or causal) forward, no local window, softcap, varlen,
+    paging, appended KV, Qv, packed GQA or split."""
+    dv = d if dv is None else dv
+    found = [k for k in index if k.dtype == "bf16" and (k.head_dim, k.head_dim_v) == (d, dv)
+             and k.flags["causal"] == causal and all(k.flags[f] == (f in on) for f in _SWITCHES)]
     if len(found) != 1:
-        raise RuntimeError(f"FA3 index: {len(found)} bf16 kernels for d={d} causal={causal} with {on or 'no switch'}, "
-                           f"expected 1")
+        raise RuntimeError(f"FA3 index: {len(found)} bf16 kernels for d={d} dv={dv} causal={causal} with "
+                           f"{on or 'no switch'}, expected 1")
     return found[0]
 
 
@@ -130,18 +139,19 @@ def collect(workdir: Path, log=print) -> dict:
     index = fa3_index(cubins)
     profile = get_profile("h100")
     rows, verdicts = [], []
-    plain = [((), causal, {}, d) for d in HEAD_DIMS for causal in (False, True)]  # then the variants
-    for on, causal, switches, d in plain + [(*row, 128) for row in VARIANT_ROWS]:
-        fa3 = pick_fa3(index, d, causal, on)
+    plain = [((), causal, {}, d, None) for d in HEAD_DIMS for causal in (False, True)]  # then the variants
+    wide = [((), causal, {}, d, dv) for d, dv in WIDE_V_ROWS for causal in (False, True)]
+    for on, causal, switches, d, dv in plain + [(*row, 128, None) for row in VARIANT_ROWS] + wide:
+        fa3 = pick_fa3(index, d, causal, on, dv)
         log(f"FA3 {fa3.symbol[:60]}... ({fa3.cubin})")
         text = subprocess.run([sass.nvdisasm(), "-c", str(cubins / fa3.cubin)], capture_output=True, text=True,
                               check=True).stdout
         regs, local = _registers(cuobjdump(workdir), cubins / fa3.cubin, fa3.symbol)
-        what = "".join(f" {f}" for f in on) + (" causal" if causal else "")
+        what = (f" dv{dv}" if dv else "") + "".join(f" {f}" for f in on) + (" causal" if causal else "")
         theirs = _row("FA3", f"FlashAttnFwdSm90 bf16 d{d}{what}",
                       f"{fa3.block_m}x{fa3.block_n} {'RS' if fa3.flags['pv_rs'] else 'SS'}",
                       sass.functions(text)[fa3.symbol], regs, local)
-        cfg = call_default("fwd", d, "bf16", causal, switches, profile)  # the plain rows: default_config's
+        cfg = call_default("fwd", d, "bf16", causal, switches, profile, dv)  # the plain rows: default_config's
         log(f"autoflash {cfg.name}")
         compiled = compile_config(cfg, profile.arch)  # the sm90 gate: no serialization notices, no spills
         res = compiled.resources
@@ -170,7 +180,8 @@ of tensor-core work per warp (HGMMA.64xNx16 = N/8); insns/eq: the loop's instruc
 ~1.7); masked insns/eq: the masked loop's (causal diagonal, ragged last tile) where the kernel has one. regs: ptxas's
 count at entry (autoflash: 65536 / threads, setmaxnreg then gives consumers more; FA3: cuobjdump -res-usage).
 Target (the Hopper forward issue): autoflash's insns/eq at or below FA3's, no spills, no serialization notices
-(autoflash.kernels.compiler.sm90_gate passed for every autoflash row)."""
+(autoflash.kernels.compiler.sm90_gate passed for every autoflash row). The dv rows: V's head dim apart from Q and K's
+(WIDE_V_ROWS); an HGMMA of S (k over d) and of P V (N = dv) count as their shapes say."""
 
 
 BACKWARD_COLUMNS = (("side", "side"), ("kernel", "kernel"), ("tile", "tile"), ("regs", "registers"),

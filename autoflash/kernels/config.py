@@ -367,22 +367,29 @@ class KernelConfig:
             raise ValueError(f"{what}: expected a head dim that is a multiple of 16 (wgmma's k step); others run "
                              f"on family 'sm80', padded")
         off = [f for f in DECODE_SWITCHES if getattr(self, f)]
-        if self.head_dim_v is not None:
-            raise ValueError(f"{what}: got head_dim_v={self.head_dim_v}; a V head dim of its own runs on family "
-                             f"'sm80' (expected None)")
-        if off or self.head_split != 1 or self.dq != "atomic" or self.v_in_regs:
-            raise ValueError(f"{what}: got {', '.join(off) or 'backward switches'}; the sm90 family takes the "
-                             f"variants ({', '.join(VARIANTS)}) forward and backward; the decode switches, head_split, "
-                             f"the dQ pass and V in registers run on family 'sm80'")
+        if self.head_dim_v is not None and (self.direction != "fwd" or self.head_dim > HEAD_DIM_MAX):
+            raise ValueError(f"{what}: got head_dim_v={self.head_dim_v}; the sm90 family's V head dim of its own is "
+                             f"the forward's beside Q and K's of at most {HEAD_DIM_MAX} (expected None, or family "
+                             f"'sm80')")
+        split_o = self.head_split != 1 and self.head_dim_v is None  # the forward shares O's columns of a wide V alone
+        if off or split_o or self.dq != "atomic" or self.v_in_regs:
+            raise ValueError(f"{what}: got {', '.join(off) or 'head_split or backward switches'}; the sm90 family "
+                             f"takes the variants ({', '.join(VARIANTS)}) forward and backward and a V head dim of "
+                             f"its own forward (head_split sharing its columns); the decode switches, head_split "
+                             f"otherwise, the dQ pass and V in registers run on family 'sm80'")
         if self.direction == "bwd":
             return self._validate_sm90_backward(what)
+        if self.dv % 16 or self.o_columns % 16 or self.dv_padded % self.head_split or self.o_columns % (self.swizzle_span // 2):
+            raise ValueError(f"{what}: got head_dim_v={self.dv} with head_split {self.head_split}; each block's O "
+                             f"columns are the N of a wgmma and whole TMA boxes, expected head_split dividing V's "
+                             f"head dim into multiples of 16")
         if self.num_warps not in (4, 8, 12) or self.block_m != 16 * self.num_warps:
             raise ValueError(f"{what}: got block_m={self.block_m} with {self.num_warps} consumer warps; expected 1 to 3 "
                              f"consumer warpgroups of 64 query rows (num_warps 4, 8, 12 and block_m = 16 * num_warps)")
-        if self.num_warps == 12 and self.head_dim > 128:
+        if self.num_warps == 12 and max(self.head_dim, self.o_columns) > 128:
             raise ValueError(f"{what}: three consumer warpgroups leave 128 registers a thread at entry, too few for the "
-                             f"wgmma of O (head_dim / 2 accumulators; ptxas C7602); expected head_dim <= 128 (FA3 "
-                             f"takes three only up to 96)")
+                             f"wgmma of O (its columns / 2 accumulators; ptxas C7602); expected head_dim and O's "
+                             f"columns <= 128 (FA3 takes three only up to 96)")
         if self.pingpong and self.num_warps == 4:
             raise ValueError(f"{what}: pingpong takes turns between consumer warpgroups; got one (expected num_warps "
                              f"8 or 12, or pingpong False)")
@@ -496,8 +503,10 @@ class KernelConfig:
     @property
     def swizzle_span(self) -> int:
         """sm90: bytes a shared-memory tile row is swizzled over: the largest of 128, 64, 32 that
-        divides a row of head_dim 16-bit elements (a TMA box and a wgmma column block)."""
-        return next(s for s in (128, 64, 32) if self.head_dim * 2 % s == 0)
+        divides a row of head_dim 16-bit elements (a TMA box and a wgmma column block), and in the
+        forward a row of its O columns (V's and O's tiles are swizzled alike)."""
+        widths = (self.head_dim, self.o_columns) if self.direction == "fwd" else (self.head_dim,)
+        return next(s for s in (128, 64, 32) if all(w * 2 % s == 0 for w in widths))
 
     @property
     def consumer_groups(self) -> int:

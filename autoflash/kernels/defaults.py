@@ -186,12 +186,14 @@ def _chunked_keys(family: str, head_dim: int, block_n: int, switches: dict) -> i
     ALiBi) ptxas (NVRTC 13.5) spilled 12-96 bytes on the sm80 family's 64-key tiles above d = 144 and
     16 bytes on the sm90 family's 80-key tile at d = 256; alone, 28 bytes at d = 232 under 12.9 and
     13.0.88 (where the window kernel without chunks spills 12 already). 32 keys there on sm80, 64 on
-    sm90: clean under every NVRTC (bench/results/compile/)."""
+    sm90: clean under every NVRTC (bench/results/compile/). On sm90 the chunks beside ALiBi spilled
+    4-44 bytes on the 96-key tiles of 256 O columns (V's head dim its own, NVRTC 13.5): every chunked
+    kernel that wide takes the plain d = 256 tile's 80 keys."""
     if not switches.get("chunk"):
         return block_n
     modified = switches.get("key_bias") or (switches.get("softcap") and switches.get("alibi"))
     if family == "sm90":
-        return min(block_n, 64) if modified and head_dim > 240 else block_n
+        return min(block_n, 64 if modified else 80) if head_dim > 240 else block_n
     return min(block_n, 32) if head_dim > 224 or (modified and head_dim > 144) else block_n
 
 
@@ -230,13 +232,15 @@ def _sm90_backward_tiles(head_dim: int, causal: bool) -> tuple[int, int, int, tu
 
 
 def _family_wanted(family: str | None, applies: bool, direction: str, dtype: str, head_dim: int, causal: bool,
-                   profile: GpuProfile) -> bool:
+                   profile: GpuProfile, head_dim_v: int | None = None) -> bool:
     """Whether a default is the sm90 family's: asked for (`family`), or by default where it applies."""
     if family not in (None, "sm80", "sm90"):
         raise ValueError(f"family: got {family!r}, expected 'sm80', 'sm90' or None (the GPU's default)")
     if family == "sm90" and not applies:
-        raise ValueError(f"family 'sm90': no {direction} default for head_dim={head_dim} on {profile.name} "
-                         f"(the family runs 16-bit attention at head dims that are multiples of 16 on sm_90 GPUs)")
+        dv = f" with head_dim_v={head_dim_v}" if head_dim_v is not None else ""
+        raise ValueError(f"family 'sm90': no {direction} default for head_dim={head_dim}{dv} on {profile.name} "
+                         f"(the family runs 16-bit attention at head dims that are multiples of 16 on sm_90 GPUs, "
+                         f"Q and K's up to {HEAD_DIM_MAX})")
     if family is not None:
         return family == "sm90"
     return applies and not stack_spill(profile.arch, "sm90", direction, dtype, head_dim, causal)
@@ -254,9 +258,9 @@ def default_config(head_dim: int, dtype: str, causal: bool, profile: GpuProfile,
     instead (ValueError where it has none for the problem). `head_dim_v`: V's head dim where it is
     not head_dim (_wide_v_config)."""
     if head_dim_v is not None and head_dim_v != head_dim:
-        if family == "sm90":
-            raise ValueError(f"family 'sm90': no forward for head_dim={head_dim} with head_dim_v={head_dim_v}; a V "
-                             f"head dim of its own runs on family 'sm80'")
+        applies = sm90_applies(head_dim, dtype, profile) and head_dim <= HEAD_DIM_MAX and head_dim_v % 16 == 0
+        if _family_wanted(family, applies, "fwd", dtype, head_dim, causal, profile, head_dim_v):
+            return _sm90_wide_v_config(head_dim, head_dim_v, dtype, causal, profile)
         return _wide_v_config(head_dim, head_dim_v, dtype, causal, profile, variant)
     if _family_wanted(family, sm90_applies(head_dim, dtype, profile), "fwd", dtype, head_dim, causal, profile):
         m, n, pingpong = _sm90_tiles(head_dim, causal)
@@ -277,6 +281,28 @@ def _o_split(head_dim: int, head_dim_v: int) -> tuple[int, int]:
     dv_padded = -(-head_dim_v // 16) * 16
     split = next((h for h in (1, 2, 4) if dv_padded // h <= O_SLICE_MAX and dv_padded % (16 * h) == 0), 1)
     return split, max(head_dim, dv_padded // split)
+
+
+def _sm90_wide_v_config(head_dim: int, head_dim_v: int, dtype: str, causal: bool, profile: GpuProfile) -> KernelConfig:
+    """The sm90 forward for V's head dim differing from Q and K's: O shared as _wide_v_config shares it
+    (V of 512 columns: two blocks of 256, each computing S in full; FlashAttention-3 runs one block of
+    64 rows whose first warpgroup hands P to the second through shared memory instead), two consumer
+    warpgroups of 64 rows (pingpong where both head dims are at most 128, as the plain tiles), and the
+    most keys a tile, a multiple of 16 up to 176, whose S, P and O take at most 200 registers a consumer
+    thread (O's columns / 2, S's keys / 2 and P's keys / 4: 196 on the plain d = 128 tile, 188 on
+    d = 256's) and whose two K and V stages fit shared memory. FlashAttention-3's pairs: (64, 256)
+    128 x 96 as FA3; (192, 128) 128 x 128 as FA3; (128, 256) 128 x 96; (64, 512) 128 x 96 a block.
+    Each compiles clean under NVRTC 12.1 to 13.5 (bench/results/compile/)."""
+    split, _ = _o_split(head_dim, head_dim_v)
+    o_cols = head_dim_v // split
+    m, row = 128, 2 * max(head_dim, o_cols)
+    fits = [n for n in range(176, 15, -16)
+            if o_cols // 2 + 3 * n // 4 <= 200
+            and 1024 * 4 + m * row + 2 * n * 2 * (head_dim + o_cols) <= profile.smem_per_block_optin]
+    return _first_fitting([dict(head_dim=head_dim, head_dim_v=head_dim_v, head_split=split, dtype=dtype, block_m=m,
+                                block_n=n, num_warps=8, causal=causal, family="sm90",
+                                pingpong=max(head_dim, o_cols) <= 128, overlap=True, stages=(2,)) for n in fits],
+                          profile, f"head_dim={head_dim}, head_dim_v={head_dim_v} {dtype} (sm90 family)")
 
 
 def _wide_v_config(head_dim: int, head_dim_v: int, dtype: str, causal: bool, profile: GpuProfile,
@@ -438,20 +464,21 @@ def call_default(direction: str, head_dim: int, dtype: str, causal: bool, switch
     a variant fewer queries a step, _sm90_variant_tiles); else the sm80 family's, with the tiles for
     variant kernels where any switch is on. Forward attention chunks beside a score modifier take fewer
     keys a tile on either family (_chunked_keys). A forward whose V head dim differs (head_dim_v) takes
-    _wide_v_config's kernel."""
+    _sm90_wide_v_config's kernel where the sm90 family runs it, else _wide_v_config's; its tiles' keys
+    are cut for the wider of its head dims."""
     default = default_config if direction == "fwd" else default_backward_config
     banded = causal or bool(switches.get("window"))
     wide_v = {"head_dim_v": head_dim_v} if head_dim_v not in (None, head_dim) else {}  # the forward's only
-    if not wide_v:
-        plain = default(head_dim, dtype, banded, profile)
-        if plain.family == "sm90":  # the plain tiles take the switches
-            if direction == "fwd":
-                if switches.get("key_bias") and (switches.get("softcap") or switches.get("alibi")):
-                    plain = plain.replace(block_n=_sm90_biased_keys(head_dim, plain.block_n))
-                plain = plain.replace(block_n=_chunked_keys("sm90", head_dim, plain.block_n, switches))
-            else:  # the backward's block_n is its consumer warpgroups' keys: fewer queries a step instead
-                plain = plain.replace(**_sm90_variant_tiles(head_dim, plain.block_m, switches))
-            return plain.replace(causal=causal, **switches)
+    plain = default(head_dim, dtype, banded, profile, **wide_v)
+    if plain.family == "sm90":  # the plain tiles take the switches
+        if direction == "fwd":  # the wider of the head dims a block holds sets its registers
+            width = max(head_dim, plain.o_columns)
+            if switches.get("key_bias") and (switches.get("softcap") or switches.get("alibi")):
+                plain = plain.replace(block_n=_sm90_biased_keys(width, plain.block_n))
+            plain = plain.replace(block_n=_chunked_keys("sm90", width, plain.block_n, switches))
+        else:  # the backward's block_n is its consumer warpgroups' keys: fewer queries a step instead
+            plain = plain.replace(**_sm90_variant_tiles(head_dim, plain.block_m, switches))
+        return plain.replace(causal=causal, **switches)
     heavy = switches.get("align", "top_left") != "top_left" or any(switches.get(f) for f in VARIANTS)
     config = default(head_dim, dtype, banded, profile, heavy, **wide_v)
     if direction == "fwd":  # the wider of the head dims a block holds (O's columns: head_dim's padded to 16 alone)

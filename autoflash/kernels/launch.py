@@ -306,9 +306,11 @@ def family_reason(config: KernelConfig, profile: GpuProfile) -> str | None:
     or the GPU has no sm90 family): what explain() says."""
     if profile.arch != "sm_90" or config.family == "sm90":
         return None
-    if config.head_dim_v is not None:
-        return (f"V's head dim {config.head_dim_v} differs from Q and K's {config.head_dim} (the sm90 family's kernels "
-                f"have one head dim)")
+    if config.head_dim_v is not None and config.direction == "fwd" and config.head_dim > HEAD_DIM_MAX:
+        return (f"Q and K's head dim {config.head_dim} (qv's columns appended) is above the sm90 family's "
+                f"{HEAD_DIM_MAX}")
+    if config.head_dim_v is not None and config.head_dim_v % 16:
+        return f"V's head dim {config.head_dim_v} is not a multiple of 16 (wgmma's N step)"
     if config.dtype == "fp32":
         return "fp32 runs on the SIMT kernels"
     if config.head_dim % 16:
@@ -379,8 +381,8 @@ def flash_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: 
         scalars = (*o_rows[1:], *variant.scalars(lse), lq, lk, hq // hkv, *variant.window, scale * LOG2E,
                    *variant.softcap_factors(scale))
         for sequences, pointers in variant.runs(b):
-            _call(fn, (math.ceil(lq / config.block_m), hq, sequences), config.threads, config.smem_bytes, q.device,
-                  SM90_FWD_PARAMS, (o_rows[0], lse, *pointers), scalars, SM90_FWD_NAMES, maps)
+            _call(fn, (math.ceil(lq / config.block_m) * config.head_split, hq, sequences), config.threads,
+                  config.smem_bytes, q.device, SM90_FWD_PARAMS, (o_rows[0], lse, *pointers), scalars, SM90_FWD_NAMES, maps)
         return out, lse
     scalars = (*_strides(q4, varlen), *_strides(k4, varlen), *_strides(v4, varlen), *_strides(out4, varlen),
                *variant.scalars(lse), 0, lq, lk, hq // hkv, *variant.window, 1, 1, 1,
