@@ -100,7 +100,7 @@ DECODE_SETS = (dict(),
 
 # V head dims of their own (head_dim_v; FlashAttention-3's pairs and (128, 256)): the forward's and the
 # KV-cache kernel's defaults, held to the variant and decode sets as the others are (on sm_90 the sm90
-# family's forward to its own sets).
+# family's forward and its backward with both head dims to its own sets).
 HEAD_DIM_V_PAIRS = ((64, 256), (64, 512), (192, 128), (128, 256))
 QV_PAIRS = ((320, 256), (576, 512))  # FlashAttention-3's qv: Q and K with its columns appended (forward only)
 _NO_SWITCHES = dict(align="top_left", window=False, chunk=False, softcap=False, alibi=False, key_bias=False, varlen=False)
@@ -124,6 +124,8 @@ def defaults():
               for dt in ("fp16", "bf16") for c in (False, True) for arch, prof in ARCH_PROFILES.items()}
     wide_v |= {(default_decode_config(d, dt, prof, None, False, head_dim_v=dv), arch) for d, dv in HEAD_DIM_V_PAIRS
                for dt in ("fp16", "bf16") for arch, prof in ARCH_PROFILES.items()}
+    wide_v |= {(call_default("bwd", d, dt, c, _NO_SWITCHES, h100, dv), "sm_90") for d, dv in HEAD_DIM_V_PAIRS
+               if max(d, dv) <= 256 for dt in ("fp16", "bf16") for c in (False, True)}
     switched = set(sampling.sample(switched_defaults(), _switch_key, salt="compile switch sets"))
     return sorted(fwd | bwd | decode | sm90 | wide_v | switched, key=lambda x: (x[0].name, x[1]))
 
@@ -142,6 +144,8 @@ def switched_defaults():
     variants += [(_variant_default("fwd", d, v, prof, dv), arch) for d, dv in HEAD_DIM_V_PAIRS + QV_PAIRS
                  for arch, prof in ARCH_PROFILES.items()
                  for v in (SM90_VARIANT_SETS if arch == "sm_90" and d <= 256 else VARIANT_SETS)]
+    variants += [(_variant_default("bwd", d, v, h100, dv), "sm_90") for d, dv in HEAD_DIM_V_PAIRS
+                 if max(d, dv) <= 256 for v in SM90_VARIANT_SETS]  # the sm90 backward with both head dims
     decode = [(default_decode_config(d, dt, prof, 256 if v.get("paged") and not v.get("gather") else None,
                                      "window" in v or "key_bias" in v, bool(v.get("gather")), dv).replace(**v), arch)
               for d, dv in [(d, None) for d in HEAD_DIMS] + list(HEAD_DIM_V_PAIRS)

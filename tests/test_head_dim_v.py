@@ -1,15 +1,16 @@
 """V's head dim apart from Q and K's (FlashAttention-3's headdim_v; DeepSeek's MLA shapes): the forward
 kernel with O and the V tiles of their own width (head_dim_v; above 256 columns shared among
-head_split blocks that each compute S), the backward on Q, K or V zero-padded to the wider head dim.
+head_split blocks that each compute S), the backward with both head dims up to 256 (the sm90 family; the
+sm80 family's on Q, K or V zero-padded to the wider head dim).
 
 FlashAttention-3's test file pairs d = 64 with dv = 256 and 512 and d = 192 with dv = 128 (its
 test_flash_attn_output and the KV-cache test; gradients up to dv = 256); the issue adds (128, 256).
 Each case runs under FlashAttention-3's rule (autoflash.reference.forward.within_tolerance: out and
 the gradients within 2x, 3x with a softcap, of PyTorch's own error in the input dtype against the
-fp32 reference), on a GPU (`gpu` marker) and on the emulator (an H100: the forward on the sm90
-family, V's 512 columns in two blocks of 256; the padded backward on the sm90 family's where it takes
-the call); the emulated grid is sampled per run (conftest.py). The sm80 forward's own tests run on an
-emulated A100 (test_sm80_family_meets_flashattention_rule)."""
+fp32 reference), on a GPU (`gpu` marker) and on the emulator (an H100: the sm90 family's kernels, the
+forward's V of 512 columns in two blocks of 256, the backward with both head dims; and the sm80
+family's asked for, its backward on the narrower side zero-padded); the emulated grid is sampled per
+run (conftest.py)."""
 import pytest
 import torch
 
@@ -17,7 +18,7 @@ import autoflash
 from autoflash import flash_attn_func, flash_attn_varlen_func
 from autoflash.flash_attn_interface import flash_attn_func as fa3_flash_attn_func
 from autoflash.kernels.config import KernelConfig
-from autoflash.kernels.defaults import default_config
+from autoflash.kernels.defaults import default_backward_config, default_config
 from autoflash.kernels.gpus import get_profile
 from autoflash.kernels.launch import flash_backward, flash_forward
 from autoflash.reference.backward import attention_backward_ref
@@ -40,7 +41,8 @@ NAMES = ("plain", "causal-br", "window-5-3", "softcap-2", "chunk-causal", "gemma
 @pytest.mark.parametrize("variant", NAMES)
 @pytest.mark.parametrize("family", ["default", "sm80"])
 def test_head_dim_v_meets_flashattention_rule(target, family, variant, dtype, d, heads, pair, launched):
-    """The built-in forward (on an H100 the sm90 family's) and the sm80 family's asked for."""
+    """The built-in kernels (on an H100 the sm90 family's, the backward with both head dims) and the sm80
+    family's asked for (its backward on the narrower side zero-padded)."""
     (d, dv), (hq, hkv), (lq, lk) = d, heads, pair
     b, dev, dt = 2, device(target), TORCH_DTYPES[dtype]
     g = torch.Generator().manual_seed(hash((variant, dtype, d, dv, heads, pair)) % 2**31)
@@ -49,10 +51,12 @@ def test_head_dim_v_meets_flashattention_rule(target, family, variant, dtype, d,
     v = torch.randn(b, hkv, lk, dv, generator=g).to(dev, dt)
     dout = torch.randn(b, hq, lq, dv, generator=g).to(dev, dt)
     kw = {} if variant == "plain" else arguments(VARIANTS[variant], b, hq, lk, dev, g)
-    config = None
+    config = bwd_config = None
     if family == "sm80":
-        config = default_config(d, dtype, False, get_profile(EMULATED_GPU if target == "emulated" else "a100"),
-                                variant=True, family="sm80", head_dim_v=dv)
+        profile = get_profile(EMULATED_GPU if target == "emulated" else "a100")
+        config = default_config(d, dtype, False, profile, variant=True, family="sm80", head_dim_v=dv)
+        if dv <= 256:
+            bwd_config = default_backward_config(max(d, dv), dtype, False, profile, variant=True, family="sm80")
 
     out, lse = flash_forward(q, k, v, config=config, **kw)
     assert out.shape == (b, hq, lq, dv)
@@ -69,7 +73,10 @@ def test_head_dim_v_meets_flashattention_rule(target, family, variant, dtype, d,
         with pytest.raises(ValueError, match="expected v.shape\\[-1\\] <= 256"):
             flash_backward(dout, q, k, v, out, lse, **kw)
         return
-    grads = flash_backward(dout, q, k, v, out, lse, **kw)
+    grads = flash_backward(dout, q, k, v, out, lse, config=bwd_config, **kw)
+    if target == "emulated":
+        assert (launched[-1].family, launched[-1].head_dim_v) == (("sm80", None) if family == "sm80" else
+                                                                  ("sm90", dv)), launched[-1].name
     ref_grads = attention_backward_ref(*up, dout.float(), **kw)
     torch_grads = attention_backward_ref(q, k, v, dout, upcast=False, **kw)
     for name, got, like, ref, yard in zip(("dq", "dk", "dv"), grads, (q, k, v), ref_grads, torch_grads):
@@ -155,6 +162,19 @@ def test_fa3_api_runs_the_mla_shapes_and_explains_them():
     assert plan.backward is None and "no backward" in text
 
 
+def test_explain_names_the_backward_with_both_head_dims():
+    """DeepSeek's training shape (192, 128): on an H100 the sm90 backward takes both head dims (no padding
+    note); on an A100 the sm80 backward runs at 192 with V zero-padded, and explain() says so."""
+    q, k = torch.randn(1, 20, 2, 192).bfloat16(), torch.randn(1, 20, 2, 192).bfloat16()
+    v = torch.randn(1, 20, 2, 128).bfloat16()
+    h100 = autoflash.explain(fa3_flash_attn_func, q, k, v, causal=True, gpu="h100")
+    assert (h100.backward.config.head_dim, h100.backward.config.head_dim_v) == (192, 128)
+    assert h100.backward.config.family == "sm90" and "zero-padded" not in str(h100)
+    a100 = autoflash.explain(fa3_flash_attn_func, q, k, v, causal=True, gpu="a100")
+    assert (a100.backward.config.head_dim, a100.backward.config.head_dim_v) == (192, None)
+    assert "the backward runs Q, K and V zero-padded to one head dim, 192 (the sm80 family's" in str(a100)
+
+
 def test_config_names_validates_and_sizes_the_v_head_dim():
     cfg = KernelConfig(head_dim=64, head_dim_v=512, dtype="bf16", block_m=128, block_n=64, num_warps=8, head_split=2)
     assert cfg.name == "fwd_hd64_dv512_bf16_m128n64w8s2h2" and KernelConfig.from_name(cfg.name) == cfg
@@ -167,6 +187,8 @@ def test_config_names_validates_and_sizes_the_v_head_dim():
         (dict(head_dim_v=512), "expected head_split >= 2"),
         (dict(head_dim_v=300), "expected a multiple of 8"),
         (dict(head_dim_v=256, direction="bwd"), "zero-padded to the wider head dim"),
+        (dict(head_dim_v=256, direction="bwd", family="sm90", block_n=128, num_warps=8),
+         "up to 256 columns together"),
         (dict(head_dim_v=256, dtype="fp32", block_m=64), "fp16/bf16 forward"),
         (dict(head_dim_v=200, family="sm90", block_m=64, block_n=128, num_warps=4), "multiples of 16"),
         (dict(head_dim_v=272, family="sm90", block_m=64, block_n=128, num_warps=4, head_split=2), "wgmma"),
@@ -284,10 +306,12 @@ def test_explain_says_how_qv_runs():
 
 
 @pytest.mark.parametrize("schedule", ["default", "released-first"])
-def test_sm90_wide_v_forward_is_clean_under_the_sanitizer(schedule, launched):
-    """The sm90 forward with V's own head dim on guard-banded inputs at an odd GQA shape: (64, 512) in two
+def test_sm90_wide_v_kernels_are_clean_under_the_sanitizer(schedule, launched):
+    """The sm90 kernels with V's own head dim on guard-banded inputs at an odd GQA shape: (64, 512) in two
     O slices with a causal window and softcap, (192, 128) with ALiBi bottom-right, and packed sequences
-    (0 and 1 among them) at (64, 256). No finding under either schedule, and each result within the rule."""
+    (0 and 1 among them) at (64, 256), the last two backward too (two warpgroups sharing 64 keys, the
+    narrower side's tiles zero past its columns). No finding under either schedule, and each result
+    within the rule."""
     from autoflash import emulation
     from autoflash.emulation.guards import guarded_randn
 
@@ -309,12 +333,27 @@ def test_sm90_wide_v_forward_is_clean_under_the_sanitizer(schedule, launched):
     emulation.clear_findings()
     with autoflash.emulate("h100", sanitize=True, schedule=schedule):
         results = [flash_forward(*inputs, **kw) for inputs, kw, _ in calls]
+        douts = [torch.randn(out.shape, generator=g).bfloat16() for out, _ in results[1:]]
+        grads = [flash_backward(dout, *inputs, out, lse, **kw)
+                 for dout, (out, lse), (inputs, kw, _) in zip(douts, results[1:], calls[1:])]
     assert [str(f) for f in emulation.findings()] == []
-    assert [(c.family, c.head_split) for c in launched] == [("sm90", 2), ("sm90", 1), ("sm90", 1)], launched
-    for (out, lse), (inputs, kw, ref_of) in zip(results, calls):
+    assert [(c.direction, c.family, c.head_split, c.head_dim_v) for c in launched] == [
+        ("fwd", "sm90", 2, 512), ("fwd", "sm90", 1, 128), ("fwd", "sm90", 1, 256), ("bwd", "sm90", 1, 128),
+        ("bwd", "sm90", 1, 256)], [c.name for c in launched]
+    for i, ((out, lse), (inputs, kw, ref_of)) in enumerate(zip(results, calls)):
         kw = {n: a for n, a in kw.items() if not n.startswith("max_seqlen")}
-        ref, ref_lse = ref_of(*(t.float() for t in inputs), **kw)
-        torch_out, _ = ref_of(*inputs, upcast=False, **kw)
+        leaves = [t.float().requires_grad_() for t in inputs]
+        low = [t.detach().clone().requires_grad_() for t in inputs]
+        ref, ref_lse = ref_of(*leaves, **kw)
+        torch_out, _ = ref_of(*low, upcast=False, **kw)
         ok, err, bound = within_tolerance(out, ref, torch_out, softcap=kw.get("softcap", 0.0))
         assert ok, f"out: err {err:.3e} > bound {bound:.3e} ({sorted(kw)})"
         assert within_tolerance(lse, ref_lse, ref_lse, atol=1e-3)[0]
+        if i == 0:
+            continue
+        dout = douts[i - 1]
+        for name, got, r, y in zip(("dq", "dk", "dv"), grads[i - 1], torch.autograd.grad(ref, leaves, dout.float()),
+                                   torch.autograd.grad(torch_out, low, dout)):
+            assert got.shape == r.shape, name
+            ok, err, bound = within_tolerance(got, r, y, backward=True)
+            assert ok, f"{name}: err {err:.3e} > bound {bound:.3e} ({sorted(kw)})"

@@ -136,20 +136,24 @@ def _explain_attention(query, key, value, attn_mask=None, dropout_p: float = 0.0
         fwd, bwd = _variant_plan(profile, *stand_ins, kw, dv)
         notes = () if d == e else (f"head_dim {e} runs zero-padded to {d}",)
         if dv is not None:
-            notes += _head_dim_v_notes(ev, d, dv)
+            notes += _head_dim_v_notes(ev, d, dv, bwd)
         return Explanation(path, None, profile.name, fwd, bwd, mask=mask, notes=notes)
     fwd, bwd = (select_config(profile, direction, DTYPE_NAMES[query.dtype], e, is_causal, key.shape[-2])
                 for direction in ("fwd", "bwd"))
     return Explanation(path, None, profile.name, fwd, bwd)
 
 
-def _head_dim_v_notes(dv: int, width: int, width_v: int) -> tuple[str, ...]:
-    """explain()'s notes on a V head dim `dv` of its own, run at `width_v` beside Q's `width`."""
+def _head_dim_v_notes(dv: int, width: int, width_v: int, bwd) -> tuple[str, ...]:
+    """explain()'s notes on a V head dim `dv` of its own, run at `width_v` beside Q's `width`, and how the
+    backward (its Selection, or None) runs it."""
     wider = max(width, width_v)
-    return ((f"V's head dim {dv} runs zero-padded to {width_v}",) if width_v != dv else ()) + \
-        ((f"the backward runs Q, K and V zero-padded to one head dim, {wider} (no backward kernel has two)",)
-         if wider <= HEAD_DIM_MAX else (f"no backward: its head dims, {width} and {width_v}, reach past "
-                                        f"{HEAD_DIM_MAX}",))
+    notes = (f"V's head dim {dv} runs zero-padded to {width_v}",) if width_v != dv else ()
+    if wider > HEAD_DIM_MAX:
+        return notes + (f"no backward: its head dims, {width} and {width_v}, reach past {HEAD_DIM_MAX}",)
+    if bwd is not None and bwd.config.head_dim_v is None:
+        return notes + (f"the backward runs Q, K and V zero-padded to one head dim, {wider} (the {bwd.config.family} "
+                        f"family's backward has one)",)
+    return notes
 
 
 def _variant_plan(profile, q, k, kw, head_dim_v: int | None = None):
@@ -179,8 +183,6 @@ def _explain_entry(fn, args, kwargs, gpu: str | None) -> Explanation:
     notes = () if call.head_dim == call.q.shape[-1] or isinstance(call, kvcache.KvCacheCall) else \
         (f"head_dim {call.head_dim} runs zero-padded to {call.q.shape[-1]}",)
     dv = getattr(call, "head_dim_v", None)
-    if dv is not None and not isinstance(call, kvcache.KvCacheCall):
-        notes += _head_dim_v_notes(dv, call.q.shape[-1], call.v.shape[-1])
     notes = getattr(call, "notes", ()) + notes
     if isinstance(call, kvcache.KvCacheCall):
         selection, splits, how = kvcache.kernel_plan(profile, call)
@@ -193,4 +195,6 @@ def _explain_entry(fn, args, kwargs, gpu: str | None) -> Explanation:
                       "call)",)
         return Explanation(path, None, profile.name, selection, None, entry=entry, notes=notes)
     fwd, bwd = _variant_plan(profile, call.q, call.k, call.variant, call.v.shape[-1] if dv is not None else None)
+    if dv is not None:
+        notes += _head_dim_v_notes(dv, call.q.shape[-1], call.v.shape[-1], bwd)
     return Explanation(path, None, profile.name, fwd, bwd, entry=entry, notes=notes)

@@ -100,8 +100,8 @@ def tuned_selection(profile, q: torch.Tensor, direction: str, kw: dict, seqlen_k
 def kernel_plan(profile, q, k, kw: dict, directions=("fwd", "bwd"), head_dim_v: int | None = None) -> tuple:
     """What the ops would launch for a checked call, per direction: Selection(tuner key or None,
     the KernelConfig with the call's switches, where its tiles came from). Metadata only: nothing is
-    compiled or launched (autoflash.explain). `head_dim_v`: V's head dim where it differs (the
-    forward's own kernel; the backward's at the wider head dim, _backward_kernels)."""
+    compiled or launched (autoflash.explain). `head_dim_v`: V's head dim where it differs (the kernels
+    with both head dims; a backward on the sm80 family at the wider one, the narrower side padded)."""
     from autoflash.kernels.defaults import stack_note
     from autoflash.kernels.launch import family_reason, variant_config
     from autoflash.kernels.variants import resolve, views
@@ -114,12 +114,11 @@ def kernel_plan(profile, q, k, kw: dict, directions=("fwd", "bwd"), head_dim_v: 
     chosen = []
     for direction in directions:
         tuned = None if wide_v else tuned_selection(profile, q, direction, kw, max(1, _seqlen_k(k, kw)))
-        dims = (d, head_dim_v) if direction == "fwd" else (max(d, head_dim_v or d), None)
-        if direction == "bwd" and dims[0] > HEAD_DIM_MAX:  # no backward (flash_backward refuses it)
+        if direction == "bwd" and max(d, head_dim_v or d) > HEAD_DIM_MAX:  # no backward (flash_backward refuses it)
             chosen.append(None)
             continue
-        config = variant_config(tuned.config if tuned else None, direction, dims[0], dtype, causal, variant, profile,
-                                dims[1])
+        config = variant_config(tuned.config if tuned else None, direction, d, dtype, causal, variant, profile,
+                                head_dim_v)
         origin = tuned.origin if tuned else HEURISTIC + (", the tiles for the call's variant switches"
                                                           if variant.needs_registers and config.family == "sm80" else "")
         why = family_reason(config, profile)

@@ -147,13 +147,17 @@ def check_chunked_layout(name: str, t: torch.Tensor) -> None:
         )
 
 
-def check_like(name: str, t, q: torch.Tensor) -> None:
-    """`t` (out, dout) must match q's shape, dtype and device, and be laid out in 16-byte chunks."""
+def check_like(name: str, t, q: torch.Tensor, width: int | None = None) -> None:
+    """`t` (out, dout) must match q's shape (its last dim `width` where given: V's head dim), dtype and
+    device, and be laid out in 16-byte chunks."""
     if not isinstance(t, torch.Tensor):
         raise TypeError(f"{name}: got {type(t).__name__}, expected a torch.Tensor")
-    if t.shape != q.shape or t.dtype != q.dtype or t.device != q.device:
+    shape = q.shape if width is None else (*q.shape[:-1], width)
+    if tuple(t.shape) != tuple(shape) or t.dtype != q.dtype or t.device != q.device:
+        whose = "q's" if width is None else "q's with v's head dim,"
         raise ValueError(
-            f"{name}: got {tuple(t.shape)} {t.dtype} on {t.device}; expected q's {tuple(q.shape)} {q.dtype} on {q.device}"
+            f"{name}: got {tuple(t.shape)} {t.dtype} on {t.device}; expected {whose} {tuple(shape)} {q.dtype} on "
+            f"{q.device}"
         )
     if t.dim() == 4:  # packed (total, heads, d) rows are checked as their (1, heads, total, d) view
         check_chunked_layout(name, t)

@@ -303,10 +303,11 @@ class KernelConfig:
         if not (HEAD_DIM_MIN <= dv <= HEAD_DIM_V_MAX and dv % HEAD_DIM_STEP == 0):
             raise ValueError(f"KernelConfig.head_dim_v: got {dv}, expected a multiple of {HEAD_DIM_STEP} in "
                              f"[{HEAD_DIM_MIN}, {HEAD_DIM_V_MAX}]")
-        if self.direction != "fwd" or not self.tensor_cores:
+        if not self.tensor_cores or (self.direction != "fwd" and self.family != "sm90"):
             raise ValueError(f"KernelConfig.head_dim_v: got {dv} (head_dim {self.head_dim}) for {self.direction} "
-                             f"{self.dtype}; a V head dim of its own is the fp16/bf16 forward's (the backward runs "
-                             f"such calls zero-padded to the wider head dim; expected None)")
+                             f"{self.dtype}; a V head dim of its own is the fp16/bf16 forward's and the sm90 family's "
+                             f"backward (family sm80 runs such calls zero-padded to the wider head dim; expected "
+                             f"None)")
         if self.o_columns > O_SLICE_MAX:
             raise ValueError(f"KernelConfig.head_dim_v: got {dv} with head_split {self.head_split}; a block's O holds "
                              f"at most {O_SLICE_MAX} columns, expected head_split >= "
@@ -367,11 +368,13 @@ class KernelConfig:
             raise ValueError(f"{what}: expected a head dim that is a multiple of 16 (wgmma's k step); others run "
                              f"on family 'sm80', padded")
         off = [f for f in DECODE_SWITCHES if getattr(self, f)]
-        if self.head_dim_v is not None and (self.direction != "fwd" or self.head_dim > HEAD_DIM_MAX):
-            raise ValueError(f"{what}: got head_dim_v={self.head_dim_v}; the sm90 family's V head dim of its own is "
-                             f"the forward's beside Q and K's of at most {HEAD_DIM_MAX} (expected None, or family "
-                             f"'sm80')")
-        split_o = self.head_split != 1 and self.head_dim_v is None  # the forward shares O's columns of a wide V alone
+        if self.head_dim_v is not None and max(self.head_dim, self.head_dim_v if self.direction == "bwd" else 0) \
+                > HEAD_DIM_MAX:
+            raise ValueError(f"{what}: got head_dim_v={self.head_dim_v}; the sm90 family runs V's head dim of its own "
+                             f"beside Q and K's of at most {HEAD_DIM_MAX}, in the backward both at most "
+                             f"{HEAD_DIM_MAX} (expected None, or family 'sm80')")
+        # the forward shares O's columns of a wide V alone
+        split_o = self.head_split != 1 and (self.head_dim_v is None or self.direction == "bwd")
         if off or split_o or self.dq != "atomic" or self.v_in_regs:
             raise ValueError(f"{what}: got {', '.join(off) or 'head_split or backward switches'}; the sm90 family "
                              f"takes the variants ({', '.join(VARIANTS)}) forward and backward and a V head dim of "
@@ -401,10 +404,13 @@ class KernelConfig:
             raise ValueError(f"{what}: got block_n={self.block_n} with {self.num_warps} consumer warps; expected 1 or "
                              f"2 consumer warpgroups of 64 keys (num_warps 4 or 8 and block_n = 16 * num_warps) or "
                              f"two sharing 64 keys (num_warps 8, block_n 64: dkv_split)")
-        if not self.dkv_split and self.head_dim > 128:
-            raise ValueError(f"{what}: got head_dim={self.head_dim} without dkv_split; dK and dV of 64 keys fit a "
-                             f"warpgroup's registers up to head dim 128, above that the two warpgroups split them "
-                             f"(expected num_warps 8 and block_n 64)")
+        if not self.dkv_split and self.head_dim + self.dv > 256:
+            raise ValueError(f"{what}: got head dims {self.head_dim} (Q, K) and {self.dv} (V) without dkv_split; dK "
+                             f"and dV of 64 keys fit a warpgroup's registers up to 256 columns together (head dim "
+                             f"128), above that the two warpgroups split them (expected num_warps 8 and block_n 64)")
+        if self.dv % 16:
+            raise ValueError(f"{what}: got head_dim_v={self.dv}; V's columns are whole wgmma k steps (expected a "
+                             f"multiple of 16)")
         if self.dq_columns % 16 or self.block_m % (16 * self.consumer_groups if self.dkv_split else 16):
             raise ValueError(f"{what}: got block_m={self.block_m}; two warpgroups splitting dQ^T's or S^T's query "
                              f"columns take whole k steps of 16 each, expected block_m a multiple of 32")
@@ -503,9 +509,9 @@ class KernelConfig:
     @property
     def swizzle_span(self) -> int:
         """sm90: bytes a shared-memory tile row is swizzled over: the largest of 128, 64, 32 that
-        divides a row of head_dim 16-bit elements (a TMA box and a wgmma column block), and in the
-        forward a row of its O columns (V's and O's tiles are swizzled alike)."""
-        widths = (self.head_dim, self.o_columns) if self.direction == "fwd" else (self.head_dim,)
+        divides a row of head_dim 16-bit elements (a TMA box and a wgmma column block) and a row of V's
+        (in the forward a block's O columns: V's and O's tiles are swizzled alike)."""
+        widths = (self.head_dim, self.o_columns)  # the backward's V columns: all of them
         return next(s for s in (128, 64, 32) if all(w * 2 % s == 0 for w in widths))
 
     @property
@@ -523,9 +529,9 @@ class KernelConfig:
 
     @property
     def head_rows(self) -> int:
-        """sm90 backward: the head dim rounded up to whole rows of 64, the M extent of dQ^T (and with
-        dkv_split of dK^T, dV^T): K's tile (and with dkv_split Q's and dO's) is that wide, zero past the
-        head dim; with dkv_split V's too, where dV leaves through it."""
+        """sm90 backward: Q and K's head dim rounded up to whole rows of 64, the M extent of dQ^T: K's
+        tile is that wide, zero past the head dim (with dkv_split dK^T and dV^T run by rows of 64 of the
+        wider of Q's and V's head dims, Q's and dO's tiles that wide; see smem_layout)."""
         return _round_up(self.head_dim, 64)
 
     @property
@@ -607,10 +613,13 @@ class KernelConfig:
         """Bytes of each shared-memory buffer, in the order the template declares them."""
         row = self.head_dim_padded * self.elem_bytes
         if self.direction == "bwd" and self.family == "sm90":  # tiles 1024-aligned, LSE and delta rows, barriers
-            wide = 2 * self.head_rows  # bytes a row of the tiles padded to head_rows (see head_rows)
-            split_row = wide if self.dkv_split else row
-            staged = self.num_stages * self.block_m * split_row
-            tiles = {"k": self.block_n * wide, "v": self.block_n * split_row, "q": staged, "dout": staged,
+            # K's rows padded to head_rows (see head_rows); with dkv_split V's to whole rows of 64 of its own,
+            # Q's and dO's to those of the wider head dim (dK^T and dV^T both run by its rows of 64)
+            wide = 2 * self.head_rows
+            v_row = 2 * _round_up(self.dv, 64) if self.dkv_split else 2 * self.dv
+            q_row, do_row = (2 * _round_up(max(self.head_dim, self.dv), 64),) * 2 if self.dkv_split else (row, 2 * self.dv)
+            stages = self.num_stages * self.block_m
+            tiles = {"k": self.block_n * wide, "v": self.block_n * v_row, "q": stages * q_row, "dout": stages * do_row,
                      "ds": self.block_m * self.block_n * 2,
                      **({"p": self.block_m * self.block_n * 2} if self.dkv_split else {}),
                      "dq": self.block_m * self.head_rows * 4}

@@ -455,6 +455,14 @@ def default_decode_config(head_dim: int, dtype: str, profile: GpuProfile, page_s
         + (f", head_dim_v={head_dim_v}" if head_dim_v not in (None, head_dim) else "") + f" {dtype}")
 
 
+def _valid(config: KernelConfig, **changes) -> KernelConfig | None:
+    """config.replace(**changes), or None where the result is not a valid config."""
+    try:
+        return config.replace(**changes)
+    except ValueError:
+        return None
+
+
 def call_default(direction: str, head_dim: int, dtype: str, causal: bool, switches: dict,
                  profile: GpuProfile, head_dim_v: int | None = None) -> KernelConfig:
     """The built-in kernel of a call: the direction's default for its problem with the call's variant
@@ -465,10 +473,25 @@ def call_default(direction: str, head_dim: int, dtype: str, causal: bool, switch
     variant kernels where any switch is on. Forward attention chunks beside a score modifier take fewer
     keys a tile on either family (_chunked_keys). A forward whose V head dim differs (head_dim_v) takes
     _sm90_wide_v_config's kernel where the sm90 family runs it, else _wide_v_config's; its tiles' keys
-    are cut for the wider of its head dims."""
+    are cut for the wider of its head dims. Its backward takes the wider head dim's tiles: on the sm90
+    family with both head dims (head_dim_v), else the sm80 family's kernel at the wider head dim, which
+    the launcher runs on the narrower side zero-padded."""
     default = default_config if direction == "fwd" else default_backward_config
     banded = causal or bool(switches.get("window"))
-    wide_v = {"head_dim_v": head_dim_v} if head_dim_v not in (None, head_dim) else {}  # the forward's only
+    wide_v = {"head_dim_v": head_dim_v} if head_dim_v not in (None, head_dim) else {}
+    if direction == "bwd" and wide_v:  # the wider head dim's tiles; the sm90 family's kernel takes both
+        width = max(head_dim, head_dim_v)
+        plain = default(width, dtype, banded, profile)
+        if plain.family != "sm90":  # the caller zero-pads the narrower side (flash_backward)
+            return call_default(direction, width, dtype, causal, switches, profile)
+        plain = plain.replace(**_sm90_variant_tiles(width, plain.block_m, switches))
+        # dQ^T's query columns split between the warpgroups where Q's head dim is one row of 64: whole k
+        # steps each (80 queries a step at the width 128 take 64, 48 take 32)
+        plain = next(c for c in (_valid(plain, head_dim=head_dim, head_dim_v=head_dim_v, block_m=m)
+                                 for m in (plain.block_m, plain.block_m // 32 * 32)) if c is not None)
+        deeper = plain.replace(num_stages=2)  # the narrower side's tiles may leave room for a second stage
+        plain = deeper if deeper.smem_bytes <= profile.smem_per_block_optin else plain
+        return plain.replace(causal=causal, **switches)
     plain = default(head_dim, dtype, banded, profile, **wide_v)
     if plain.family == "sm90":  # the plain tiles take the switches
         if direction == "fwd":  # the wider of the head dims a block holds sets its registers

@@ -415,8 +415,8 @@ def kv_grad_buffers(k: torch.Tensor, v: torch.Tensor, heads_q: int, varlen: bool
     if heads_q == k.shape[1]:
         bufs = (empty_like(k, dims, name="dk", rows="k"), empty_like(v, dims, name="dv", rows="k"))
     else:
-        shape = (k.shape[0], heads_q, *k.shape[2:])
-        bufs = tuple(empty(shape, k.dtype, k.device, dims, name=n, rows="k") for n in ("dk", "dv"))
+        bufs = tuple(empty((t.shape[0], heads_q, *t.shape[2:]), t.dtype, t.device, dims, name=n, rows="k")
+                     for t, n in ((k, "dk"), (v, "dv")))
     return tuple(b.zero_() for b in bufs) if zero else bufs
 
 
@@ -425,16 +425,20 @@ def summed_kv_heads(dk_x: torch.Tensor, dv_x: torch.Tensor, k: torch.Tensor, v: 
     query heads that share each K/V head."""
     if dk_x.shape[1] == k.shape[1]:
         return dk_x, dv_x
-    rows = (*k.shape[:2], dk_x.shape[1] // k.shape[1], *k.shape[2:])  # the heads dim split (kv head, group)
-    return (torch.empty_like(k).copy_(dk_x.view(rows).sum(2, dtype=torch.float32)),
-            torch.empty_like(v).copy_(dv_x.view(rows).sum(2, dtype=torch.float32)))
+    group = dk_x.shape[1] // k.shape[1]
+
+    def summed(x, like):  # the heads dim split (kv head, group)
+        return torch.empty_like(like).copy_(x.view(*like.shape[:2], group, *like.shape[2:]).sum(2, dtype=torch.float32))
+
+    return summed(dk_x, k), summed(dv_x, v)
 
 
 def sm90_backward(config: KernelConfig, fns: dict, variant, dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor,
                   v: torch.Tensor, out: torch.Tensor, lse: torch.Tensor, scale: float, deterministic: bool, b: int,
                   lq: int, lk: int):
     """flash_backward on the sm90 family, tensors as the call gave them ((batch, heads, seqlen, d), or
-    packed (total, heads, d) rows; b, lq, lk the batch and its longest lengths): the delta kernel writes
+    packed (total, heads, d) rows; v, out and dout V's head dim wide where config.head_dim_v says so; b,
+    lq, lk the batch and its longest lengths): the delta kernel writes
     delta and the LSE in base 2 for query rows padded to whole tiles (packed sequences each from its
     own tile: q_pad), the main kernel adds dQ^T tile by tile into an fp32 buffer of those rows by bulk
     reductions (one launch per key block when deterministic, so the adds come in a fixed order) and
@@ -493,6 +497,18 @@ def sm90_backward(config: KernelConfig, fns: dict, variant, dout: torch.Tensor, 
     return (dq, *summed_kv_heads(dk_x, dv_x, k, v))
 
 
+def _backward_head_dims(q, v) -> int | None:
+    """V's head dim where a backward call's differs from Q's (None where equal, or where the tensors are
+    not tensors of one rank: the checks that follow say what is wrong), each at most HEAD_DIM_MAX."""
+    if not all(isinstance(t, torch.Tensor) for t in (q, v)) or q.dim() != v.dim() or q.shape[-1] == v.shape[-1]:
+        return None
+    d, dv = q.shape[-1], v.shape[-1]
+    if max(d, dv) > HEAD_DIM_MAX:
+        raise ValueError(f"flash_backward: got head dims {d} (q, k) and {dv} (v); the backward runs V head dims up "
+                         f"to {HEAD_DIM_MAX} (FlashAttention-3's too), expected v.shape[-1] <= {HEAD_DIM_MAX}")
+    return dv
+
+
 def flash_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
                    lse: torch.Tensor, *, causal: bool = False, scale: float | None = None,
                    config: KernelConfig | None = None, deterministic: bool = False, align: str = "top_left",
@@ -512,26 +528,12 @@ def flash_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torc
     each block writes its query head's dK, dV and the heads that share a K/V head are summed in fp32
     afterwards.
 
-    A V head dim apart from Q and K's (the forward's head_dim_v) runs with the narrower side zero-padded
-    to the wider, up to HEAD_DIM_MAX (Q and K, or V, O and dO): zero columns add nothing to Q K^T or
-    dO V^T, so each gradient is the unpadded call's, cut back to its width.
+    A V head dim apart from Q and K's (the forward's head_dim_v, each at most HEAD_DIM_MAX) runs on the
+    sm90 family's kernel with both head dims where it takes the call (_backward_head_dims); else with
+    the narrower side zero-padded to the wider: zero columns add nothing to Q K^T or dO V^T, so each
+    gradient is the unpadded call's, cut back to its width.
     """
-    if all(isinstance(t, torch.Tensor) for t in (q, k, v)) and q.shape[-1] != v.shape[-1] and q.dim() == v.dim():
-        d, dv = q.shape[-1], v.shape[-1]
-        width = max(d, dv)
-        if width > HEAD_DIM_MAX:
-            raise ValueError(f"flash_backward: got head dims {d} (q, k) and {dv} (v); the backward runs V head dims up "
-                             f"to {HEAD_DIM_MAX} (FlashAttention-3's too), expected v.shape[-1] <= {HEAD_DIM_MAX}")
-
-        def pad(t):
-            return torch.nn.functional.pad(t, (0, width - t.shape[-1])) if isinstance(t, torch.Tensor) else t
-
-        dq, dk, dv_ = flash_backward(
-            pad(dout), pad(q), pad(k), pad(v), pad(out), lse, causal=causal, scale=check_scale(scale, d), config=config,
-            deterministic=deterministic, align=align, window=window, softcap=softcap, alibi_slopes=alibi_slopes,
-            key_bias=key_bias, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k, max_seqlen_q=max_seqlen_q,
-            max_seqlen_k=max_seqlen_k, attention_chunk=attention_chunk, seqused_q=seqused_q, seqused_k=seqused_k)
-        return tuple(torch.empty_like(like).copy_(g[..., :like.shape[-1]]) for g, like in ((dq, q), (dk, k), (dv_, v)))
+    dv = _backward_head_dims(q, v)
     varlen, q4, k4, v4 = views(q, k, v, cu_seqlens_q, cu_seqlens_k)
     if varlen and 0 in (q.shape[0], k.shape[0]):  # no rows or no keys: every gradient is 0
         return torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
@@ -542,10 +544,24 @@ def flash_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torc
                               key_bias=key_bias, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k,
                               max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k, attention_chunk=attention_chunk,
                               seqused_q=seqused_q, seqused_k=seqused_k)
+    d = q4.shape[3]
+    config = variant_config(config, "bwd", d, dtype, causal, variant, profile, dv)
+    if dv is not None and (config.head_dim, config.dv) != (d, dv):  # a kernel of one head dim: the narrower padded
+        width = max(d, dv)
+
+        def pad(t):
+            return torch.nn.functional.pad(t, (0, width - t.shape[-1])) if isinstance(t, torch.Tensor) else t
+
+        dq, dk, dv_ = flash_backward(
+            pad(dout), pad(q), pad(k), pad(v), pad(out), lse, causal=causal, scale=scale, config=config,
+            deterministic=deterministic, align=align, window=window, softcap=softcap, alibi_slopes=alibi_slopes,
+            key_bias=key_bias, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k, max_seqlen_q=max_seqlen_q,
+            max_seqlen_k=max_seqlen_k, attention_chunk=attention_chunk, seqused_q=seqused_q, seqused_k=seqused_k)
+        return tuple(torch.empty_like(like).copy_(g[..., :like.shape[-1]]) for g, like in ((dq, q), (dk, k), (dv_, v)))
     for name, t in (("out", out), ("dout", dout)):
-        check_like(name, t, q)
+        check_like(name, t, q, dv)
         if varlen:
-            check_like(name, heads_view(t), q4)
+            check_like(name, heads_view(t), q4, dv)
     b, hq, lq, d = q4.shape
     hkv, lk = k4.shape[1], k4.shape[2]
     total_q = lq
@@ -558,8 +574,7 @@ def flash_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torc
         got = f"{tuple(lse.shape)} {lse.dtype} on {lse.device}" if isinstance(lse, torch.Tensor) else type(lse).__name__
         raise ValueError(f"lse: got {got}; expected {lse_shape} float32 on {q.device} (the forward's LSE)")
     lse = lse.contiguous()
-    config = variant_config(config, "bwd", d, dtype, causal, variant, profile)
-    check_config(config, d, dtype, causal, profile, "bwd")
+    check_config(config, d, dtype, causal, profile, "bwd", dv)
     fns = kernel_functions(config, profile, q)
     if config.family == "sm90":
         return sm90_backward(config, fns, variant, dout, q, k, v, out, lse, scale, deterministic, b, lq, lk)
