@@ -120,6 +120,9 @@ def defaults():
     h100 = ARCH_PROFILES["sm_90"]
     sm90 = {(make(d, "bf16", c, h100), "sm_90") for make in (default_config, default_backward_config)
             for d in range(32, 257, 16) for c in (False, True)}
+    # packed sequences alone at d = 128: the backward's tiles depend on the release (STACK_SPILLS)
+    sm90 |= {(call_default("bwd", 128, dt, c, dict(varlen=True), h100), "sm_90") for dt in ("fp16", "bf16")
+             for c in (False, True)}
     wide_v = {(call_default("fwd", d, dt, c, _NO_SWITCHES, prof, dv), arch) for d, dv in HEAD_DIM_V_PAIRS + QV_PAIRS
               for dt in ("fp16", "bf16") for c in (False, True) for arch, prof in ARCH_PROFILES.items()}
     wide_v |= {(default_decode_config(d, dt, prof, None, False, head_dim_v=dv), arch) for d, dv in HEAD_DIM_V_PAIRS
@@ -174,9 +177,10 @@ def _stack_key(job) -> tuple:
     from autoflash.kernels.defaults import STACK_SPILLS
 
     cfg, arch = job
-    if not (cfg.kvcache or cfg.window or cfg.softcap or cfg.alibi or cfg.key_bias or cfg.varlen):
+    on = cfg.variants
+    if not cfg.kvcache:  # a plain default, or a variant's tiles an entry is about (StackSpill.switches)
         for i, s in enumerate(STACK_SPILLS):
-            if s.covers(arch, cfg.direction, cfg.dtype, cfg.head_dim, cfg.causal):
+            if (s.switches or not on) and s.covers(arch, cfg.direction, cfg.dtype, cfg.head_dim, cfg.causal, on):
                 return ("STACK_SPILLS", i)
     return cfg.family, arch, cfg.direction, cfg.kvcache
 

@@ -314,6 +314,27 @@ def test_defaults_that_spill_under_an_older_nvrtc_take_the_next_choice(nvrtc_rel
         assert default_config(192, "bf16", True, h100).family == "sm90"
 
 
+def test_a_variants_own_tiles_move_under_an_older_nvrtc(nvrtc_release):
+    # The sm90 backward of packed sequences at d = 128 runs the plain tile's 80 queries a step (FA3's
+    # varlen tile; bench sass --fa3 counts it at FA3's) where ptxas compiles it clean, 64 under NVRTC 12.1
+    # and 12.8, which spill 80 (12.8 causal too); the plain kernel is untouched.
+    from autoflash.kernels.defaults import call_default, stack_note
+    from autoflash.kernels.gpus import get_profile
+
+    h100 = get_profile("h100")
+    for version, block_m in (((13, 5), 80), ((12, 9), 80), ((12, 8), 64), ((12, 1), 64)):
+        nvrtc_release(version)
+        cfg = call_default("bwd", 128, "bf16", False, dict(varlen=True), h100)
+        assert (cfg.family, cfg.block_m, cfg.block_n, cfg.varlen) == ("sm90", block_m, 128, True), cfg.name
+        note = stack_note(cfg, h100)
+        assert (note is None) == (block_m == 80), note
+        if note:
+            assert note.startswith(f"NVRTC {version[0]}.{version[1]} picked it") and "12.9" in note, note
+        assert call_default("bwd", 128, "bf16", True, dict(varlen=True), h100).block_m == block_m
+        assert call_default("bwd", 128, "bf16", False, {}, h100).block_m == 80
+        assert stack_note(call_default("bwd", 128, "bf16", False, {}, h100), h100) is None
+
+
 def test_without_nvrtc_the_newest_defaults_stand(nvrtc_release):
     from autoflash.kernels.defaults import default_config
     from autoflash.kernels.gpus import get_profile

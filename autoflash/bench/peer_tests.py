@@ -94,8 +94,11 @@ def run(args) -> tuple[list[dict], str]:
     cmd += ["-k", args.keyword] if args.keyword else []
     cmd += ["-n", str(args.workers)] if args.workers else []
     print(" ".join(cmd), flush=True)
-    subprocess.run(cmd, cwd=test.parent, env=env)
+    code = subprocess.run(cmd, cwd=test.parent, env=env).returncode
     records = [json.loads(line) for line in lines.read_text().splitlines()] if lines.exists() else []
+    if not records:
+        print(f"peer-tests: no case ran (pytest exited {code}; its output above says why: a module the test file "
+              f"imports missing, such as einops, or a -k that matches nothing)", file=sys.stderr)
     return records, str(lines)
 
 

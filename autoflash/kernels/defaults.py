@@ -28,16 +28,21 @@ class StackSpill:
     tile: tuple[int, int, int] | None  # (block_m, block_n, num_warps); None: the family's built-in tile
     clean_from: tuple[int, int]  # the first NVRTC seen clean
     seen: str  # where it spilled
+    # The variant switches (VARIANTS) of the kernels it is about: () the built-in tile whatever the switches
+    # (those that take other tiles never meet it), else exactly these (a variant's own tiles).
+    switches: tuple[str, ...] = ()
 
-    def covers(self, arch: str, direction: str, dtype: str, head_dim: int, causal: bool) -> bool:
+    def covers(self, arch: str, direction: str, dtype: str, head_dim: int, causal: bool,
+               switches: tuple[str, ...] = ()) -> bool:
         """Whether this entry is about such a problem, under whichever NVRTC."""
         return (arch in self.archs and direction == self.direction and dtype in self.dtypes
-                and head_dim in self.head_dims and causal in self.causal)
+                and head_dim in self.head_dims and causal in self.causal
+                and self.switches in ((), tuple(switches)))
 
     def applies(self, arch: str, direction: str, dtype: str, head_dim: int, causal: bool,
-                nvrtc: tuple[int, int]) -> bool:
+                nvrtc: tuple[int, int], switches: tuple[str, ...] = ()) -> bool:
         """Whether this entry rules its kernel out for such a problem under `nvrtc`."""
-        return nvrtc < self.clean_from and self.covers(arch, direction, dtype, head_dim, causal)
+        return nvrtc < self.clean_from and self.covers(arch, direction, dtype, head_dim, causal, switches)
 
     def note(self, nvrtc: tuple[int, int]) -> str:
         first = f"{self.tile[0]} x {self.tile[1]} with {self.tile[2]} warps" if self.tile else f"the {self.family} family"
@@ -54,13 +59,18 @@ STACK_SPILLS = (
     StackSpill(("sm_80", "sm_90"), "sm80", "fwd", ("fp32",), (40,), _BOTH, (64, 32, 4), (13, 5),
                "12-20 bytes under 12.1, 12.9 and 13.0.88"),
     StackSpill(("sm_90",), "sm90", "fwd", _16BIT, (208,), _BOTH, None, (13, 5), "16 bytes under 12.9 and 13.0.88"),
+    # packed sequences alone at d = 128: the plain tile's 80 queries a step, then 64 (_sm90_variant_tiles)
+    StackSpill(("sm_90",), "sm90", "bwd", _16BIT, (128,), _BOTH, (80, 128, 8), (12, 9),
+               "12-16 bytes under 12.1 and 12.8, causal 4-8 under 12.8", switches=("varlen",)),
 )
 
 
 def stack_spill(arch: str, family: str, direction: str, dtype: str, head_dim: int, causal: bool,
-                tile: tuple[int, int, int] | None = None, nvrtc: tuple[int, int] | None = None) -> StackSpill | None:
+                tile: tuple[int, int, int] | None = None, nvrtc: tuple[int, int] | None = None,
+                switches: tuple[str, ...] = ()) -> StackSpill | None:
     """The StackSpill that rules a kernel out under `nvrtc` (default: the installed NVRTC; none
-    installed: the newest, under which nothing is ruled out), or None."""
+    installed: the newest, under which nothing is ruled out), or None. `switches`: the kernel's
+    variant switches (VARIANTS names)."""
     if nvrtc is None:
         from autoflash.kernels.compiler import installed_nvrtc
 
@@ -68,7 +78,7 @@ def stack_spill(arch: str, family: str, direction: str, dtype: str, head_dim: in
         if nvrtc is None:
             return None
     return next((s for s in STACK_SPILLS if (s.family, s.tile) == (family, tile)
-                 and s.applies(arch, direction, dtype, head_dim, causal, nvrtc)), None)
+                 and s.applies(arch, direction, dtype, head_dim, causal, nvrtc, switches)), None)
 
 
 def stack_note(config: KernelConfig, profile: GpuProfile) -> str | None:
@@ -81,7 +91,8 @@ def stack_note(config: KernelConfig, profile: GpuProfile) -> str | None:
     tile = (config.block_m, config.block_n, config.num_warps)
     for s in STACK_SPILLS:
         replaced = s.family != config.family or (s.tile is not None and s.tile != tile)
-        if replaced and s.applies(profile.arch, config.direction, config.dtype, config.head_dim, config.causal, nvrtc):
+        if replaced and s.applies(profile.arch, config.direction, config.dtype, config.head_dim, config.causal, nvrtc,
+                                  config.variants):
             return s.note(nvrtc)
     return None
 
@@ -157,9 +168,9 @@ def _sm90_biased_keys(head_dim: int, block_n: int) -> int:
 
 def _sm90_variant_tiles(head_dim: int, block_m: int, switches: dict) -> dict:
     """The sm90 backward's tiles with a variant switch (VARIANTS; the alignment alone keeps the plain
-    ones, and packed sequences alone up to d = 64, as FlashAttention-3's varlen backward does: at
-    d = 128 NVRTC 12.1 and 12.8 spilled 4-16 B on its 80 queries a step), as KernelConfig.replace
-    arguments. Up to d = 128 a consumer thread holds S^T, dP^T and dK, dV of 64 keys, and a window's
+    ones, and packed sequences alone, as FlashAttention-3's varlen backward does: at d = 128 NVRTC 12.1
+    and 12.8 spill 12-16 B on its 80 queries a step, where call_default takes 64 under them,
+    STACK_SPILLS), as KernelConfig.replace arguments. Up to d = 128 a consumer thread holds S^T, dP^T and dK, dV of 64 keys, and a window's
     second limit, softcap's tanh or ALiBi's distances spilled 4-232 bytes on the plain tiles (128, 96 and
     80 queries a step; NVRTC 13.5). Up to d = 64, 96 queries (FlashAttention-3's causal softcap tile
     there); 64 with two score modifiers (softcap, ALiBi, key bias: 8-16 bytes at 96) or a window beside
@@ -169,7 +180,7 @@ def _sm90_variant_tiles(head_dim: int, block_m: int, switches: dict) -> dict:
     (dkv_split), which every switch set compiles clean. Above d = 128 (dK and dV split already) the
     plain tiles take every switch."""
     on = [f for f in VARIANTS if switches.get(f)]
-    if head_dim > 128 or not on or (on == ["varlen"] and head_dim <= 64):
+    if head_dim > 128 or not on or on == ["varlen"]:
         return {}
     twice = sum(f in on for f in ("softcap", "alibi", "key_bias")) > 1
     banded = "window" in on and len(on) > 1  # a window and more
@@ -501,6 +512,10 @@ def call_default(direction: str, head_dim: int, dtype: str, causal: bool, switch
             plain = plain.replace(block_n=_chunked_keys("sm90", width, plain.block_n, switches))
         else:  # the backward's block_n is its consumer warpgroups' keys: fewer queries a step instead
             plain = plain.replace(**_sm90_variant_tiles(head_dim, plain.block_m, switches))
+            on = tuple(f for f in VARIANTS if switches.get(f))
+            if on and stack_spill(profile.arch, "sm90", "bwd", dtype, head_dim, causal,
+                                  (plain.block_m, plain.block_n, plain.num_warps), switches=on):
+                plain = plain.replace(block_m=64)  # the installed NVRTC spills these tiles
         return plain.replace(causal=causal, **switches)
     heavy = switches.get("align", "top_left") != "top_left" or any(switches.get(f) for f in VARIANTS)
     config = default(head_dim, dtype, banded, profile, heavy, **wide_v)
