@@ -533,7 +533,7 @@ def flash_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torc
     the narrower side zero-padded to the wider: zero columns add nothing to Q K^T or dO V^T, so each
     gradient is the unpadded call's, cut back to its width.
     """
-    dv = _backward_head_dims(q, v)
+    dv, asked_causal = _backward_head_dims(q, v), causal
     varlen, q4, k4, v4 = views(q, k, v, cu_seqlens_q, cu_seqlens_k)
     if varlen and 0 in (q.shape[0], k.shape[0]):  # no rows or no keys: every gradient is 0
         return torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
@@ -552,8 +552,8 @@ def flash_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torc
         def pad(t):
             return torch.nn.functional.pad(t, (0, width - t.shape[-1])) if isinstance(t, torch.Tensor) else t
 
-        dq, dk, dv_ = flash_backward(
-            pad(dout), pad(q), pad(k), pad(v), pad(out), lse, causal=causal, scale=scale, config=config,
+        dq, dk, dv_ = flash_backward(  # the call's own arguments (resolve's causal may be a chunked window's)
+            pad(dout), pad(q), pad(k), pad(v), pad(out), lse, causal=asked_causal, scale=scale, config=config,
             deterministic=deterministic, align=align, window=window, softcap=softcap, alibi_slopes=alibi_slopes,
             key_bias=key_bias, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k, max_seqlen_q=max_seqlen_q,
             max_seqlen_k=max_seqlen_k, attention_chunk=attention_chunk, seqused_q=seqused_q, seqused_k=seqused_k)
