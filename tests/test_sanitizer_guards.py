@@ -57,8 +57,8 @@ MUTATIONS = {
                   ["--kvcache", "--shape", "2,4,2,3,200,64"], "flash_fwd.cu.j2", "const int k_off = KVCACHE ?",
                   "null pointer"),
     # the sm90 family's LSE rows one past seqlen_q (its O leaves by TMA stores, which skip such rows)
-    "lse-sm90": ("fwd", "if (t % 4 == 0 && row < seqlen_q) lse[", "if (t % 4 == 0 && row <= seqlen_q) lse[", SHAPE,
-                 "flash_fwd_sm90.cu.j2", "if (t % 4 == 0 && row < seqlen_q) lse[", "write of lse"),
+    "lse-sm90": ("fwd", "t % 4 == 0 && row < seqlen_q) lse[", "t % 4 == 0 && row <= seqlen_q) lse[", SHAPE,
+                 "flash_fwd_sm90.cu.j2", "t % 4 == 0 && row < seqlen_q) lse[", "write of lse"),
     # the sm90 forward of packed sequences: O's plain stores one row past the sequence (its next one's)
     "o-store-varlen-sm90": ("fwd", "if (m_start + g * 64 + r < seqlen_q)", "if (m_start + g * 64 + r <= seqlen_q)",
                             ["--shape", "4,2,1,40,50,64", "--varlen", "--seed", "3"], "flash_fwd_sm90.cu.j2",

@@ -272,7 +272,7 @@ def test_an_sm90_config_is_refused_on_other_gpus():
 
 
 @pytest.mark.parametrize("fields, text", [
-    (dict(direction="bwd", head_dim=192), "head_dim=192 without dkv_split"),
+    (dict(direction="bwd", head_dim=192), "192 \\(V\\) without dkv_split"),
     (dict(direction="bwd", block_n=96), "consumer warpgroups of 64 keys"),
     (dict(direction="bwd", pingpong=True), "the sm90 forward's schedule"),
     (dict(direction="bwd", head_dim=64, block_m=48), "block_m a multiple of 32"),
