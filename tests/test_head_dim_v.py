@@ -159,6 +159,7 @@ def test_fa3_api_runs_the_mla_shapes_and_explains_them():
     text = str(plan)
     assert plan.forward.config.head_dim_v == 512 and plan.forward.config.head_split == 2
     assert plan.forward.config.family == "sm90" and "sm90 (FlashAttention-3 design" in text
+    assert "O's 512 columns in 2 blocks of 256 a query tile, each computing the scores" in text
     assert plan.backward is None and "no backward" in text
 
 

@@ -77,6 +77,9 @@ class Explanation:
             key = f" for {sel.key}" if sel.key is not None else ""
             lines.append(f"{what}: {c.name} (block {c.block_m}x{c.block_n}, {c.num_warps} warps, {c.num_stages} "
                          f"stages, {c.smem_bytes} B shared memory){key}\n  from {sel.origin}")
+            if what == "forward" and c.head_split > 1:
+                lines.append(f"  O's {c.dv} columns in {c.head_split} blocks of {c.o_columns} a query tile, each "
+                             f"computing the scores")
         lines += self.notes
         return "\n".join(lines)
 
