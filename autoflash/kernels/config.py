@@ -382,7 +382,8 @@ class KernelConfig:
                              f"otherwise, the dQ pass and V in registers run on family 'sm80'")
         if self.direction == "bwd":
             return self._validate_sm90_backward(what)
-        if self.dv % 16 or self.o_columns % 16 or self.dv_padded % self.head_split or self.o_columns % (self.swizzle_span // 2):
+        if self.dv % 16 or self.o_columns % 16 or self.dv_padded % self.head_split \
+                or self.o_columns % (self.swizzle_span // 2):
             raise ValueError(f"{what}: got head_dim_v={self.dv} with head_split {self.head_split}; each block's O "
                              f"columns are the N of a wgmma and whole TMA boxes, expected head_split dividing V's "
                              f"head dim into multiples of 16")
@@ -617,7 +618,8 @@ class KernelConfig:
             # Q's and dO's to those of the wider head dim (dK^T and dV^T both run by its rows of 64)
             wide = 2 * self.head_rows
             v_row = 2 * _round_up(self.dv, 64) if self.dkv_split else 2 * self.dv
-            q_row, do_row = (2 * _round_up(max(self.head_dim, self.dv), 64),) * 2 if self.dkv_split else (row, 2 * self.dv)
+            widest = 2 * _round_up(max(self.head_dim, self.dv), 64)
+            q_row, do_row = (widest, widest) if self.dkv_split else (row, 2 * self.dv)
             stages = self.num_stages * self.block_m
             tiles = {"k": self.block_n * wide, "v": self.block_n * v_row, "q": stages * q_row, "dout": stages * do_row,
                      "ds": self.block_m * self.block_n * 2,

@@ -170,9 +170,9 @@ def _sm90_variant_tiles(head_dim: int, block_m: int, switches: dict) -> dict:
     """The sm90 backward's tiles with a variant switch (VARIANTS; the alignment alone keeps the plain
     ones, and packed sequences alone, as FlashAttention-3's varlen backward does: at d = 128 NVRTC 12.1
     and 12.8 spill 12-16 B on its 80 queries a step, where call_default takes 64 under them,
-    STACK_SPILLS), as KernelConfig.replace arguments. Up to d = 128 a consumer thread holds S^T, dP^T and dK, dV of 64 keys, and a window's
-    second limit, softcap's tanh or ALiBi's distances spilled 4-232 bytes on the plain tiles (128, 96 and
-    80 queries a step; NVRTC 13.5). Up to d = 64, 96 queries (FlashAttention-3's causal softcap tile
+    STACK_SPILLS), as KernelConfig.replace arguments. Up to d = 128 a consumer thread holds S^T, dP^T
+    and dK, dV of 64 keys, and a window's second limit, softcap's tanh or ALiBi's distances spilled
+    4-232 bytes on the plain tiles (128, 96 and 80 queries a step; NVRTC 13.5). Up to d = 64, 96 queries (FlashAttention-3's causal softcap tile
     there); 64 with two score modifiers (softcap, ALiBi, key bias: 8-16 bytes at 96) or a window beside
     another switch (4 bytes). Above, 64 (FA3's tile for local or softcap attention at d = 128), 48 with
     two score modifiers (4-52 bytes at d = 128 under NVRTC 13.5, 13.0.88 or 12.9). At d = 128 a window

@@ -382,7 +382,8 @@ def flash_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: 
                    *variant.softcap_factors(scale))
         for sequences, pointers in variant.runs(b):
             _call(fn, (math.ceil(lq / config.block_m) * config.head_split, hq, sequences), config.threads,
-                  config.smem_bytes, q.device, SM90_FWD_PARAMS, (o_rows[0], lse, *pointers), scalars, SM90_FWD_NAMES, maps)
+                  config.smem_bytes, q.device, SM90_FWD_PARAMS, (o_rows[0], lse, *pointers), scalars, SM90_FWD_NAMES,
+                  maps)
         return out, lse
     scalars = (*_strides(q4, varlen), *_strides(k4, varlen), *_strides(v4, varlen), *_strides(out4, varlen),
                *variant.scalars(lse), 0, lq, lk, hq // hkv, *variant.window, 1, 1, 1,
