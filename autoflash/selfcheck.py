@@ -175,13 +175,15 @@ def main(argv: list[str] | None = None) -> int:
 
     schedules = [*SCHEDULES, *(f"random:{args.seed + i}" for i in range(args.schedules))] if args.schedules \
         else ["default"]
+    from autoflash.kernels.launch import recording
+
     results = []
     try:
         emulation.clear_findings()
         for schedule in schedules:
             context = emulation.emulate(args.emulate, sanitize=args.sanitize, schedule=schedule) if args.emulate \
                 else contextlib.nullcontext()
-            with context:
+            with context, recording() as ran:
                 if args.kvcache:
                     from autoflash.selfcheck_kvcache import check_kvcache
 
@@ -200,6 +202,7 @@ def main(argv: list[str] | None = None) -> int:
     dv = f"  dv {args.head_dim_v}" if args.head_dim_v != shape[5] else ""
     print(f"{where}  shape b,hq,hkv,lq,lk,d = {shape}{dv}  {dtype}{'  causal' if causal else ''}"
           f"{'  ' + _describe(args) if variant or args.kvcache else ''}")
+    print(f"  kernels: {', '.join(dict.fromkeys(c.name for c in ran))}")
     failed = False
     for name, ok, err, bound in results:
         failed |= not ok

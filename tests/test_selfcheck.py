@@ -37,6 +37,8 @@ def test_a_v_head_dim_of_its_own_is_checked_and_sanitized(capsys):
                  "--causal"]) == 0
     out = capsys.readouterr().out
     assert "dv 128" in out and out.count(" ok") == 4 and "sanitizer: 0 findings" in out
+    # what ran, named: the forward with V's own head dim, the backward at the wider one (sm80: padded)
+    assert "  kernels: fwd_hd64_dv128_bf16_" in out and ", bwd_hd128_bf16_" in out, out
 
 
 @pytest.mark.parametrize("argv, message", [

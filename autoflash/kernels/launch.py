@@ -3,6 +3,8 @@ cubins through CuPy and launches on torch's current stream into torch-allocated 
 inside autoflash.emulate() take the same path to the host emulator."""
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import ctypes
 import functools
 import math
@@ -78,9 +80,27 @@ def profile_for(t: torch.Tensor, what: str) -> GpuProfile:
     return profile
 
 
+_RAN: contextvars.ContextVar[list | None] = contextvars.ContextVar("autoflash_ran", default=None)
+
+
+@contextlib.contextmanager
+def recording():
+    """with recording() as ran: `ran` lists the KernelConfig of every kernel the launchers load inside
+    the block, in order (what a call ran; autoflash.selfcheck prints it)."""
+    ran: list[KernelConfig] = []
+    token = _RAN.set(ran)
+    try:
+        yield ran
+    finally:
+        _RAN.reset(token)
+
+
 def kernel_functions(config: KernelConfig, profile: GpuProfile, t: torch.Tensor) -> dict:
     """{symbol: callable} of a config's kernels for tensors like `t`: cupy functions on a GPU, the
     host backend's on the CPU (the emulator's; its sanitizing build inside emulate(sanitize=True))."""
+    ran = _RAN.get()
+    if ran is not None:
+        ran.append(config)
     if t.is_cuda:
         return load_functions(config, profile, device_index(t))
     return backend.host().functions(config)
