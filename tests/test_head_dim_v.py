@@ -379,3 +379,40 @@ def test_the_padded_backward_keeps_a_chunked_calls_causality():
     unmasked = attention_backward_ref(q.float(), k.float(), v.float(), dout.float(), align="bottom_right",
                                       attention_chunk=24)
     assert (unmasked[0] - ref[0]).abs().max() > 0.1  # the test tells the two apart
+
+
+# The sm90 forward's schedules beside the defaults, with V's own head dim: one to three consumer warpgroups,
+# 1-3 stages, pingpong and overlap on and off (three warpgroups only where O and Q are at most 128 wide).
+WIDE_V_SCHEDULES = {
+    "wg1-n64-s1-ov": dict(block_m=64, num_warps=4, block_n=64, num_stages=1, pingpong=False, overlap=True),
+    "wg2-n48-s3-pp": dict(block_m=128, num_warps=8, block_n=48, num_stages=3, pingpong=True, overlap=False),
+    "wg3-n32-pp-ov": dict(block_m=192, num_warps=12, block_n=32, num_stages=2, pingpong=True, overlap=True),
+}
+
+
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal-br"])
+@pytest.mark.parametrize("schedule", sorted(WIDE_V_SCHEDULES))
+@pytest.mark.parametrize("d", [(64, 512), (64, 256), (192, 128), (128, 64), (64, 128)], ids=lambda p: f"d{p[0]}-dv{p[1]}")
+def test_sm90_wide_v_forward_schedules_meet_flashattention_rule(d, schedule, causal, launched):
+    """Each schedule of the sm90 forward with V's own head dim (Q's rows, O's slices and their stores per
+    warpgroup) at an odd GQA shape with a ragged last tile, under FA3's rule on the emulated H100."""
+    (d, dv), h100 = d, get_profile("h100")
+    try:
+        config = default_config(d, "bf16", causal, h100, head_dim_v=dv).replace(**WIDE_V_SCHEDULES[schedule])
+    except ValueError as e:  # three consumer warpgroups past 128 columns
+        pytest.skip(str(e))
+    if config.smem_bytes > h100.smem_per_block_optin:
+        pytest.skip(f"{config.name} needs {config.smem_bytes} bytes of shared memory")
+    g = torch.Generator().manual_seed(d * 7 + dv)
+    q = torch.randn(2, 4, 77, d, generator=g).bfloat16()
+    k = torch.randn(2, 2, 133, d, generator=g).bfloat16()
+    v = torch.randn(2, 2, 133, dv, generator=g).bfloat16()
+    kw = dict(causal=True, align="bottom_right") if causal else {}
+    with autoflash.emulate("h100"):
+        out, lse = flash_forward(q, k, v, config=config, **kw)
+    assert launched[0].name == config.replace(**({"align": "bottom_right"} if causal else {})).name
+    ref, ref_lse = attention_ref(q.float(), k.float(), v.float(), **kw)
+    torch_out, _ = attention_ref(q, k, v, upcast=False, **kw)
+    ok, err, bound = within_tolerance(out, ref, torch_out)
+    assert ok, f"out: err {err:.3e} > bound {bound:.3e}"
+    assert within_tolerance(lse, ref_lse, ref_lse, atol=1e-3)[0]
