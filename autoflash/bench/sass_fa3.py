@@ -1,6 +1,6 @@
 """`python -m autoflash.bench sass --fa3`: a static SASS side-by-side of autoflash's sm90 forward family
 and FlashAttention-3's own compiled forward kernels, bf16, head dims 64, 128 and 256, causal off and
-on, at d = 128 the variants FA3's wheel holds (softcap and packed sequences, causal off and on:
+on, at d = 128 the variants FA3's wheel holds (softcap, packed sequences and both, causal off and on:
 VARIANT_ROWS), and V head dims of their own (WIDE_V_ROWS), the H100's defaults on both sides. Needs no
 GPU.
 
@@ -107,7 +107,9 @@ _SWITCHES = ("local", "softcap", "varlen", "paged", "append_kv", "qv", "pack_gqa
 VARIANT_ROWS = ((("softcap",), False, dict(softcap=True)),
                 (("softcap",), True, dict(softcap=True, align="bottom_right")),
                 (("varlen",), False, dict(varlen=True)),
-                (("varlen",), True, dict(varlen=True, align="bottom_right")))
+                (("varlen",), True, dict(varlen=True, align="bottom_right")),
+                (("softcap", "varlen"), False, dict(softcap=True, varlen=True)),
+                (("softcap", "varlen"), True, dict(softcap=True, varlen=True, align="bottom_right")))
 # V's head dim apart from Q and K's (FA3's hdimV, DeepSeek's MLA shapes), plain and causal: (d, dv) pairs
 # where both sides run one block per query tile. FA3's (64, 512) has its first consumer warpgroup hand P
 # to the second through shared memory, each computing 256 of O's columns; autoflash's runs two blocks of
