@@ -86,7 +86,7 @@ def _qv_forward_only(out, qv, entry: str, *inputs):
     if isinstance(out, tuple):
         o, lse = kvcache.forward_only(out[0], out[1], f"{entry} with qv", *inputs, qv)
         return (o, lse, *out[2:])
-    return kvcache.forward_only(out, out, f"{entry} with qv", *inputs, qv)[0]
+    return kvcache.forward_only(out, None, f"{entry} with qv", *inputs, qv)[0]
 
 
 def _check_hints(num_splits, pack_gqa, sm_margin) -> None:

@@ -322,10 +322,10 @@ class _ForwardOnly(torch.autograd.Function):
                            "torch.inference_mode()")
 
 
-def forward_only(out: torch.Tensor, lse: torch.Tensor, entry: str, *inputs) -> tuple[torch.Tensor, torch.Tensor]:
-    """out and lse whose gradient is _ForwardOnly's error where any of `inputs` wants one."""
+def forward_only(out: torch.Tensor, lse: torch.Tensor | None, entry: str, *inputs) -> tuple:
+    """out and lse (None: none) whose gradient is _ForwardOnly's error where any of `inputs` wants one."""
     if torch.is_grad_enabled() and any(isinstance(t, torch.Tensor) and t.requires_grad for t in inputs):
-        return _ForwardOnly.apply(out, entry), _ForwardOnly.apply(lse, entry)
+        return _ForwardOnly.apply(out, entry), None if lse is None else _ForwardOnly.apply(lse, entry)
     return out, lse
 
 
