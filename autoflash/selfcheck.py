@@ -180,19 +180,20 @@ def main(argv: list[str] | None = None) -> int:
     results = []
     try:
         emulation.clear_findings()
-        for schedule in schedules:
-            context = emulation.emulate(args.emulate, sanitize=args.sanitize, schedule=schedule) if args.emulate \
-                else contextlib.nullcontext()
-            with context, recording() as ran:
-                if args.kvcache:
-                    from autoflash.selfcheck_kvcache import check_kvcache
+        with recording() as ran:
+            for schedule in schedules:
+                context = emulation.emulate(args.emulate, sanitize=args.sanitize, schedule=schedule) \
+                    if args.emulate else contextlib.nullcontext()
+                with context:
+                    if args.kvcache:
+                        from autoflash.selfcheck_kvcache import check_kvcache
 
-                    rows = check_kvcache(args, shape, dtype, causal)
-                elif variant:
-                    rows = _check_variant(args, shape, dtype, causal, backward)
-                else:
-                    rows = _check(args, shape, dtype, causal, fwd_cfg, bwd_cfg, backward)
-            results += [(f"{name} [{schedule}]" if len(schedules) > 1 else name, *rest) for name, *rest in rows]
+                        rows = check_kvcache(args, shape, dtype, causal)
+                    elif variant:
+                        rows = _check_variant(args, shape, dtype, causal, backward)
+                    else:
+                        rows = _check(args, shape, dtype, causal, fwd_cfg, bwd_cfg, backward)
+                results += [(f"{name} [{schedule}]" if len(schedules) > 1 else name, *rest) for name, *rest in rows]
         findings = emulation.findings() if args.sanitize else []
     except (ValueError, TypeError, emulation.EmulationError) as e:  # e.g. a config that does not fit
         print(f"autoflash.selfcheck: {e}", file=sys.stderr)
