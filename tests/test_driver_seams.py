@@ -40,14 +40,17 @@ def reaches_the_driver(call):
 
 
 def _sm90_maps():
-    """Every tensor map the sm90 forward and backward defaults build (d 64, 128, 256; odd shapes)."""
+    """Every tensor map the sm90 forward and backward defaults build (d 64, 128, 256; odd shapes), and
+    with V's own head dim ((64, 256), (192, 128), (64, 512): V and O dv wide)."""
     maps = []
-    for d in (64, 128, 256):
-        fwd = default_config(d, "bf16", True, H100)
-        bwd = default_backward_config(d, "bf16", True, H100)
-        q, k, v, o = (torch.empty(2, 3, 77, d, dtype=torch.bfloat16) for _ in range(4))
-        maps += [*sm90_maps(fwd, q, k, v, o), *tile_maps(bwd, (q, bwd.block_m), (k, bwd.block_n), (v, bwd.block_n),
-                                                        (o, bwd.block_m))]
+    for d, dv in ((64, 64), (128, 128), (256, 256), (64, 256), (192, 128), (64, 512)):
+        fwd = call_default("fwd", d, "bf16", True, {}, H100, dv)
+        q, k = (torch.empty(2, 3, 77, d, dtype=torch.bfloat16) for _ in range(2))
+        v, o = (torch.empty(2, 3, 77, dv, dtype=torch.bfloat16) for _ in range(2))
+        maps += sm90_maps(fwd, q, k, v, o)
+        if dv <= 256:
+            bwd = call_default("bwd", d, "bf16", True, {}, H100, dv)
+            maps += tile_maps(bwd, (q, bwd.block_m), (k, bwd.block_n), (v, bwd.block_n), (o, bwd.block_m))
     return maps
 
 
