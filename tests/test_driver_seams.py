@@ -13,7 +13,7 @@ import torch
 
 import sampling
 
-from autoflash.kernels.defaults import call_default, default_backward_config, default_config
+from autoflash.kernels.defaults import call_default, default_backward_config, default_config, default_decode_config
 from autoflash.kernels.gpus import get_profile
 from autoflash.kernels.launch import sm90_maps, tile_maps
 from autoflash.kernels.tensor_map import DATA_TYPES, SWIZZLES, for_tensor
@@ -40,8 +40,8 @@ def reaches_the_driver(call):
 
 
 def _sm90_maps():
-    """Every tensor map the sm90 forward and backward defaults build (d 64, 128, 256; odd shapes), and
-    with V's own head dim ((64, 256), (192, 128), (64, 512): V and O dv wide)."""
+    """Every tensor map the sm90 forward, backward and KV-cache defaults build (d 64, 128, 256; odd
+    shapes), and with V's own head dim ((64, 256), (192, 128), (64, 512): V and O dv wide)."""
     maps = []
     for d, dv in ((64, 64), (128, 128), (256, 256), (64, 256), (192, 128), (64, 512)):
         fwd = call_default("fwd", d, "bf16", True, {}, H100, dv)
@@ -51,6 +51,14 @@ def _sm90_maps():
         if dv <= 256:
             bwd = call_default("bwd", d, "bf16", True, {}, H100, dv)
             maps += tile_maps(bwd, (q, bwd.block_m), (k, bwd.block_n), (v, bwd.block_n), (o, bwd.block_m))
+        # the KV-cache kernel's: query heads folded into rows, a dense cache and one of 256-row pages, each
+        # (batch or page, seqlen, heads_kv, d) seen as (batch or page, heads_kv, seqlen, d)
+        for page in (None, 256):
+            dec = default_decode_config(d, "bf16", H100, page, False, False, dv)
+            rows = 300 if page is None else page
+            kc, vc = (torch.empty(5, rows, 2, w, dtype=torch.bfloat16).transpose(1, 2) for w in (d, dv))
+            qf, of = (torch.empty(3, 2, 8, w, dtype=torch.bfloat16) for w in (d, dv))
+            maps += tile_maps(dec, (qf, 64), (kc, dec.block_n), (vc, dec.block_n), (of, 64))
     return maps
 
 
@@ -188,7 +196,6 @@ def _every_default_kernel():
     the dQ pass), the KV-cache kernel split and paged with its combine (and with packed queries over
     gathered pages), the variant kernels, on the
     A100 (sm_80) and the H100 (sm_90: the sm90 family where it applies)."""
-    from autoflash.kernels.defaults import default_decode_config
 
     a100 = get_profile("a100")
     configs = set()

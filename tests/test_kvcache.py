@@ -21,7 +21,8 @@ from autoflash.kernels.decode import flash_decode
 from autoflash.reference.forward import within_tolerance
 from autoflash.reference.kvcache import append_ref, attention_kvcache_ref, rotary
 
-from gpu_inputs import TORCH_DTYPES, device
+from autoflash.kernels.launch import recording
+from gpu_inputs import EMULATED_GPU, TORCH_DTYPES, device
 
 VARIANTS = {
     "plain": {},
@@ -179,10 +180,12 @@ def _meets_flashattention_rule(target, variant, dtype, d, draw, dv=None):
     k_ref, v_ref, ref_out, ref_lse, torch_out = _reference(t, index, seqlens, kw, interleaved)
     before = (t["k_cache"].clone(), t["v_cache"].clone())
 
-    out, lse = flash_attn_with_kvcache(t["q"], t["k_cache"], t["v_cache"], t.get("k"), t.get("v"),
-                                       t.get("rotary_cos"), t.get("rotary_sin"), rotary_interleaved=interleaved,
-                                       num_splits=case["splits"], return_softmax_lse=True, **index, **kw)
+    with recording() as ran:
+        out, lse = flash_attn_with_kvcache(t["q"], t["k_cache"], t["v_cache"], t.get("k"), t.get("v"),
+                                           t.get("rotary_cos"), t.get("rotary_sin"), rotary_interleaved=interleaved,
+                                           num_splits=case["splits"], return_softmax_lse=True, **index, **kw)
     what = f"{case['layout']} {case['heads']} pair {case['pair']} seqlens {seqlens} rotary {case['rotary']}"
+    _check_family(target, case["layout"], ran)
     assert torch.equal(t["k_cache"].cpu(), k_ref) and torch.equal(t["v_cache"].cpu(), v_ref), f"cache ({what})"
     if "k" not in t:
         assert torch.equal(t["k_cache"], before[0]) and torch.equal(t["v_cache"], before[1])
@@ -195,6 +198,15 @@ def _meets_flashattention_rule(target, variant, dtype, d, draw, dv=None):
     assert not out.cpu()[~finite.transpose(1, 2)].any(), f"rows that see no key must be 0 ({what})"
     used = index["cache_seqlens"] + (t["k"].shape[1] if "k" in t else 0)
     _split_agrees(t, index, used.to(torch.int32), kw, dt)
+
+
+def _check_family(target: str, layout: str, ran) -> None:
+    """On the emulated H100 the KV-cache kernel is the sm90 family's, but where pages are gathered row by
+    row (pages not of whole key tiles, or left padding beside pages): the sm80 family's."""
+    if target != "emulated" or EMULATED_GPU != "h100":
+        return
+    gathered = layout in ("paged-1", "paged-5+batch_idx", "paged-16+leftpad")
+    assert {c.family for c in ran if c.kvcache} == {"sm80" if gathered else "sm90"}, [c.name for c in ran]
 
 
 def _packed_case(draw: int, variant: str, d: int, dev: str, dt):
@@ -259,10 +271,12 @@ def test_packed_queries_and_new_keys_meet_flashattention_rule(target, variant, d
         q_at, new_at = q_at + lens_q[b], new_at + lens_new[b]
     ref_out, ref_lse, torch_out = torch.cat(outs), torch.cat(lses, dim=1), torch.cat(torch_outs)
 
-    out, lse = flash_attn_with_kvcache(t["q"], t["k_cache"], t["v_cache"], t.get("k"), t.get("v"),
-                                       t.get("rotary_cos"), t.get("rotary_sin"), rotary_interleaved=interleaved,
-                                       num_splits=case["splits"], return_softmax_lse=True, **index, **kw, **packed)
+    with recording() as ran:
+        out, lse = flash_attn_with_kvcache(t["q"], t["k_cache"], t["v_cache"], t.get("k"), t.get("v"),
+                                           t.get("rotary_cos"), t.get("rotary_sin"), rotary_interleaved=interleaved,
+                                           num_splits=case["splits"], return_softmax_lse=True, **index, **kw, **packed)
     what = f"{case['layout']} {case['heads']} q {lens_q} new {lens_new} seqlens {seqlens} rotary {case['rotary']}"
+    _check_family(target, case["layout"], ran)
     assert out.shape == t["q"].shape and lse.shape == (t["q"].shape[1], t["q"].shape[0])
     assert torch.equal(t["k_cache"].cpu(), k_cache) and torch.equal(t["v_cache"].cpu(), v_cache), f"cache ({what})"
     ok, err, bound = within_tolerance(out.cpu()[None].transpose(1, 2), ref_out[None].transpose(1, 2),

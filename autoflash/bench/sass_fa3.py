@@ -1,8 +1,8 @@
 """`python -m autoflash.bench sass --fa3`: a static SASS side-by-side of autoflash's sm90 forward family
 and FlashAttention-3's own compiled forward kernels, bf16, head dims 64, 128 and 256, causal off and
 on, at d = 128 the variants FA3's wheel holds (softcap, packed sequences and both, causal off and on:
-VARIANT_ROWS), and V head dims of their own (WIDE_V_ROWS), the H100's defaults on both sides. Needs no
-GPU.
+VARIANT_ROWS), V head dims of their own (WIDE_V_ROWS) and the split KV-cache kernels with query heads
+folded into the rows (DECODE_ROWS), the H100's defaults on both sides. Needs no GPU.
 
 The first run downloads the `fa3-fwd` wheel from PyPI once (FlashAttention-3's hopper/ kernels built
 with CUDA 13.0, 28 MB; only its library is kept) and nvidia-cuda-cuobjdump, into --workdir. cuobjdump
@@ -115,6 +115,17 @@ VARIANT_ROWS = ((("softcap",), False, dict(softcap=True)),
 # to the second through shared memory, each computing 256 of O's columns; autoflash's runs two blocks of
 # 256 columns, each computing S: their loops are not alike, so that pair has no row.
 WIDE_V_ROWS = ((64, 256), (192, 128))
+# The KV-cache (decode) kernels at d = 128: FA3's split kernel with packed GQA (its decode path: query heads
+# folded into a tile's rows, the keys split across blocks) against autoflash's split KV-cache kernel, which
+# folds the heads the same way (qpack); plain and causal (bottom-right). The wheel holds no paged kernel.
+DECODE_ROWS = ((("pack_gqa", "split"), False, {}), (("pack_gqa", "split"), True, dict(align="bottom_right")))
+
+
+def decode_config(causal: bool, switches: dict, profile):
+    """The split KV-cache kernel flash_attn_with_kvcache launches at d = 128 bf16 on `profile`."""
+    from autoflash.kernels.defaults import default_decode_config
+
+    return default_decode_config(128, "bf16", profile).replace(causal=causal, split=True, **switches)
 
 
 def pick_fa3(index: list[Fa3Kernel], d: int, causal: bool, on: tuple[str, ...] = (),
@@ -143,7 +154,10 @@ def collect(workdir: Path, log=print) -> dict:
     rows, verdicts = [], []
     plain = [((), causal, {}, d, None) for d in HEAD_DIMS for causal in (False, True)]  # then the variants
     wide = [((), causal, {}, d, dv) for d, dv in WIDE_V_ROWS for causal in (False, True)]
-    for on, causal, switches, d, dv in plain + [(*row, 128, None) for row in VARIANT_ROWS] + wide:
+    decode = [(*row, 128, "kvcache") for row in DECODE_ROWS]
+    for on, causal, switches, d, dv in plain + [(*row, 128, None) for row in VARIANT_ROWS] + wide + decode:
+        kvcache = dv == "kvcache"
+        dv = None if kvcache else dv
         fa3 = pick_fa3(index, d, causal, on, dv)
         log(f"FA3 {fa3.symbol[:60]}... ({fa3.cubin})")
         text = subprocess.run([sass.nvdisasm(), "-c", str(cubins / fa3.cubin)], capture_output=True, text=True,
@@ -153,7 +167,8 @@ def collect(workdir: Path, log=print) -> dict:
         theirs = _row("FA3", f"FlashAttnFwdSm90 bf16 d{d}{what}",
                       f"{fa3.block_m}x{fa3.block_n} {'RS' if fa3.flags['pv_rs'] else 'SS'}",
                       sass.functions(text)[fa3.symbol], regs, local)
-        cfg = call_default("fwd", d, "bf16", causal, switches, profile, dv)  # the plain rows: default_config's
+        cfg = decode_config(causal, switches, profile) if kvcache else \
+            call_default("fwd", d, "bf16", causal, switches, profile, dv)  # the plain rows: default_config's
         log(f"autoflash {cfg.name}")
         compiled = compile_config(cfg, profile.arch)  # the sm90 gate: no serialization notices, no spills
         res = compiled.resources

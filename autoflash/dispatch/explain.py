@@ -34,7 +34,8 @@ def family(config) -> str:
         return "SIMT (fp32: CUDA cores, no tensor cores; the FlashAttention-2 tiling) for sm_80 and newer"
     if config.family == "sm90":
         return (f"sm90 (FlashAttention-3 design: wgmma.mma_async + TMA + mbarriers, a producer warpgroup beside "
-                f"{config.num_warps // 4} consumer warpgroups) for sm_90a (H100, H200)")
+                f"{config.num_warps // 4} consumer warpgroup{'s' if config.num_warps > 4 else ''}) for sm_90a (H100, "
+                f"H200)")
     return "mma.sync (FlashAttention-2 design: ldmatrix + mma.sync.m16n8k16, cp.async) for sm_80 and newer"
 
 

@@ -277,6 +277,7 @@ def kernel_plan(profile, call: KvCacheCall):
     from autoflash.dispatch.selection import HEURISTIC, Selection, select_decode
     from autoflash.kernels.checks import DTYPE_NAMES
     from autoflash.kernels.decode import decode_launch, packed_heads
+    from autoflash.kernels.launch import family_reason
 
     shape = dataclasses.replace(call.shape, head_dim=call.head_dim, head_dim_v=call.head_dim_v)
     q = heads_view(call.q) if shape.packed_q else call.q.transpose(1, 2)
@@ -291,6 +292,8 @@ def kernel_plan(profile, call: KvCacheCall):
                                    tuned if runs_tuned else None, call.num_splits or tuned_splits,
                                    packed_heads(shape, call.alibi_slopes))
     origin = "tuned decode table (autoflash.dispatch.selection.select_decode)" if runs_tuned else HEURISTIC
+    why = family_reason(config, profile)
+    origin += f"; family sm80 on this sm_90 GPU: {why}" if why else ""
     how = ("num_splits given" if call.num_splits else "tuned split count" if tuned_splits
            else "split heuristic, kernels.decode.choose_num_splits")
     return Selection(None, config, origin), splits, how

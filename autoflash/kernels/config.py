@@ -367,7 +367,8 @@ class KernelConfig:
         if self.head_dim % 16:
             raise ValueError(f"{what}: expected a head dim that is a multiple of 16 (wgmma's k step); others run "
                              f"on family 'sm80', padded")
-        off = [f for f in DECODE_SWITCHES if getattr(self, f)]
+        # the forward runs a KV cache (dense or in pages of whole key tiles, split or not); gathered pages are sm80's
+        off = [f for f in DECODE_SWITCHES if getattr(self, f) and (self.direction == "bwd" or f == "gather")]
         if self.head_dim_v is not None and max(self.head_dim, self.head_dim_v if self.direction == "bwd" else 0) \
                 > HEAD_DIM_MAX:
             raise ValueError(f"{what}: got head_dim_v={self.head_dim_v}; the sm90 family runs V's head dim of its own "
@@ -377,9 +378,10 @@ class KernelConfig:
         split_o = self.head_split != 1 and (self.head_dim_v is None or self.direction == "bwd")
         if off or split_o or self.dq != "atomic" or self.v_in_regs:
             raise ValueError(f"{what}: got {', '.join(off) or 'head_split or backward switches'}; the sm90 family "
-                             f"takes the variants ({', '.join(VARIANTS)}) forward and backward and a V head dim of "
-                             f"its own forward (head_split sharing its columns); the decode switches, head_split "
-                             f"otherwise, the dQ pass and V in registers run on family 'sm80'")
+                             f"takes the variants ({', '.join(VARIANTS)}) forward and backward, a V head dim of its "
+                             f"own forward (head_split sharing its columns) and the KV cache (kvcache, paged, split); "
+                             f"gathered pages, head_split otherwise, the dQ pass and V in registers run on family "
+                             f"'sm80'")
         if self.direction == "bwd":
             return self._validate_sm90_backward(what)
         if self.dv % 16 or self.o_columns % 16 or self.dv_padded % self.head_split \

@@ -222,14 +222,16 @@ def check_kvcache(q, k_cache, v_cache, *, k=None, v=None, rotary_cos=None, rotar
                       cache_leftpad is not None, dv if dv != d else None)
 
 
-def choose_num_splits(blocks: int, sm_count: int, key_tiles: int, max_splits: int = MAX_SPLITS) -> int:
+def choose_num_splits(blocks: int, sm_count: int, key_tiles: int, max_splits: int = MAX_SPLITS,
+                      per_sm: int = 2) -> int:
     """Splits of the key range for `blocks` query blocks x (batch, head) pairs on `sm_count` SMs:
     FlashAttention-2's num_splits_heuristic (csrc/flash_attn/flash_api.cpp, set_params_splitkv),
-    which counts two 128-thread blocks per SM (slots = 2 x SMs, since v2.5.7). No split once the
+    which counts two 128-thread blocks per SM (slots = per_sm x SMs, 2 since v2.5.7; the sm90
+    family's blocks hold an SM each, 1 as FlashAttention-3 counts them). No split once the
     blocks fill 80% of the slots; otherwise the fewest splits whose wave efficiency (n_waves /
     ceil(n_waves), n_waves = blocks * splits / slots) is within 85% of the best, skipping split
     counts that give the same tiles per split as one fewer."""
-    slots = 2 * sm_count
+    slots = per_sm * sm_count
     if blocks >= 0.8 * slots:
         return 1
     max_splits = max(1, min(max_splits, slots, key_tiles))
@@ -277,7 +279,8 @@ def decode_launch(shape: CacheShape, dtype: str, profile: GpuProfile, causal: bo
     m_blocks = math.ceil(shape.seqlen_q * qpack / config.block_m) * config.head_split
     key_tiles = math.ceil(shape.capacity / config.block_n)
     if num_splits == 0:
-        num_splits = choose_num_splits(shape.batch * (shape.heads // qpack) * m_blocks, profile.sm_count, key_tiles)
+        num_splits = choose_num_splits(shape.batch * (shape.heads // qpack) * m_blocks, profile.sm_count, key_tiles,
+                                       per_sm=1 if config.family == "sm90" else 2)
     num_splits = max(1, min(num_splits, MAX_SPLITS, key_tiles))
     return config.replace(split=num_splits > 1), num_splits
 
@@ -301,8 +304,8 @@ def flash_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, 
     the queries as (total_q, heads, d), sequence b's rows cu_seqlens_q[b] .. cu_seqlens_q[b + 1] - 1
     (FlashAttention-3's varlen KV-cache call; values trusted). Returns (out like q, lse (batch, heads,
     seqlen_q) fp32; packed: (heads, total_q))."""
-    from autoflash.kernels.launch import COMBINE_PARAMS, FWD_NAMES, FWD_PARAMS, _call, empty, empty_like, \
-        kernel_functions, profile_for
+    from autoflash.kernels.launch import COMBINE_PARAMS, FWD_NAMES, FWD_PARAMS, SM90_FWD_NAMES, SM90_FWD_PARAMS, \
+        _call, empty, empty_like, kernel_functions, profile_for, tile_maps
 
     shape = check_kvcache(q, k_cache, v_cache, cache_seqlens=cache_seqlens, cache_batch_idx=cache_batch_idx,
                           cache_leftpad=cache_leftpad, block_table=block_table, cu_seqlens_q=cu_seqlens_q,
@@ -360,14 +363,22 @@ def flash_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, 
 
     fns = kernel_functions(config, profile, q)
     strides = lambda t: t.stride()[:3]  # noqa: E731 -- (batch or page, head, row)
-    scalars = (*batch_strides(q4), *strides(k4), *strides(v4), *batch_strides(out4), *batch_strides(lse4, 2),
-               variant.alibi_sb, variant.bias_sb, block_table.stride(0) if block_table is not None else 0,
-               rows, cache_seqlens if seqused is None else shape.capacity, 1 if qpack > 1 else g, *variant.window,
-               shape.page_size or 1, num_splits, qpack, scale * LOG2E, *variant.softcap_factors(scale))
-    tensors = (q4, k_cache, v_cache, out4, lse4, *variant.pointers, seqused, cache_batch_idx, cache_leftpad,
-               block_table, o_accum, lse_accum)
-    _call(fns[config.name], (m_blocks * num_splits * config.head_split, heads, b), config.threads, config.smem_bytes,
-          device, FWD_PARAMS, tensors, scalars, FWD_NAMES)
+    decode_pointers = (seqused, cache_batch_idx, cache_leftpad, block_table, o_accum, lse_accum)
+    tail = (rows, cache_seqlens if seqused is None else shape.capacity, 1 if qpack > 1 else g, *variant.window,
+            shape.page_size or 1, num_splits, qpack, scale * LOG2E, *variant.softcap_factors(scale))
+    grid = (m_blocks * num_splits * config.head_split, heads, b)
+    table_sb = block_table.stride(0) if block_table is not None else 0
+    if config.family == "sm90":  # TMA maps of the (batch or page, head, row, d) views; packed O by plain stores
+        maps = tile_maps(config, (q4, 64), (k4, config.block_n), (v4, config.block_n), (out4, 64))
+        o_rows = (out4, out4.stride(2), out4.stride(1)) if packed else (None, 0, 0)
+        scalars = (*o_rows[1:], *batch_strides(lse4, 2), variant.alibi_sb, variant.bias_sb, table_sb, *tail)
+        _call(fns[config.name], grid, config.threads, config.smem_bytes, device, SM90_FWD_PARAMS,
+              (o_rows[0], lse4, *variant.pointers, *decode_pointers), scalars, SM90_FWD_NAMES, maps)
+    else:
+        scalars = (*batch_strides(q4), *strides(k4), *strides(v4), *batch_strides(out4), *batch_strides(lse4, 2),
+                   variant.alibi_sb, variant.bias_sb, table_sb, *tail)
+        _call(fns[config.name], grid, config.threads, config.smem_bytes, device, FWD_PARAMS,
+              (q4, k_cache, v_cache, out4, lse4, *variant.pointers, *decode_pointers), scalars, FWD_NAMES)
     if split:
         n_rows = b * heads * rows
         _call(fns[f"{config.name}_combine"], (math.ceil(n_rows / COMBINE_ROWS_PER_BLOCK), 1, 1),
