@@ -78,18 +78,31 @@ SM90_BACKWARD_KNOBS = {
     "num_warps": (4, 8),
     "num_stages": (1, 2),
 }
+# The sm90 family's KV-cache kernel on sm_90 GPUs (defaults._sm90_decode_config): one or two consumer
+# warpgroups of 64 rows (a decode step's rows are few: the built-in takes one), key tiles in steps of 16
+# up to 176, two to four TMA stages (decoding streams the cache: depth keeps its loads in flight),
+# overlap on or off, and the same split counts as the sm80 family's.
+SM90_DECODE_KNOBS = {
+    "family": ("sm90",),
+    "block_n": tuple(range(32, 177, 16)),
+    "num_warps": (4, 8),
+    "num_stages": (2, 3, 4),
+    "overlap": (False, True),
+    "num_splits": DECODE_KNOBS["num_splits"],
+}
 # Registers a consumer thread keeps beside its accumulators (descriptors, softmax state, addresses).
 SM90_OVERHEAD_REGISTERS = 40
 
 
 def knob_sets(key: ProblemKey) -> list[dict[str, tuple]]:
     """The product spaces whose union is the key's space: one per kernel family it may run on (the
-    sm90 family besides sm80, forward and backward, on an sm_90 GPU where sm90_applies)."""
-    if key.is_decode:
-        return [DECODE_KNOBS]
+    sm90 family besides sm80, forward, backward and the KV cache, on an sm_90 GPU where sm90_applies)."""
     from autoflash.kernels.defaults import sm90_applies, sm90_backward_applies
     from autoflash.kernels.gpus import get_profile
 
+    if key.is_decode:  # the sm90 KV-cache kernel beside the sm80 one where the sm90 forward applies
+        return [DECODE_KNOBS, SM90_DECODE_KNOBS] if sm90_applies(key.head_dim, key.dtype, get_profile(key.gpu)) \
+            else [DECODE_KNOBS]
     if key.direction == "bwd":
         if sm90_backward_applies(key.head_dim, key.dtype, get_profile(key.gpu)):  # it takes every variant too
             return [BACKWARD_KNOBS, SM90_BACKWARD_KNOBS]
