@@ -279,7 +279,8 @@ def test_an_sm90_config_is_refused_on_other_gpus():
     (dict(dtype="fp32", block_m=128), "is fp16/bf16"),
     (dict(head_dim=72), "multiple of 16"),
     (dict(direction="bwd", dq="pass"), "the dQ pass"),
-    (dict(kvcache=True, paged=True, gather=True), "gathered pages"),
+    (dict(kvcache=True, paged=True, gather=True, num_stages=1), "one stage would wait on itself"),
+    (dict(direction="bwd", kvcache=True), "the decode switches"),
     (dict(block_m=96, num_warps=6), "num_warps"),
     (dict(block_m=64, num_warps=4, pingpong=True), "pingpong takes turns"),
 ])

@@ -1,6 +1,7 @@
-"""flash_attn_with_kvcache on an emulated H100: the sm90 family's KV-cache kernel (the kvcache, paged and
-split switches of templates/flash_fwd_sm90.cu.j2: K and V tiles by TMA from a dense cache or from pages
-of whole key tiles, query heads folded into the rows, split-KV merged by the combine kernel). The
+"""flash_attn_with_kvcache on an emulated H100: the sm90 family's KV-cache kernel (the kvcache, paged,
+gather and split switches of templates/flash_fwd_sm90.cu.j2: K and V tiles by TMA from a dense cache or
+from pages of whole key tiles, or gathered row by row by the producer warpgroup's cp.async from pages of
+any size; query heads folded into the rows, split-KV merged by the combine kernel). The
 accuracy sweeps are test_kvcache.py's, whose emulated GPU is the H100 (each case there also checks the
 family it ran); here: which calls run on it, the cache rows past a sequence (never written: NaN is
 possible) kept out of O, the tiles the defaults take, and the sanitizer on the kernel's own ordering."""
@@ -103,17 +104,37 @@ def test_the_h100_runs_the_cache_on_the_sm90_family(layout, kw):
     _check(out, lse, ref_out, ref_lse)
 
 
-@pytest.mark.parametrize("layout", ["paged-5", "paged-16+leftpad"])
-def test_gathered_pages_run_on_the_sm80_family_and_explain_says_why(layout):
-    ran, out, lse, ref_out, ref_lse = _call(layout)
-    assert [c.family for c in ran] == ["sm80"] and ran[0].gather
+@pytest.mark.parametrize("layout, kw", [
+    ("paged-5", {}), ("paged-1", dict(num_splits=3, causal=True)), ("paged-16+leftpad", dict(softcap=5.0)),
+    ("paged-4", dict(window_size=(30, 2)))])
+def test_pages_of_any_size_are_gathered_on_the_sm90_family(layout, kw):
+    """FA3's page sizes 1 and 4, and pages of 16 beside left padding (tiles straddling pages): the
+    producer warpgroup gathers each key row from its page (FA3's PagedKVNonTMA)."""
+    ran, out, lse, ref_out, ref_lse = _call(layout, poison=True, **kw)
+    assert [c.family for c in ran if c.kvcache] == ["sm90"] and ran[0].gather, [c.name for c in ran]
     _check(out, lse, ref_out, ref_lse)
     q, cache = torch.randn(3, 2, 6, 64).bfloat16(), torch.randn(90, 5, 2, 64).bfloat16()
     with autoflash.emulate("h100"):
         text = str(autoflash.explain(autoflash.flash_attn_with_kvcache, q, cache, cache,
                                      cache_seqlens=torch.tensor([9, 0, 3], dtype=torch.int32),
                                      block_table=torch.arange(90, dtype=torch.int32).reshape(3, 30)))
-    assert "family sm80 on this sm_90 GPU: the cache's key tiles straddle pages" in text, text
+    assert "family: sm90" in text and "_gather" in text and "family sm80" not in text, text
+
+
+# A page one past the block table's entry: every read stays inside the cache, so only the sanitizer's rule
+# of whose pages a block reads (the block table's row, as far as its sequence's length reaches) sees it.
+@pytest.mark.parametrize("paged, old, new", [
+    ("128", "kv_batch = PAGED ? pages[n0 / page_size] : k_batch",
+     "kv_batch = PAGED ? pages[n0 / page_size] + 1 : k_batch"),
+    ("5", "pages[pos / page_size] * page_stride", "(pages[pos / page_size] + 1) * page_stride")],
+    ids=["tma", "gather"])
+def test_a_page_the_block_table_does_not_name_is_out_of_bounds(mutate, capsys, paged, old, new):
+    mutate("fwd", old, new)
+    emulation.clear_findings()
+    status = selfcheck(["--emulate", "h100", "--sanitize", "--kvcache", "--shape", "3,6,2,4,300,64", "--paged", paged])
+    out = capsys.readouterr().out
+    pages = [f for f in emulation.findings() if f.kind == "out-of-bounds" and "block_table names" in f.detail]
+    assert status == 1 and pages and all("flash_fwd_sm90.cu.j2" in f.location for f in pages), out
 
 
 @pytest.mark.parametrize("layout, kw", [("dense", {}), ("batch_idx", dict(num_splits=2)), ("paged-64", {}),
@@ -144,14 +165,17 @@ def test_a_zeroed_row_read_without_the_proxy_fence_is_reported(mutate, capsys):
     assert status == 1 and found, out
 
 
-@pytest.mark.parametrize("d, dv, page, heavy, keys", [
-    (128, None, None, False, 176), (128, None, 256, False, 128), (128, None, 16, False, 16),
-    (128, None, 48, False, 48), (128, None, None, True, 128), (64, None, None, False, 176),
-    (256, None, None, False, 96), (64, 512, None, False, 96), (192, 128, None, False, 160)])
-def test_the_sm90_cache_tiles(d, dv, page, heavy, keys):
+@pytest.mark.parametrize("d, dv, page, heavy, gather, keys", [
+    (128, None, None, False, False, 176), (128, None, 256, False, False, 128), (128, None, 16, False, False, 16),
+    (128, None, 48, False, False, 48), (128, None, None, True, False, 128), (64, None, None, False, False, 176),
+    (256, None, None, False, False, 96), (256, None, None, True, False, 96), (256, None, None, True, True, 80),
+    (64, 512, None, True, True, 96), (64, 512, None, False, False, 96), (192, 128, None, False, False, 160),
+    (128, None, None, False, True, 176)])
+def test_the_sm90_cache_tiles(d, dv, page, heavy, gather, keys):
     """64 query rows, the most keys whose S, P and O fit 200 registers (176 at most, 128 beside a
-    variant), dividing the pages; the deepest pipeline that fits the H100's shared memory."""
-    cfg = default_decode_config(d, "bf16", H100, page, heavy, False, dv)
+    variant, 80 above d = 192 beside a variant where rows are gathered), dividing the pages; the deepest
+    pipeline that fits the H100's shared memory."""
+    cfg = default_decode_config(d, "bf16", H100, page, heavy, gather, dv)
     assert (cfg.family, cfg.block_m, cfg.block_n, cfg.kvcache) == ("sm90", 64, keys, True)
     assert cfg.smem_bytes <= H100.smem_per_block_optin
     if cfg.num_stages < 4:

@@ -140,7 +140,7 @@ class EmulatedFunction:
                 data = (a.emulated() if mapped else np.asarray(a)).tobytes()
                 buf = ctypes.create_string_buffer(data, len(data))
                 if sanitize and mapped and a.tensor is not None:  # the tensor its TMA copies reach
-                    self._register(a.tensor, names[i], grid, named)
+                    self._register(a.tensor, names[i], grid, named, mapped=True)
                     if guards.guard_of(a.tensor) is not None:
                         guarded.append((names[i], a.tensor))
             keep.append(buf)
@@ -162,9 +162,10 @@ class EmulatedFunction:
             self.module.clear_findings()
             raise EmulationError(f"emulated launch of {self.name} failed: " + "; ".join(map(str, found[:3])))
 
-    def _register(self, a: torch.Tensor, name: str, grid: tuple, named: dict) -> None:
+    def _register(self, a: torch.Tensor, name: str, grid: tuple, named: dict, mapped: bool = False) -> None:
         """Registers tensor argument `a` for the out-of-bounds checks, with the rule of whose rows each
-        block may touch where `a` is a launcher's guarded buffer."""
+        block may touch where `a` is a launcher's guarded buffer, and which pages where it is a paged
+        cache (the pointer, or `mapped`: a TMA map's view of it)."""
         from autoflash.emulation import guards
 
         lib = self.module.lib
@@ -185,9 +186,11 @@ class EmulatedFunction:
             lib.emu_region_rows(z_dim, y_dim, row_dim, (ctypes.c_longlong * len(bounds))(*bounds), len(bounds),
                                 bounds_name)
         table, lengths = named.get("block_table"), named.get("cache_seqlens")
-        if name in ("k", "v") and isinstance(table, torch.Tensor) and isinstance(lengths, torch.Tensor) and a.dim() == 4:
-            # a paged cache (num_blocks, page_size, heads_kv, d): block z reads the pages its row names
-            page = a.shape[1]
+        if name in ("k", "v", "k_cache", "v_cache") and isinstance(table, torch.Tensor) \
+                and isinstance(lengths, torch.Tensor) and a.dim() == 4:
+            # a paged cache (num_blocks, page_size, heads_kv, d), which a TMA map sees as (num_blocks,
+            # heads_kv, page_size, d): block z reads the pages its row names
+            page = a.shape[2] if mapped else a.shape[1]
             picked = named.get("cache_batch_idx")  # the block-table row of each sequence, if not its own
             row = picked.tolist() if isinstance(picked, torch.Tensor) else list(range(grid[2]))
             rows = [table[row[z], :-(-int(n) // page)].tolist() for z, n in enumerate(lengths.tolist()[:grid[2]])]

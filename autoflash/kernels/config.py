@@ -367,8 +367,8 @@ class KernelConfig:
         if self.head_dim % 16:
             raise ValueError(f"{what}: expected a head dim that is a multiple of 16 (wgmma's k step); others run "
                              f"on family 'sm80', padded")
-        # the forward runs a KV cache (dense or in pages of whole key tiles, split or not); gathered pages are sm80's
-        off = [f for f in DECODE_SWITCHES if getattr(self, f) and (self.direction == "bwd" or f == "gather")]
+        # the forward runs a KV cache (dense, in pages of whole key tiles or gathered row by row, split or not)
+        off = [f for f in DECODE_SWITCHES if getattr(self, f) and self.direction == "bwd"]
         if self.head_dim_v is not None and max(self.head_dim, self.head_dim_v if self.direction == "bwd" else 0) \
                 > HEAD_DIM_MAX:
             raise ValueError(f"{what}: got head_dim_v={self.head_dim_v}; the sm90 family runs V's head dim of its own "
@@ -379,9 +379,8 @@ class KernelConfig:
         if off or split_o or self.dq != "atomic" or self.v_in_regs:
             raise ValueError(f"{what}: got {', '.join(off) or 'head_split or backward switches'}; the sm90 family "
                              f"takes the variants ({', '.join(VARIANTS)}) forward and backward, a V head dim of its "
-                             f"own forward (head_split sharing its columns) and the KV cache (kvcache, paged, split); "
-                             f"gathered pages, head_split otherwise, the dQ pass and V in registers run on family "
-                             f"'sm80'")
+                             f"own forward (head_split sharing its columns) and the KV cache (kvcache, paged, gather, "
+                             f"split); head_split otherwise, the dQ pass and V in registers run on family 'sm80'")
         if self.direction == "bwd":
             return self._validate_sm90_backward(what)
         if self.dv % 16 or self.o_columns % 16 or self.dv_padded % self.head_split \
@@ -396,6 +395,10 @@ class KernelConfig:
             raise ValueError(f"{what}: three consumer warpgroups leave 128 registers a thread at entry, too few for the "
                              f"wgmma of O (its columns / 2 accumulators; ptxas C7602); expected head_dim and O's "
                              f"columns <= 128 (FA3 takes three only up to 96)")
+        if self.gather and self.num_stages < 2:
+            raise ValueError(f"{what}: got gather with {self.num_stages} stage; the producer arrives on a tile's V "
+                             f"after copying the next tile's K, so one stage would wait on itself (expected "
+                             f"num_stages >= 2)")
         if self.pingpong and self.num_warps == 4:
             raise ValueError(f"{what}: pingpong takes turns between consumer warpgroups; got one (expected num_warps "
                              f"8 or 12, or pingpong False)")

@@ -371,9 +371,10 @@ def flash_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, 
     if config.family == "sm90":  # TMA maps of the (batch or page, head, row, d) views; packed O by plain stores
         maps = tile_maps(config, (q4, 64), (k4, config.block_n), (v4, config.block_n), (out4, 64))
         o_rows = (out4, out4.stride(2), out4.stride(1)) if packed else (None, 0, 0)
-        scalars = (*o_rows[1:], *batch_strides(lse4, 2), variant.alibi_sb, variant.bias_sb, table_sb, *tail)
+        scalars = (*o_rows[1:], *batch_strides(lse4, 2), variant.alibi_sb, variant.bias_sb, table_sb,
+                   *strides(k4), *strides(v4), *tail)  # gathered pages: the caches' own rows
         _call(fns[config.name], grid, config.threads, config.smem_bytes, device, SM90_FWD_PARAMS,
-              (o_rows[0], lse4, *variant.pointers, *decode_pointers), scalars, SM90_FWD_NAMES, maps)
+              (o_rows[0], lse4, *variant.pointers, *decode_pointers, k_cache, v_cache), scalars, SM90_FWD_NAMES, maps)
     else:
         scalars = (*batch_strides(q4), *strides(k4), *strides(v4), *batch_strides(out4), *batch_strides(lse4, 2),
                    variant.alibi_sb, variant.bias_sb, table_sb, *tail)

@@ -458,8 +458,8 @@ def default_decode_config(head_dim: int, dtype: str, profile: GpuProfile, page_s
     split, width = 1, head_dim
     if head_dim_v is not None and head_dim_v != head_dim:
         split, width = _o_split(head_dim, head_dim_v)
-    if sm90_applies(head_dim, dtype, profile) and not gather and (head_dim_v or head_dim) % 16 == 0:
-        return _sm90_decode_config(head_dim, head_dim_v, split, dtype, profile, page_size, variant)
+    if sm90_applies(head_dim, dtype, profile) and (head_dim_v or head_dim) % 16 == 0:
+        return _sm90_decode_config(head_dim, head_dim_v, split, dtype, profile, page_size, variant, gather)
     return _first_fitting(
         (dict(head_dim=head_dim, head_dim_v=head_dim_v, head_split=split, dtype=dtype, block_m=m, block_n=n,
               num_warps=w, kvcache=True, stages=stages)
@@ -469,7 +469,7 @@ def default_decode_config(head_dim: int, dtype: str, profile: GpuProfile, page_s
 
 
 def _sm90_decode_config(head_dim: int, head_dim_v: int | None, split: int, dtype: str, profile: GpuProfile,
-                        page_size: int | None, variant: bool) -> KernelConfig:
+                        page_size: int | None, variant: bool, gather: bool = False) -> KernelConfig:
     """The sm90 family's KV-cache kernel: one consumer warpgroup of 64 rows (a decode step's rows are
     its queries times the query heads folded in, often fewer), the most keys a tile up to 176 (FA3's
     split kernel's at d = 128) whose S, P and O take at most 200 of its 256 registers a thread (O's
@@ -478,9 +478,11 @@ def _sm90_decode_config(head_dim: int, head_dim_v: int | None, split: int, dtype
     so stages are what keep its loads in flight. Intra-warpgroup overlap on, as in the forward. At
     d = 128: 64 x 176, two stages (paged: 64 x 128, pages of 128 or more). `variant` (a window, softcap,
     ALiBi or key bias): at most 128 keys (window, softcap and ALiBi together spill 160 and 176 at d = 96
-    to 192, NVRTC 13.5)."""
+    to 192, NVRTC 13.5), and 80 above d = 192 where `gather` copies the rows (every switch at once
+    spilled 96 at d = 256; V of its own beside d = 64 or 128 did not). Gathered pages take any key count."""
     o_cols = (head_dim_v or head_dim) // split
-    keys = [n for n in range(128 if variant else 176, 15, -16)
+    most = 80 if variant and gather and head_dim > 192 else 128 if variant else 176
+    keys = [n for n in range(most, 15, -16)
             if o_cols // 2 + 3 * n // 4 <= 200 and (page_size is None or page_size % n == 0)]
     return _first_fitting([dict(head_dim=head_dim, head_dim_v=head_dim_v, head_split=split, dtype=dtype, block_m=64,
                                 block_n=n, num_warps=4, family="sm90", overlap=True, kvcache=True,

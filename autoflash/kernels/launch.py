@@ -212,11 +212,11 @@ DELTA_PARAMS = KernelParams(3, "q" * 6 + "i")  # o dout delta; 2 x 3 strides; se
 BWD_PARAMS = KernelParams(15, "q" * 22 + "iiiiii" + "ffff" + "i")  # q k v dout lse delta dq_accum dk dv +6;
 #                                       6 x 3 strides +4; seqlen_q seqlen_k group +3; scale scale_log2 +2; n_block0
 # The sm90 family's forward (templates/flash_fwd_sm90.cu.j2): q k v o maps; o (packed sequences' plain
-# stores) lse +6 variant pointers +6 decode pointers; o_sm o_sh lse_sb lse_sh alibi_sb bias_sb
-# block_table_sb; seqlen_q seqlen_k group window_left window_right chunk page_size num_splits qpack;
-# scale_log2 softcap_in softcap_out.
-SM90_FWD_NAMES = ("q", "k", "v", "out", "out", "lse", *_VARIANT_POINTERS, *DECODE_POINTERS)
-SM90_FWD_PARAMS = KernelParams(14, "q" * 7 + "i" * 9 + "fff", maps=4)
+# stores) lse +6 variant pointers +6 decode pointers, k_cache v_cache (gathered pages' rows); o_sm o_sh
+# lse_sb lse_sh alibi_sb bias_sb block_table_sb, k and v (page, head, row) strides; seqlen_q seqlen_k group
+# window_left window_right chunk page_size num_splits qpack; scale_log2 softcap_in softcap_out.
+SM90_FWD_NAMES = ("q", "k", "v", "out", "out", "lse", *_VARIANT_POINTERS, *DECODE_POINTERS, "k_cache", "v_cache")
+SM90_FWD_PARAMS = KernelParams(16, "q" * 13 + "i" * 9 + "fff", maps=4)
 # The sm90 family's backward (templates/flash_bwd_sm90.cu.j2): its delta kernel, o dout lse delta lse2
 # cu_seqlens_q seq_end_q q_pad; o and dout strides, lse's two; seqlen_q padded_q. The main kernel: q k v
 # dout maps; lse2 delta dq_accum dk dv +6 variant pointers, q_pad; dk and dv strides, alibi_sb bias_sb;
@@ -335,9 +335,6 @@ def family_reason(config: KernelConfig, profile: GpuProfile) -> str | None:
         return f"V's head dim {config.head_dim_v} is not a multiple of 16 (wgmma's N step)"
     if config.dtype == "fp32":
         return "fp32 runs on the SIMT kernels"
-    if config.gather:
-        return ("the cache's key tiles straddle pages (pages not of whole key tiles, or left padding beside pages): "
-                "their rows are gathered one by one, on the sm80 family's KV-cache kernel")
     if config.head_dim % 16:
         return f"head dim {config.head_dim} is not a multiple of 16 (wgmma's k step)"
     from autoflash.kernels.defaults import stack_note
@@ -403,12 +400,12 @@ def flash_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: 
     if config.family == "sm90":
         maps = sm90_maps(config, q4, k4, v4, out4)
         o_rows = (out, out.stride(0), out.stride(1)) if varlen else (None, 0, 0)  # packed: plain stores
-        scalars = (*o_rows[1:], *variant.scalars(lse), 0, lq, lk, hq // hkv, *variant.window, 1, 1, 1,
+        scalars = (*o_rows[1:], *variant.scalars(lse), 0, *(0,) * 6, lq, lk, hq // hkv, *variant.window, 1, 1, 1,
                    scale * LOG2E, *variant.softcap_factors(scale))
         for sequences, pointers in variant.runs(b):
             _call(fn, (math.ceil(lq / config.block_m) * config.head_split, hq, sequences), config.threads,
                   config.smem_bytes, q.device, SM90_FWD_PARAMS,
-                  (o_rows[0], lse, *pointers, *(None,) * len(DECODE_POINTERS)), scalars, SM90_FWD_NAMES, maps)
+                  (o_rows[0], lse, *pointers, *(None,) * (len(DECODE_POINTERS) + 2)), scalars, SM90_FWD_NAMES, maps)
         return out, lse
     scalars = (*_strides(q4, varlen), *_strides(k4, varlen), *_strides(v4, varlen), *_strides(out4, varlen),
                *variant.scalars(lse), 0, lq, lk, hq // hkv, *variant.window, 1, 1, 1,
