@@ -127,6 +127,9 @@ def defaults():
               for dt in ("fp16", "bf16") for c in (False, True) for arch, prof in ARCH_PROFILES.items()}
     wide_v |= {(default_decode_config(d, dt, prof, None, False, head_dim_v=dv), arch) for d, dv in HEAD_DIM_V_PAIRS
                for dt in ("fp16", "bf16") for arch, prof in ARCH_PROFILES.items()}
+    # FlashAttention-3's qv in the KV cache: the sm90 KV-cache kernel's qv switch at its (64, 256), (64, 512)
+    wide_v |= {(default_decode_config(64, dt, h100, None, False, head_dim_v=dv, qv=True), "sm_90") for dv in (256, 512)
+               for dt in ("fp16", "bf16")}
     wide_v |= {(call_default("bwd", d, dt, c, _NO_SWITCHES, h100, dv), "sm_90") for d, dv in HEAD_DIM_V_PAIRS
                if max(d, dv) <= 256 for dt in ("fp16", "bf16") for c in (False, True)}
     switched = set(sampling.sample(switched_defaults(), _switch_key, salt="compile switch sets"))

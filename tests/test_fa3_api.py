@@ -93,7 +93,7 @@ def test_varlen_and_packed_qkv_with_gqa(launched):
 
 
 @pytest.mark.parametrize("call, name", [
-    (lambda q: fa3.flash_attn_with_kvcache(q, q, q, qv=q, cache_seqlens=4), "qv"),  # runs in the dense entries
+    (lambda q: fa3.flash_attn_with_kvcache(q, q, q, qv=q[..., :16], cache_seqlens=4), "qv"),  # v_cache's width
     (lambda q: fa3.flash_attn_func(q, q, q, q_descale=torch.ones(1, 2)), "q_descale"),
     (lambda q: fa3.flash_attn_func(q, q, q, attention_chunk=-16), "attention_chunk"),
     (lambda q: fa3.flash_attn_varlen_func(q[0], q[0], q[0], torch.tensor([0, 8], dtype=torch.int32),
@@ -210,7 +210,7 @@ def test_the_scheduler_plan_is_the_split_flash_attn_with_kvcache_runs(monkeypatc
     seqlens = torch.tensor([900, 37], dtype=torch.int32)
     seen = []
     real = kvcache.flash_kvcache
-    monkeypatch.setattr(kvcache, "flash_kvcache", lambda *a: seen.append(a[-1]) or real(*a))
+    monkeypatch.setattr(kvcache, "flash_kvcache", lambda *a: seen.append(a[-2]) or real(*a))  # num_splits, qv
     with autoflash.emulate("h100"):
         plan = fa3.get_scheduler_metadata(2, 1, 1024, 8, 2, 128, seqlens)
         forced = fa3.get_scheduler_metadata(2, 1, 1024, 8, 2, 128, seqlens, num_splits=3)

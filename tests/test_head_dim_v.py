@@ -290,8 +290,10 @@ def test_qv_packed_and_its_refusals():
     dense = torch.randn(1, 8, 4, 64).bfloat16()
     with pytest.raises(ValueError, match=r"qv: got \(1, 8, 4, 64\) .* expected \(1, 8, 4, 256\)"):
         fa3_flash_attn_func(dense, dense[:, :, :2], torch.randn(1, 8, 2, 256).bfloat16(), qv=dense)
-    with pytest.raises(ValueError, match="qv: got a Tensor, expected None: .* in the KV cache"):
-        flash_attn_with_kvcache(dense, dense, dense, qv=dense, cache_seqlens=4)
+    cache = dense.clone()
+    with autoflash.emulate("a100"), pytest.raises(ValueError, match="qv in the KV cache runs on the sm90 family"):
+        flash_attn_with_kvcache(dense, cache, cache, k=dense[:, :1], v=dense[:, :1], qv=dense, cache_seqlens=4)
+    assert torch.equal(cache, dense)  # refused before the append
 
 
 def test_explain_says_how_qv_runs():

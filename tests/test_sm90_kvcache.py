@@ -196,3 +196,118 @@ def test_sm90_splits_count_one_block_an_sm():
     assert config.family == "sm90"
     assert splits == choose_num_splits(4 * 8, H100.sm_count, tiles, per_sm=1) != \
         choose_num_splits(4 * 8, H100.sm_count, tiles, per_sm=2)
+
+
+@pytest.mark.parametrize("dv", [256, 512])
+@pytest.mark.parametrize("layout, kw", [
+    ("dense", dict(num_splits=1)), ("paged-64", dict(num_splits=3, causal=True)), ("paged-5", dict(softcap=4.0)),
+    ("packed", dict(causal=True)), ("leftpad", dict(window_size=(50, 0)))])
+def test_qv_in_the_cache_meets_the_rule(dv, layout, kw):
+    """FlashAttention-3's qv in flash_attn_with_kvcache (DeepSeek's MLA decode: d = 64 of rope, V the
+    latent of 256 or 512): scores q . k + qv . v on the sm90 kernel's qv switch, which reads each V
+    tile once for both products, against the reference's one product of [q, qv] with [k, v]."""
+    from autoflash.flash_attn_interface import flash_attn_with_kvcache
+
+    g = torch.Generator().manual_seed(dv)
+    b, hq, hkv, lq, capacity, seqlens = 3, 8, 1, 2, 200, [150, 0, 61]
+    q = torch.randn(b, lq, hq, 64, generator=g).bfloat16()
+    qv = torch.randn(b, lq, hq, dv, generator=g).bfloat16()
+    index, ref_kw = {}, {}
+    if layout.startswith("paged"):
+        page = int(layout.split("-")[1])
+        per_seq = -(-capacity // page)
+        k_cache, v_cache = (torch.randn(b * per_seq, page, hkv, w, generator=g).bfloat16() for w in (64, dv))
+        index["page_table"] = ref_kw["block_table"] = torch.randperm(b * per_seq, generator=g).reshape(
+            b, per_seq).to(torch.int32)
+    else:
+        k_cache, v_cache = (torch.randn(b, capacity, hkv, w, generator=g).bfloat16() for w in (64, dv))
+    if layout == "leftpad":
+        index["cache_leftpad"] = torch.tensor([3, 0, 20], dtype=torch.int32)
+        ref_kw["cache_leftpad"] = [3, 0, 20]
+    if layout == "packed":  # 2, 1 and 3 queries
+        q, qv = q.reshape(-1, hq, 64)[:6], qv.reshape(-1, hq, dv)[:6]
+        cu = torch.tensor([0, 2, 3, 6], dtype=torch.int32)
+        index.update(cu_seqlens_q=cu, max_seqlen_q=3)
+        ref_kw["cu_seqlens_q"] = cu.tolist()
+    with autoflash.emulate("h100"), launch.recording() as ran:
+        out, lse = flash_attn_with_kvcache(q, k_cache, v_cache, qv=qv, return_softmax_lse=True,
+                                           cache_seqlens=torch.tensor(seqlens, dtype=torch.int32), **index, **kw)
+    assert [(c.family, c.qv) for c in ran if c.kvcache] == [("sm90", True)], [c.name for c in ran]
+    ref_kw.update(causal=kw.get("causal", False), softcap=kw.get("softcap", 0.0),
+                  window=kw.get("window_size", (-1, -1)))
+    ref_out, ref_lse = attention_kvcache_ref(q.float(), k_cache.float(), v_cache.float(), seqlens, qv=qv.float(),
+                                             **ref_kw)
+    torch_out, _ = attention_kvcache_ref(q, k_cache, v_cache, seqlens, qv=qv, upcast=False, **ref_kw)
+    err, ref_err = (out.float() - ref_out).abs().max(), (torch_out.float() - ref_out).abs().max()
+    assert err <= 2 * ref_err + 1e-3, f"{err:.3e} vs PyTorch's own {ref_err:.3e}"  # FlashAttention's rule
+    finite = torch.isfinite(ref_lse)
+    assert torch.equal(torch.isfinite(lse), finite) and (lse[finite] - ref_lse[finite]).abs().max() <= 1e-3
+
+
+def test_qv_in_the_cache_is_refused_off_the_sm90_family_before_the_append():
+    from autoflash.flash_attn_interface import flash_attn_with_kvcache
+
+    q, cache = torch.randn(2, 1, 4, 64).bfloat16(), torch.zeros(2, 16, 1, 64).bfloat16()
+    new = torch.randn(2, 1, 1, 64).bfloat16()
+    with autoflash.emulate("a100"), pytest.raises(ValueError, match="qv in the KV cache runs on the sm90 family"):
+        flash_attn_with_kvcache(q, cache, cache, new, new, qv=q, cache_seqlens=3)
+    assert not cache.any()
+
+
+@pytest.mark.parametrize("schedule", ["default", "released-first", "random:3"])
+@pytest.mark.parametrize("layout", ["dense", "paged-5"])
+def test_the_qv_kernel_is_sanitizer_clean(schedule, layout):
+    """The qv switch's new orders: S waits for V too, P V reads this block's columns of a V tile that
+    S read whole, and (dense) the consumers zero the rows past the sequence after S has read them."""
+    from autoflash.flash_attn_interface import flash_attn_with_kvcache
+
+    g = torch.Generator().manual_seed(1)
+    q, qv = torch.randn(2, 1, 8, 64, generator=g).bfloat16(), torch.randn(2, 1, 8, 512, generator=g).bfloat16()
+    index = {}
+    if layout == "paged-5":
+        k_cache, v_cache = (torch.randn(80, 5, 1, w, generator=g).bfloat16() for w in (64, 512))
+        index["page_table"] = torch.randperm(80, generator=g)[:80].reshape(2, 40).to(torch.int32)
+    else:
+        k_cache, v_cache = (torch.randn(2, 200, 1, w, generator=g).bfloat16() for w in (64, 512))
+    emulation.clear_findings()
+    with autoflash.emulate("h100", sanitize=True, schedule=schedule):
+        flash_attn_with_kvcache(q, k_cache, v_cache, qv=qv, cache_seqlens=torch.tensor([150, 61], dtype=torch.int32),
+                                num_splits=2, **index)
+    assert not emulation.findings(), [str(f) for f in emulation.findings()]
+
+
+def test_s_issued_before_its_v_tile_lands_is_reported(mutate):
+    """The control: without the wait on V's full barrier before S (qv reads V in S), the sanitizer
+    reports the wgmma reading a tile TMA has not delivered."""
+    mutate("fwd", "      if constexpr (QV) mbarrier_wait(bar(&smem.full_v[s]), phase);\n", "")
+    from autoflash.flash_attn_interface import flash_attn_with_kvcache
+
+    g = torch.Generator().manual_seed(1)
+    q, qv = torch.randn(1, 1, 8, 64, generator=g).bfloat16(), torch.randn(1, 1, 8, 256, generator=g).bfloat16()
+    k_cache, v_cache = (torch.randn(1, 700, 1, w, generator=g).bfloat16() for w in (64, 256))
+    emulation.clear_findings()
+    with autoflash.emulate("h100", sanitize=True):
+        flash_attn_with_kvcache(q, k_cache, v_cache, qv=qv, cache_seqlens=650, num_splits=1)
+    found = [f for f in emulation.findings() if "flash_fwd_sm90.cu.j2" in f.location]
+    assert found, [str(f) for f in emulation.findings()]
+
+
+def test_explain_names_the_qv_kernel():
+    from autoflash.flash_attn_interface import flash_attn_with_kvcache
+
+    q, qv = torch.randn(2, 1, 16, 64).bfloat16(), torch.randn(2, 1, 16, 512).bfloat16()
+    k_cache, v_cache = torch.randn(2, 4096, 1, 64).bfloat16(), torch.randn(2, 4096, 1, 512).bfloat16()
+    with autoflash.emulate("h100"):
+        text = str(autoflash.explain(flash_attn_with_kvcache, q, k_cache, v_cache, qv=qv, cache_seqlens=4000))
+    assert "family: sm90" in text and "_dv512_qv_" in text, text
+    assert "qv: the scores q . k + qv . v, each V tile read once for both products (each of the 2 blocks" in text
+
+
+@pytest.mark.parametrize("dv, heavy, keys, stages", [(256, False, 96, 2), (256, True, 80, 3), (512, False, 48, 2),
+                                                     (512, True, 32, 3)])
+def test_the_qv_cache_tiles(dv, heavy, keys, stages):
+    """qv: Qv's rows and all of V's columns in shared memory (at (64, 512) 48 keys and two stages fit); beside
+    a variant at most 80 keys, 32 where two blocks share O (96 and 48 spilled)."""
+    cfg = default_decode_config(64, "bf16", H100, None, heavy, False, dv, True)
+    assert (cfg.qv, cfg.block_n, cfg.num_stages, cfg.head_split) == (True, keys, stages, dv // 256)
+    assert cfg.smem_layout["qv"] == 64 * dv * 2 and cfg.smem_layout["v"] == stages * keys * dv * 2

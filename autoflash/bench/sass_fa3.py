@@ -119,12 +119,18 @@ WIDE_V_ROWS = ((64, 256), (192, 128))
 # folded into a tile's rows, the keys split across blocks) against autoflash's split KV-cache kernel, which
 # folds the heads the same way (qpack); plain and causal (bottom-right). The wheel holds no paged kernel.
 DECODE_ROWS = ((("pack_gqa", "split"), False, {}), (("pack_gqa", "split"), True, dict(align="bottom_right")))
+# FA3's qv at (d, dv) = (64, 256) with packed GQA (DeepSeek's MLA decode shape; the wheel holds no (64, 512) qv
+# kernel) against the qv switch of autoflash's KV-cache kernel, unsplit, plain and causal.
+QV_ROWS = ((("qv", "pack_gqa"), False, {}), (("qv", "pack_gqa"), True, dict(align="bottom_right")))
 
 
-def decode_config(causal: bool, switches: dict, profile):
-    """The split KV-cache kernel flash_attn_with_kvcache launches at d = 128 bf16 on `profile`."""
+def decode_config(causal: bool, switches: dict, profile, qv: bool = False):
+    """The split KV-cache kernel flash_attn_with_kvcache launches at d = 128 bf16 on `profile`; with qv
+    the unsplit one at (64, 256) with the qv switch."""
     from autoflash.kernels.defaults import default_decode_config
 
+    if qv:
+        return default_decode_config(64, "bf16", profile, head_dim_v=256, qv=True).replace(causal=causal, **switches)
     return default_decode_config(128, "bf16", profile).replace(causal=causal, split=True, **switches)
 
 
@@ -154,10 +160,10 @@ def collect(workdir: Path, log=print) -> dict:
     rows, verdicts = [], []
     plain = [((), causal, {}, d, None) for d in HEAD_DIMS for causal in (False, True)]  # then the variants
     wide = [((), causal, {}, d, dv) for d, dv in WIDE_V_ROWS for causal in (False, True)]
-    decode = [(*row, 128, "kvcache") for row in DECODE_ROWS]
+    decode = [(*row, 128, "kvcache") for row in DECODE_ROWS] + [(*row, 64, "qv") for row in QV_ROWS]
     for on, causal, switches, d, dv in plain + [(*row, 128, None) for row in VARIANT_ROWS] + wide + decode:
-        kvcache = dv == "kvcache"
-        dv = None if kvcache else dv
+        kvcache, qv = dv in ("kvcache", "qv"), dv == "qv"
+        dv = 256 if qv else None if kvcache else dv
         fa3 = pick_fa3(index, d, causal, on, dv)
         log(f"FA3 {fa3.symbol[:60]}... ({fa3.cubin})")
         text = subprocess.run([sass.nvdisasm(), "-c", str(cubins / fa3.cubin)], capture_output=True, text=True,
@@ -167,7 +173,7 @@ def collect(workdir: Path, log=print) -> dict:
         theirs = _row("FA3", f"FlashAttnFwdSm90 bf16 d{d}{what}",
                       f"{fa3.block_m}x{fa3.block_n} {'RS' if fa3.flags['pv_rs'] else 'SS'}",
                       sass.functions(text)[fa3.symbol], regs, local)
-        cfg = decode_config(causal, switches, profile) if kvcache else \
+        cfg = decode_config(causal, switches, profile, qv) if kvcache else \
             call_default("fwd", d, "bf16", causal, switches, profile, dv)  # the plain rows: default_config's
         log(f"autoflash {cfg.name}")
         compiled = compile_config(cfg, profile.arch)  # the sm90 gate: no serialization notices, no spills

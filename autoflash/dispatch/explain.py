@@ -191,6 +191,11 @@ def _explain_entry(fn, args, kwargs, gpu: str | None) -> Explanation:
     if isinstance(call, kvcache.KvCacheCall):
         selection, splits, how = kvcache.kernel_plan(profile, call)
         notes = (f"key splits: {splits} ({how})",)
+        if call.qv:
+            cfg = selection.config
+            notes += ("qv: the scores q . k + qv . v, each V tile read once for both products"
+                      + (f" (each of the {cfg.head_split} blocks sharing O reads all {cfg.dv} of V's columns)"
+                         if cfg.head_split > 1 else ""),)
         if call.head_dim != call.shape.head_dim:
             notes += (f"head_dim {call.shape.head_dim} runs zero-padded to {call.head_dim} (the caches copied "
                       "padded for each call)",)

@@ -8,9 +8,11 @@ dispatch/kvcache.py): the same custom ops, autograd and torch.compile support, t
 CPU tensors inside autoflash.emulate() and the same reference fallback outside it.
 
 What FlashAttention-3 has and autoflash does not run raises ValueError naming the argument: fp8
-inputs with descales (q_descale, k_descale, v_descale), and qv in the KV cache. qv in flash_attn_func
-and flash_attn_varlen_func (scores q . k + q_v . v, forward only as in FA3) runs as one product of
-[q, qv] with [k, v], their columns appended per call (a copy of k and v). attention_chunk, seqused_q / seqused_k,
+inputs with descales (q_descale, k_descale, v_descale). qv in flash_attn_with_kvcache (DeepSeek's MLA
+decode) runs on the sm90 family's KV-cache kernel, which reads each V tile once for both products (an
+H100 or H200; elsewhere a ValueError that says so). qv in flash_attn_func and flash_attn_varlen_func
+(scores q . k + q_v . v, forward only as in FA3) runs as one product of [q, qv] with [k, v], their
+columns appended per call (a copy of k and v). attention_chunk, seqused_q / seqused_k,
 rotary_seqlens and flash_attn_with_kvcache's packed queries and new keys (cu_seqlens_q,
 cu_seqlens_k_new) run as FA3 runs them. num_splits, pack_gqa and sm_margin are scheduling choices that
 do not change the result: they are checked and taken as FA3 takes them where autoflash has the same
@@ -38,8 +40,7 @@ def _refuse(name: str, value, missing: str) -> None:
     raise ValueError(f"{name}: got {shown}, expected None: autoflash does not run {missing}")
 
 
-def _unsupported(qv=None, q_descale=None, k_descale=None, v_descale=None) -> None:
-    _refuse("qv", qv, "FlashAttention-3's qv (scores with an added q_v . v term) in the KV cache")
+def _unsupported(q_descale=None, k_descale=None, v_descale=None) -> None:
     for name, value in (("q_descale", q_descale), ("k_descale", k_descale), ("v_descale", v_descale)):
         _refuse(name, value, "fp8 inputs with descales yet")
 
@@ -109,7 +110,7 @@ def flash_attn_func(q, k, v, softmax_scale=None, causal=False, qv=None, q_descal
     softmax_lse (batch, heads, seqlen_q) fp32). Differentiable in q, k, v. v may have a head dim of its
     own (FA3's headdim_v); qv (batch, seqlen_q, heads, v's head dim) adds q_v . v to the scores
     (forward only; _with_qv)."""
-    _unsupported(None, q_descale, k_descale, v_descale)
+    _unsupported(q_descale, k_descale, v_descale)
     _check_hints(num_splits, pack_gqa, sm_margin)
     qk, kk, scale = _with_qv(q, k, v, qv, softmax_scale)
     out = _qv_run(lambda: flash_api.flash_attn_func(qk, kk, v, 0.0, scale, causal, window_size, softcap, None,
@@ -129,7 +130,7 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
     (out, softmax_lse (heads, total_q) fp32). seqused_q / seqused_k (int32 (batch,)): only the first
     seqused[b] rows of sequence b's span are used, as in FA3 (autoflash gives the rest out 0, lse +inf).
     qv (total_q, heads, v's head dim) as in flash_attn_func."""
-    _unsupported(None, q_descale, k_descale, v_descale)
+    _unsupported(q_descale, k_descale, v_descale)
     _check_hints(num_splits, pack_gqa, sm_margin)
     qk, kk, scale = _with_qv(q, k, v, qv, softmax_scale)
     out = _qv_run(lambda: flash_api.flash_attn_varlen_func(
@@ -146,7 +147,7 @@ def flash_attn_qkvpacked_func(qkv, softmax_scale=None, causal=False, q_descale=N
     """flash_attn_func on qkv (batch, seqlen, 3, heads, head_dim), or with num_heads_q (batch, seqlen,
     num_heads_q + 2 heads_k, head_dim): q's heads, then k's, then v's (FA3's packed GQA layout). The
     gradient comes back packed."""
-    _unsupported(None, q_descale, k_descale, v_descale)  # before the layout's checks
+    _unsupported(q_descale, k_descale, v_descale)  # before the layout's checks
     _check_hints(1, None, sm_margin)
     if not isinstance(qkv, torch.Tensor):
         raise TypeError(f"qkv: got {type(qkv).__name__}, expected a torch.Tensor")
@@ -179,8 +180,9 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, qv=None, rotary
     count); num_splits 0 chooses, as FA3's. Returns out, or with return_softmax_lse (out,
     softmax_lse). rotary_seqlens moves the rotary positions as FA3's does. cu_seqlens_q (with
     max_seqlen_q) packs q as (total_q, heads, head_dim) and cu_seqlens_k_new packs k and v, as in FA3;
-    the LSE of packed queries is (heads, total_q)."""
-    _unsupported(qv, q_descale, k_descale, v_descale)
+    the LSE of packed queries is (heads, total_q). qv adds qv . v to the scores (FA3's; the sm90 family's
+    kernel, softmax_scale by default 1/sqrt(headdim + headdim_v))."""
+    _unsupported(q_descale, k_descale, v_descale)
     _check_hints(num_splits, pack_gqa, sm_margin)
     if scheduler_metadata is not None:
         num_splits = _planned_splits(scheduler_metadata, num_splits)
@@ -189,7 +191,7 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, qv=None, rotary
                                            window_size, softcap, rotary_interleaved, None, num_splits,
                                            return_softmax_lse, attention_chunk=attention_chunk,
                                            rotary_seqlens=rotary_seqlens, cu_seqlens_q=cu_seqlens_q,
-                                           cu_seqlens_k_new=cu_seqlens_k_new, max_seqlen_q=max_seqlen_q)
+                                           cu_seqlens_k_new=cu_seqlens_k_new, max_seqlen_q=max_seqlen_q, qv=qv)
 
 
 # get_scheduler_metadata's plan: int32 [PLAN_TAG, num_splits] (FA3's own metadata is its scheduler's

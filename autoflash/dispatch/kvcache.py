@@ -164,7 +164,7 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
                             causal=False, window_size=(-1, -1), softcap=0.0, rotary_interleaved=True,
                             alibi_slopes=None, num_splits=0, return_softmax_lse=False, *, attention_chunk=0,
                             rotary_seqlens=None, cu_seqlens_q=None, cu_seqlens_k_new=None, max_seqlen_q=None,
-                            strict=None):
+                            strict=None, qv=None):
     """Attention of q over a KV cache, appending new keys and values first (flash-attn 2.x).
 
     q: (batch, seqlen_q, heads, head_dim). k_cache, v_cache: (batch_cache, seqlen_cache, heads_kv,
@@ -192,6 +192,10 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
     packs q as (total_q, heads, head_dim), sequence b its rows cu_seqlens_q[b] .. cu_seqlens_q[b + 1] - 1,
     each bottom-right aligned on its own keys (out (total_q, heads, head_dim), LSE (heads, total_q));
     cu_seqlens_k_new packs k and v as (total_new, heads_kv, head_dim) the same way.
+    qv (keyword only, FlashAttention-3's; q's rows by v_cache's head dim): the scores q . k + qv . v
+    (DeepSeek's MLA decode: k_cache the rope columns, v_cache the latent), softmax_scale by default
+    1/sqrt(head_dim + head_dim_v); no rotary on qv. It runs on the sm90 family's kernel (each V tile read
+    once for both products): an H100 or H200 (ValueError elsewhere, but on CPU tensors: the reference).
 
     Head dims 1..256 off the kernels' grid (not multiples of 8 in 32..256) run zero-padded, as
     flash_attn_func's do: the caches are copied padded for the call (and, when k and v are appended,
@@ -220,13 +224,18 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
         raise TypeError(f"softmax_scale: got {softmax_scale!r}, expected a float or None")
     d, width, dv = shape.head_dim, padded_head_dim(shape.head_dim), shape.dv
     width_v = width if dv == d else padded_head_dim_v(dv)
-    scale = check_scale(softmax_scale, d)  # of the caller's head dim, padded or not
+    if qv is not None:
+        want = (*q.shape[:-1], dv)
+        if not isinstance(qv, torch.Tensor) or tuple(qv.shape) != want or qv.dtype != q.dtype or qv.device != q.device:
+            got = f"{tuple(qv.shape)} {qv.dtype} on {qv.device}" if isinstance(qv, torch.Tensor) else repr(qv)
+            raise ValueError(f"qv: got {got}, expected {want} {q.dtype} on {q.device} (q's rows, v_cache's head dim)")
+    scale = check_scale(softmax_scale, d + (dv if qv is not None else 0))  # of the caller's head dims
     seqlens_tensor = cache_seqlens if isinstance(cache_seqlens, torch.Tensor) else None
     reason = cpu_fallback(q)
     if explaining_now():
         raise Captured(KvCacheCall(q, k_cache, shape, alibi_slopes, causal, window_size, float(softcap), num_splits,
                                    reason, width, attention_chunk, cu_seqlens_q, max_seqlen_q,
-                                   width_v if dv != d else None))
+                                   width_v if dv != d else None, qv is not None))
     if reason is not None:
         fall_back("flash_attn_with_kvcache", reason, strict, REFERENCE,
                   explain="autoflash.explain(autoflash.flash_attn_with_kvcache, ...)")
@@ -234,18 +243,18 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
     padded = (width, width_v) != (d, dv)
     if padded:  # zero-padded copies; the rows appended to them go back into the caller's caches below
         q, k, k_cache = (None if t is None else _pad(t, width) for t in (q, k, k_cache))
-        v, v_cache = (None if t is None else _pad(t, width_v) for t in (v, v_cache))
+        v, v_cache, qv = (None if t is None else _pad(t, width_v) for t in (v, v_cache, qv))
     out, lse = flash_kvcache(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, rotary_seqlens, seqlens_tensor,
                              cache_seqlens if seqlens_tensor is None else 0, cache_batch_idx, cache_leftpad,
                              block_table, cu_seqlens_q, cu_seqlens_k_new, max_seqlen_q, alibi_slopes, None, scale,
                              causal, window_size[0], window_size[1], attention_chunk, float(softcap),
-                             rotary_interleaved, num_splits)
+                             rotary_interleaved, num_splits, qv)
     if padded:
         if k is not None:
             for cache, wide in zip(caches, (k_cache, v_cache)):
                 cache.copy_(wide[..., :cache.shape[-1]])
         out = out[..., :dv]
-    out, lse = forward_only(out, lse, "flash_attn_with_kvcache", q, *caches, k, v)
+    out, lse = forward_only(out, lse, "flash_attn_with_kvcache", q, *caches, k, v, qv)
     return (out, lse) if return_softmax_lse else out
 
 
@@ -269,6 +278,7 @@ class KvCacheCall:
     cu_seqlens_q: Optional[torch.Tensor] = None
     max_seqlen_q: Optional[int] = None
     head_dim_v: Optional[int] = None
+    qv: bool = False  # FlashAttention-3's qv (the sm90 family's switch)
 
 
 def kernel_plan(profile, call: KvCacheCall):
@@ -289,8 +299,8 @@ def kernel_plan(profile, call: KvCacheCall):
     runs_tuned = tuned is not None and not _has_switches(call.window, call.softcap, call.alibi_slopes, None,
                                                          call.attention_chunk, shape.gathered)
     config, splits = decode_launch(shape, DTYPE_NAMES[call.q.dtype], profile, causal, variant,
-                                   tuned if runs_tuned else None, call.num_splits or tuned_splits,
-                                   packed_heads(shape, call.alibi_slopes))
+                                   tuned if runs_tuned and not call.qv else None, call.num_splits or tuned_splits,
+                                   packed_heads(shape, call.alibi_slopes), call.qv)
     origin = "tuned decode table (autoflash.dispatch.selection.select_decode)" if runs_tuned else HEURISTIC
     why = family_reason(config, profile)
     origin += f"; family sm80 on this sm_90 GPU: {why}" if why else ""
@@ -342,21 +352,22 @@ def flash_kvcache(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                   alibi_slopes: Optional[torch.Tensor],
                   key_bias: Optional[torch.Tensor], softmax_scale: Optional[float], causal: bool, window_left: int,
                   window_right: int, attention_chunk: int, softcap: float, rotary_interleaved: bool,
-                  num_splits: int) -> tuple[torch.Tensor, torch.Tensor]:
+                  num_splits: int, qv: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, torch.Tensor]:
     """flash_attn_with_kvcache's work: the checks that read values, rotary, the append into k_cache
     and v_cache, then attention: (out like q, lse (batch, heads, seqlen_q) fp32). cache_seqlens: the
     tensor, or None and cache_seqlens_int for every sequence. key_bias: fp32 (batch, capacity) added
     to each sequence's key scores, -inf masking a key (not flash-attn's: autoflash.hf's padding masks,
     see attention_over_cache). rotary_seqlens: FlashAttention-3's rotary positions (int32 (batch,)),
     where sequence b's rotary starts instead of at cache_seqlens[b]. cu_seqlens_q (with max_seqlen_q)
-    and cu_seqlens_k_new: packed queries and new keys (FlashAttention-3's), LSE then (heads, total_q)."""
+    and cu_seqlens_k_new: packed queries and new keys (FlashAttention-3's), LSE then (heads, total_q). qv:
+    FlashAttention-3's (q's rows by V's head dim), the scores q . k + qv . v."""
     seqlens = cache_seqlens if cache_seqlens is not None else cache_seqlens_int
     window = (window_left, window_right)
     shape = check_kvcache(q, k_cache, v_cache, k=k, v=v, rotary_cos=rotary_cos, rotary_sin=rotary_sin,
                           cache_seqlens=seqlens, cache_batch_idx=cache_batch_idx, cache_leftpad=cache_leftpad,
                           block_table=block_table, rotary_seqlens=rotary_seqlens, cu_seqlens_q=cu_seqlens_q,
                           max_seqlen_q=max_seqlen_q, cu_seqlens_k_new=cu_seqlens_k_new)
-    scale = check_scale(softmax_scale, shape.head_dim)
+    scale = check_scale(softmax_scale, shape.head_dim + (shape.dv if qv is not None else 0))
     # The variant arguments' own checks, before the cache is touched (the kernels' path runs them again).
     resolve(heads_view(q) if shape.packed_q else q.transpose(1, 2), k_cache.transpose(1, 2), causal,
             align="bottom_right", window=window, softcap=softcap, alibi_slopes=alibi_slopes, key_bias=key_bias,
@@ -366,6 +377,12 @@ def flash_kvcache(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                   cu_seqlens_q, cu_seqlens_k_new, q.shape[0])
     if rotary_cos is not None and rotary_seqlens is not None:
         _check_rotary_values(rotary_seqlens, shape, rotary_cos.shape[0])
+    if qv is not None and not (q.device.type == "cpu" and not emulating()):  # before the cache is touched
+        from autoflash.kernels.checks import DTYPE_NAMES
+        from autoflash.kernels.decode import check_qv
+        from autoflash.kernels.launch import profile_for
+
+        check_qv(shape, DTYPE_NAMES[q.dtype], profile_for(q, "flash_attn_with_kvcache"))
 
     if rotary_cos is not None:  # with k, v (check_kvcache): flash-attn rotates as it appends
         local = window != (-1, -1) or attention_chunk > 0
@@ -388,7 +405,7 @@ def flash_kvcache(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
 
     kw = dict(cache_batch_idx=cache_batch_idx, cache_leftpad=cache_leftpad, block_table=block_table, causal=causal,
               scale=scale, window=window, softcap=softcap, alibi_slopes=alibi_slopes, key_bias=key_bias,
-              attention_chunk=attention_chunk, cu_seqlens_q=cu_seqlens_q)
+              attention_chunk=attention_chunk, cu_seqlens_q=cu_seqlens_q, qv=qv)
     if q.device.type == "cpu" and not emulating():
         out, lse = _reference(q, k_cache, v_cache, seqused, shape, kw)
     else:
@@ -397,8 +414,9 @@ def flash_kvcache(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
         from autoflash.kernels.launch import profile_for
 
         config, tuned_splits = select_decode(profile_for(q, "flash_attn_with_kvcache"), q, shape)
-        if _has_switches(window, softcap, alibi_slopes, key_bias, attention_chunk, shape.gathered):
+        if _has_switches(window, softcap, alibi_slopes, key_bias, attention_chunk, shape.gathered) or qv is not None:
             config = None  # the built-in tiles, the tuned split count
+        kw["qv"] = None if qv is None else chunked(qv)
         out, lse = flash_decode(chunked(q), k_cache, v_cache, seqused, num_splits=num_splits or tuned_splits,
                                 config=config, max_seqlen_q=max_seqlen_q, **kw)
     return _like(out, q), lse.contiguous()  # the strides the fake implementation promises
@@ -408,7 +426,7 @@ def flash_kvcache(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
 def _flash_kvcache_fake(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, rotary_seqlens, cache_seqlens,
                         cache_seqlens_int, cache_batch_idx, cache_leftpad, block_table, cu_seqlens_q, cu_seqlens_k_new,
                         max_seqlen_q, alibi_slopes, key_bias, softmax_scale, causal, window_left, window_right,
-                        attention_chunk, softcap, rotary_interleaved, num_splits):
+                        attention_chunk, softcap, rotary_interleaved, num_splits, qv=None):
     out = empty_like_width(q, v_cache.shape[-1])
     if cu_seqlens_q is not None:  # packed (total_q, heads, d): LSE (heads, total_q)
         return out, q.new_empty((q.shape[1], q.shape[0]), dtype=torch.float32)
@@ -442,5 +460,6 @@ def _reference(q, k_cache, v_cache, seqused, shape: CacheShape, kw: dict):
                                      causal=kw["causal"], scale=kw["scale"], window=kw["window"],
                                      softcap=kw["softcap"], alibi_slopes=kw["alibi_slopes"], key_bias=kw["key_bias"],
                                      attention_chunk=kw["attention_chunk"],
-                                     cu_seqlens_q=cu.tolist() if cu is not None else None)
+                                     cu_seqlens_q=cu.tolist() if cu is not None else None,
+                                     qv=kw["qv"])
     return out.to(q.dtype), lse

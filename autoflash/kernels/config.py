@@ -44,7 +44,7 @@ MMA_M = 16  # rows of one mma.sync.m16n8k16 tile: each warp owns a multiple of 1
 MMA_K = 16  # its k extent: tensor-core head dims are padded up to a multiple of 16
 
 _NAME_RE = re.compile(
-    r"^(?P<direction>fwd|bwd)_hd(?P<head_dim>\d+)(?:_dv(?P<head_dim_v>\d+))?_(?P<dtype>fp16|bf16|fp32)(?P<causal>_causal)?(?P<br>_br)?"
+    r"^(?P<direction>fwd|bwd)_hd(?P<head_dim>\d+)(?:_dv(?P<head_dim_v>\d+))?(?P<qv>_qv)?_(?P<dtype>fp16|bf16|fp32)(?P<causal>_causal)?(?P<br>_br)?"
     r"(?P<window>_win)?(?P<chunk>_chunk)?(?P<softcap>_cap)?(?P<alibi>_alibi)?(?P<key_bias>_kbias)?(?P<varlen>_varlen)?"
     r"(?P<kvcache>_kvc)?(?P<paged>_paged)?(?P<gather>_gather)?(?P<split>_split)?_m(?P<block_m>\d+)n(?P<block_n>\d+)w(?P<num_warps>\d+)s(?P<num_stages>\d+)(?:h(?P<head_split>\d+))?"
     r"(?P<dq_pass>_dqpass)?(?P<v_in_regs>_vregs)?(?P<sm90>_sm90a(?P<pingpong>_pp)?(?P<overlap>_ov)?)?$"
@@ -211,6 +211,9 @@ class KernelConfig:
     split: bool = False     # the key range split across blocks: fp32 partial O and LSE, merged by <name>_combine
     # ---- V's head dim where it is not head_dim (None: the same; a value equal to head_dim becomes None) ----
     head_dim_v: int | None = None
+    # ---- FlashAttention-3's qv (the sm90 forward): scores q . k + q_v . v, q_v as wide as V; each V tile
+    # is read once for both products (S's B operand K-major, then P V's MN-major) ----
+    qv: bool = False
     # ---- kernel family (see FAMILIES) and the sm90 forward's schedule ----
     # sm90: num_warps counts the consumer warps (4 per warpgroup; 64 query rows each in the forward,
     # block_m = 16 * num_warps; in the backward 64 keys each, block_n = 16 * num_warps, or with
@@ -352,6 +355,12 @@ class KernelConfig:
     def _validate_family(self) -> None:
         if self.family not in FAMILIES:
             raise ValueError(f"KernelConfig.family: got {self.family!r}, expected one of {FAMILIES}")
+        if not isinstance(self.qv, bool):
+            raise TypeError(f"KernelConfig.qv: got {self.qv!r}, expected a bool")
+        if self.qv and (self.family != "sm90" or self.direction != "fwd"):
+            raise ValueError(f"KernelConfig: got qv for family {self.family!r} {self.direction}; qv is a switch of the "
+                             f"sm90 forward (expected family 'sm90', direction 'fwd'; elsewhere q and qv run as one "
+                             f"product with k and v, their columns appended)")
         for f in ("pingpong", "overlap"):
             if not isinstance(getattr(self, f), bool):
                 raise TypeError(f"KernelConfig.{f}: got {getattr(self, f)!r}, expected a bool")
@@ -473,7 +482,7 @@ class KernelConfig:
         causal += "".join(f"_{_DECODE_TAGS[f]}" for f in DECODE_SWITCHES if getattr(self, f))
         if self.family == "sm90":
             split += "_sm90a" + ("_pp" if self.pingpong else "") + ("_ov" if self.overlap else "")
-        dv = f"_dv{self.head_dim_v}" if self.head_dim_v is not None else ""
+        dv = (f"_dv{self.head_dim_v}" if self.head_dim_v is not None else "") + ("_qv" if self.qv else "")
         return (
             f"{self.direction}_hd{self.head_dim}{dv}_{self.dtype}{causal}"
             f"_m{self.block_m}n{self.block_n}w{self.num_warps}s{self.num_stages}{split}"
@@ -646,10 +655,12 @@ class KernelConfig:
                 "delta": self.num_stages * self.block_m * 4,
             }
         o_row = self.o_columns * self.elem_bytes
+        v_row = self.dv_padded * self.elem_bytes if self.qv else o_row  # qv: S reads all of V's columns
         layout = {
             "q": self.block_m * max(row, o_row),  # Q's tile, then O's rows staged for the stores
             "k": self.num_stages * self.block_n * row,
-            "v": self.num_stages * self.block_n * o_row,
+            "v": self.num_stages * self.block_n * v_row,
+            **({"qv": self.block_m * v_row} if self.qv else {}),
         }
         if self.family == "sm90":  # tiles 1024-aligned (whole periods of the swizzle), then the mbarriers
             layout = {k: _round_up(v, 1024) for k, v in layout.items()}
@@ -679,7 +690,7 @@ class KernelConfig:
         if g["head_dim_v"]:
             ints["head_dim_v"] = int(g["head_dim_v"])
         family = {"family": "sm90", "pingpong": bool(g["pingpong"]), "overlap": bool(g["overlap"])} if g["sm90"] else {}
-        return cls(direction=g["direction"], dtype=g["dtype"], causal=bool(g["causal"]), **family,
+        return cls(direction=g["direction"], dtype=g["dtype"], causal=bool(g["causal"]), **family, qv=bool(g["qv"]),
                    dq="pass" if g["dq_pass"] else "atomic", v_in_regs=bool(g["v_in_regs"]),
                    align="bottom_right" if g["br"] else "top_left", **{f: bool(g[f]) for f in VARIANTS + DECODE_SWITCHES},
                    **ints)

@@ -17,7 +17,7 @@ import torch
 from autoflash.kernels.checks import DTYPE_NAMES, GRID_YZ_MAX, check_chunked_layout, check_scale, cu_seqlens_vector, \
     int32_vector
 from autoflash.kernels.config import HEAD_DIM_MAX, HEAD_DIM_MIN, HEAD_DIM_STEP, HEAD_DIM_V_MAX, KernelConfig
-from autoflash.kernels.defaults import default_decode_config
+from autoflash.kernels.defaults import default_decode_config, sm90_applies
 from autoflash.kernels.gpus import GpuProfile
 from autoflash.kernels.variants import LOG2E, heads_view, resolve, with_variant
 
@@ -245,24 +245,37 @@ def choose_num_splits(blocks: int, sm_count: int, key_tiles: int, max_splits: in
 
 
 def decode_config(shape: CacheShape, dtype: str, profile: GpuProfile, causal: bool, variant,
-                  config: KernelConfig | None) -> KernelConfig:
+                  config: KernelConfig | None, qv: bool = False) -> KernelConfig:
     """The kernel a call runs, unsplit: `config` (a tuned or explicit one) or the built-in one, with
-    the call's variant and paging switches and kvcache on."""
+    the call's variant and paging switches and kvcache on (and qv: FlashAttention-3's, the sm90
+    family's switch)."""
+    if qv:
+        check_qv(shape, dtype, profile)
     if config is None:
         heavy = any(variant.switches[k] for k in ("window", "chunk", "softcap", "alibi", "key_bias"))
         config = default_decode_config(shape.head_dim, dtype, profile, None if shape.gathered else shape.page_size,
-                                       heavy, shape.gathered, shape.head_dim_v)
+                                       heavy, shape.gathered, shape.head_dim_v, qv)
     elif not isinstance(config, KernelConfig):
         raise TypeError(f"config: got {type(config).__name__}, expected a KernelConfig")
     paged = shape.page_size is not None
     # Tiles that would straddle pages are gathered row by row (the gather switch).
     gather = shape.gathered or (paged and shape.page_size % config.block_n != 0)
-    config = with_variant(config, causal, variant).replace(kvcache=True, paged=paged, gather=gather, split=False)
+    config = with_variant(config, causal, variant).replace(kvcache=True, paged=paged, gather=gather, split=False,
+                                                           qv=qv)
     if (config.head_dim, config.dv, config.dtype, config.direction) != (shape.head_dim, shape.dv, dtype, "fwd"):
         raise ValueError(f"config {config.name}: expected a forward config for head_dim {shape.head_dim}, head_dim_v "
                          f"{shape.dv} {dtype}")
     config.check_fits(profile.smem_per_block_optin, profile.name)
     return config
+
+
+def check_qv(shape: CacheShape, dtype: str, profile: GpuProfile) -> None:
+    """ValueError unless the KV-cache kernel on `profile` takes FlashAttention-3's qv: the sm90 family's
+    (its qv switch), for 16-bit inputs and head dims that are multiples of 16."""
+    if not (sm90_applies(shape.head_dim, dtype, profile) and shape.dv % 16 == 0):
+        raise ValueError(f"qv: got it in a KV-cache call on {profile.name} ({dtype}, head dims {shape.head_dim} and "
+                         f"{shape.dv}); qv in the KV cache runs on the sm90 family's kernel: expected an H100 or "
+                         f"H200, fp16/bf16, head dims that are multiples of 16")
 
 
 def packed_heads(shape: CacheShape, alibi_slopes) -> int:
@@ -271,11 +284,12 @@ def packed_heads(shape: CacheShape, alibi_slopes) -> int:
 
 
 def decode_launch(shape: CacheShape, dtype: str, profile: GpuProfile, causal: bool, variant,
-                  config: KernelConfig | None, num_splits: int, qpack: int) -> tuple[KernelConfig, int]:
+                  config: KernelConfig | None, num_splits: int, qpack: int,
+                  qv: bool = False) -> tuple[KernelConfig, int]:
     """(the kernel, the number of key splits) a call launches: decode_config's kernel, split
     num_splits ways (0: choose_num_splits from the blocks and the SMs: head_split blocks share each
     query block's O where V's head dim is its own), at most MAX_SPLITS and the key tiles."""
-    config = decode_config(shape, dtype, profile, causal, variant, config)
+    config = decode_config(shape, dtype, profile, causal, variant, config, qv)
     m_blocks = math.ceil(shape.seqlen_q * qpack / config.block_m) * config.head_split
     key_tiles = math.ceil(shape.capacity / config.block_n)
     if num_splits == 0:
@@ -290,7 +304,8 @@ def flash_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, 
                  block_table: torch.Tensor | None = None, causal: bool = False, scale: float | None = None,
                  window=(-1, -1), softcap: float = 0.0, alibi_slopes: torch.Tensor | None = None,
                  key_bias: torch.Tensor | None = None, num_splits: int = 0, config: KernelConfig | None = None,
-                 attention_chunk: int = 0, cu_seqlens_q: torch.Tensor | None = None, max_seqlen_q: int | None = None):
+                 attention_chunk: int = 0, cu_seqlens_q: torch.Tensor | None = None, max_seqlen_q: int | None = None,
+                 qv: torch.Tensor | None = None):
     """Attention of q (batch, seqlen_q, heads, d) over a KV cache on CUDA tensors (CPU tensors inside
     autoflash.emulate(): the emulated kernels), flash-attn's layout. cache_seqlens (int or int32
     (batch,)): each batch's keys, rows [cache_leftpad[b], cache_seqlens[b]) of cache row
@@ -302,8 +317,10 @@ def flash_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, 
     sequence's key j (counted from its first, left padding excluded; -inf masks it): a padding mask
     without reading its values (autoflash.hf). cu_seqlens_q (int32 (batch + 1,)) with max_seqlen_q packs
     the queries as (total_q, heads, d), sequence b's rows cu_seqlens_q[b] .. cu_seqlens_q[b + 1] - 1
-    (FlashAttention-3's varlen KV-cache call; values trusted). Returns (out like q, lse (batch, heads,
-    seqlen_q) fp32; packed: (heads, total_q))."""
+    (FlashAttention-3's varlen KV-cache call; values trusted). qv (q's rows by v_cache's head dim,
+    FlashAttention-3's): the scores q . k + qv . v, scale by default 1/sqrt(d + dv), on the sm90 family's
+    kernel (its qv switch: each V tile read once for both products). Returns (out like q, lse (batch,
+    heads, seqlen_q) fp32; packed: (heads, total_q))."""
     from autoflash.kernels.launch import COMBINE_PARAMS, FWD_NAMES, FWD_PARAMS, SM90_FWD_NAMES, SM90_FWD_PARAMS, \
         _call, empty, empty_like, kernel_functions, profile_for, tile_maps
 
@@ -316,7 +333,15 @@ def flash_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, 
     if isinstance(num_splits, bool) or not isinstance(num_splits, int) or num_splits < 0:
         raise ValueError(f"num_splits: got {num_splits!r}, expected an int >= 0 (0 chooses)")
     profile = profile_for(q, "flash_attn_with_kvcache")
-    dtype, scale = DTYPE_NAMES[q.dtype], check_scale(scale, shape.head_dim)
+    if qv is not None:
+        want = (*q.shape[:-1], shape.dv)
+        if not isinstance(qv, torch.Tensor) or tuple(qv.shape) != want or qv.dtype != q.dtype \
+                or qv.device != q.device:
+            got = f"{tuple(qv.shape)} {qv.dtype} on {qv.device}" if isinstance(qv, torch.Tensor) else repr(qv)
+            raise ValueError(f"qv: got {got}, expected {want} {q.dtype} on {q.device} (q's rows, v_cache's head dim)")
+        check_chunked_layout("qv", qv)
+    dtype = DTYPE_NAMES[q.dtype]
+    scale = check_scale(scale, shape.head_dim + (shape.dv if qv is not None else 0))
     packed = shape.packed_q
     b, lq, hq, d, dv = shape.batch, shape.seqlen_q, shape.heads, shape.head_dim, shape.dv
     hkv, g = shape.heads_kv, shape.group
@@ -326,15 +351,19 @@ def flash_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, 
                               cu_seqlens_q=cu_seqlens_q, max_seqlen_q=max_seqlen_q)
     qpack = packed_heads(shape, alibi_slopes)
     heads, rows = hq // qpack, lq * qpack
-    config, num_splits = decode_launch(shape, dtype, profile, causal, variant, config, num_splits, qpack)
+    config, num_splits = decode_launch(shape, dtype, profile, causal, variant, config, num_splits, qpack,
+                                       qv is not None)
     m_blocks = math.ceil(rows / config.block_m)
 
     # Packed queries are one batch row (1, total, heads, d), launched with no batch stride: sequence
     # b's rows start at cu_seqlens_q[b] (in rows of qpack folded heads: the kernel's cu_seqlens scaled).
     qb = q.unsqueeze(0) if packed else q  # (B, L, Hq, d)
     bb, ll = qb.shape[:2]
+    qvb = None if qv is None else qv.unsqueeze(0) if packed else qv
     if qpack > 1:  # (B, L, Hkv * g, d) -> (B, Hkv, L * g, d): row i * g + j is query i of head kv * g + j
         q4 = qb.reshape(bb, ll, hkv, g, d).permute(0, 2, 1, 3, 4).reshape(bb, hkv, ll * g, d)
+        qv4 = None if qvb is None else \
+            qvb.reshape(bb, ll, hkv, g, dv).permute(0, 2, 1, 3, 4).reshape(bb, hkv, ll * g, dv)
         o_shape = (*q4.shape[:3], dv)
         out4 = empty(o_shape[1:], q.dtype, q.device, "hld", name="out", rows="q").unsqueeze(0) if packed else \
             empty(o_shape, q.dtype, q.device, "bhld", name="out")
@@ -342,6 +371,7 @@ def flash_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, 
             t * qpack if i < 4 and t is not None else t for i, t in enumerate(variant.pointers)))
     else:
         q4 = qb.transpose(1, 2)
+        qv4 = None if qvb is None else qvb.transpose(1, 2)
         out = empty_like(q, "lhd" if packed else "blhd", name="out", rows="q" if packed else None, width=dv)
         out4 = (out.unsqueeze(0) if packed else out).transpose(1, 2)
     k4, v4 = k_cache.transpose(1, 2), v_cache.transpose(1, 2)  # pages: (num_pages, Hkv, page_size, d)
@@ -369,7 +399,8 @@ def flash_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, 
     grid = (m_blocks * num_splits * config.head_split, heads, b)
     table_sb = block_table.stride(0) if block_table is not None else 0
     if config.family == "sm90":  # TMA maps of the (batch or page, head, row, d) views; packed O by plain stores
-        maps = tile_maps(config, (q4, 64), (k4, config.block_n), (v4, config.block_n), (out4, 64))
+        maps = tile_maps(config, (q4, 64), (k4, config.block_n), (v4, config.block_n), (out4, 64),
+                         (q4 if qv4 is None else qv4, 64))
         o_rows = (out4, out4.stride(2), out4.stride(1)) if packed else (None, 0, 0)
         scalars = (*o_rows[1:], *batch_strides(lse4, 2), variant.alibi_sb, variant.bias_sb, table_sb,
                    *strides(k4), *strides(v4), *tail)  # gathered pages: the caches' own rows

@@ -448,18 +448,20 @@ def _decode_candidates(head_dim: int, page_size: int | None, variant: bool, gath
 
 @functools.lru_cache(maxsize=None)
 def default_decode_config(head_dim: int, dtype: str, profile: GpuProfile, page_size: int | None = None,
-                          variant: bool = False, gather: bool = False, head_dim_v: int | None = None) -> KernelConfig:
+                          variant: bool = False, gather: bool = False, head_dim_v: int | None = None,
+                          qv: bool = False) -> KernelConfig:
     """The built-in KV-cache kernel (kvcache on) for one head dim on one GPU: the first preferred
     tile that fits, stages as _first_fitting picks them. `variant`: the kernel will carry a window,
     softcap or ALiBi; `gather`: it will gather a paged cache's rows (page_size then None; see
     _decode_candidates). The variant, paging and split switches themselves are the caller's to set.
     `head_dim_v`: V's head dim where it differs: O shared among head_split blocks as _wide_v_config
-    shares it, the tiles those of the wider of the head dims a block holds."""
+    shares it, the tiles those of the wider of the head dims a block holds. `qv`: FlashAttention-3's, the
+    sm90 family's switch (its tiles then hold qv's rows and all of V's columns)."""
     split, width = 1, head_dim
     if head_dim_v is not None and head_dim_v != head_dim:
         split, width = _o_split(head_dim, head_dim_v)
     if sm90_applies(head_dim, dtype, profile) and (head_dim_v or head_dim) % 16 == 0:
-        return _sm90_decode_config(head_dim, head_dim_v, split, dtype, profile, page_size, variant, gather)
+        return _sm90_decode_config(head_dim, head_dim_v, split, dtype, profile, page_size, variant, gather, qv)
     return _first_fitting(
         (dict(head_dim=head_dim, head_dim_v=head_dim_v, head_split=split, dtype=dtype, block_m=m, block_n=n,
               num_warps=w, kvcache=True, stages=stages)
@@ -469,7 +471,7 @@ def default_decode_config(head_dim: int, dtype: str, profile: GpuProfile, page_s
 
 
 def _sm90_decode_config(head_dim: int, head_dim_v: int | None, split: int, dtype: str, profile: GpuProfile,
-                        page_size: int | None, variant: bool, gather: bool = False) -> KernelConfig:
+                        page_size: int | None, variant: bool, gather: bool = False, qv: bool = False) -> KernelConfig:
     """The sm90 family's KV-cache kernel: one consumer warpgroup of 64 rows (a decode step's rows are
     its queries times the query heads folded in, often fewer), the most keys a tile up to 176 (FA3's
     split kernel's at d = 128) whose S, P and O take at most 200 of its 256 registers a thread (O's
@@ -479,13 +481,17 @@ def _sm90_decode_config(head_dim: int, head_dim_v: int | None, split: int, dtype
     d = 128: 64 x 176, two stages (paged: 64 x 128, pages of 128 or more). `variant` (a window, softcap,
     ALiBi or key bias): at most 128 keys (window, softcap and ALiBi together spill 160 and 176 at d = 96
     to 192, NVRTC 13.5), and 80 above d = 192 where `gather` copies the rows (every switch at once
-    spilled 96 at d = 256; V of its own beside d = 64 or 128 did not). Gathered pages take any key count."""
+    spilled 96 at d = 256; V of its own beside d = 64 or 128 did not). Gathered pages take any key count.
+    `qv` beside a variant: at most 80 keys, 32 where two blocks share O (window, softcap and ALiBi
+    together spilled 96 at (64, 256) and 48 at (64, 512), NVRTC 13.5 and 13.0.88)."""
     o_cols = (head_dim_v or head_dim) // split
     most = 80 if variant and gather and head_dim > 192 else 128 if variant else 176
+    if qv and variant:
+        most = min(most, 80 if split == 1 else 32)
     keys = [n for n in range(most, 15, -16)
             if o_cols // 2 + 3 * n // 4 <= 200 and (page_size is None or page_size % n == 0)]
     return _first_fitting([dict(head_dim=head_dim, head_dim_v=head_dim_v, head_split=split, dtype=dtype, block_m=64,
-                                block_n=n, num_warps=4, family="sm90", overlap=True, kvcache=True,
+                                block_n=n, num_warps=4, family="sm90", overlap=True, kvcache=True, qv=qv,
                                 stages=(4, 3, 2)) for n in keys],
                           profile, f"the KV-cache kernel at head_dim={head_dim}"
                           + (f", head_dim_v={head_dim_v}" if head_dim_v not in (None, head_dim) else "")

@@ -57,7 +57,8 @@ def attention_kvcache_ref(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch
                           cache_leftpad: list[int] | None = None, block_table=None, cache_batch_idx=None,
                           causal: bool = False, scale: float | None = None, window=(-1, -1), softcap: float = 0.0,
                           alibi_slopes: torch.Tensor | None = None, key_bias: torch.Tensor | None = None,
-                          upcast: bool = True, attention_chunk: int = 0, cu_seqlens_q: list[int] | None = None):
+                          upcast: bool = True, attention_chunk: int = 0, cu_seqlens_q: list[int] | None = None,
+                          qv: torch.Tensor | None = None):
     """Attention of q (batch, seqlen_q, heads, d) over sequence b's cache rows [leftpad[b],
     seqused[b]), bottom-right aligned (flash-attn's), batch row by batch row. Returns out (batch,
     seqlen_q, heads, d) in the compute dtype and lse (batch, heads, seqlen_q); a row that sees no key
@@ -65,14 +66,19 @@ def attention_kvcache_ref(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch
     counted from its first key; attention_chunk counts chunks from it too. v_cache's head dim (out's)
     may differ from q's and k_cache's. cu_seqlens_q: q packed as
     (total_q, heads, d), sequence b its rows cu_seqlens_q[b] .. cu_seqlens_q[b + 1] - 1; out is then
-    (total_q, heads, d) and lse (heads, total_q)."""
+    (total_q, heads, d) and lse (heads, total_q). qv (q's rows, v_cache's head dim; FlashAttention-3's):
+    the scores q . k + qv . v, one product of [q, qv] with [k, v] here (scale by default 1/sqrt(d + dv))."""
     outs, lses = [], []
     for b in range(len(seqused)):
         start = cache_leftpad[b] if cache_leftpad is not None else 0
         k = cache_rows(k_cache, b, start, seqused[b], block_table, cache_batch_idx)
         v = cache_rows(v_cache, b, start, seqused[b], block_table, cache_batch_idx)
-        qb = (q[cu_seqlens_q[b]:cu_seqlens_q[b + 1]].unsqueeze(0) if cu_seqlens_q is not None else q[b:b + 1])
-        qb = qb.transpose(1, 2)
+        rows = lambda x: x[cu_seqlens_q[b]:cu_seqlens_q[b + 1]].unsqueeze(0) if cu_seqlens_q is not None \
+            else x[b:b + 1]  # noqa: E731
+        qb = rows(q).transpose(1, 2)
+        keys = k if qv is None else torch.cat([k, v], -1)  # qv: the scores over [k, v]
+        if qv is not None:
+            qb = torch.cat([qb, rows(qv).transpose(1, 2)], -1)
         if k.shape[0] == 0 or qb.shape[2] == 0:  # no key (or, packed, no query) in this sequence
             dtype = torch.float64 if q.dtype == torch.float64 else torch.float32 if upcast else q.dtype
             outs.append(torch.zeros((*qb.shape[:3], v_cache.shape[-1]), dtype=dtype))
@@ -80,7 +86,7 @@ def attention_kvcache_ref(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch
             continue
         slopes = alibi_slopes[b:b + 1] if alibi_slopes is not None and alibi_slopes.dim() == 2 else alibi_slopes
         bias = key_bias[b:b + 1, :k.shape[0]] if key_bias is not None else None
-        o, lse = attention_ref(qb, k.unsqueeze(0).transpose(1, 2), v.unsqueeze(0).transpose(1, 2), causal=causal,
+        o, lse = attention_ref(qb, keys.unsqueeze(0).transpose(1, 2), v.unsqueeze(0).transpose(1, 2), causal=causal,
                                scale=scale, upcast=upcast, align="bottom_right", window=window, softcap=softcap,
                                alibi_slopes=slopes, key_bias=bias, attention_chunk=attention_chunk)
         outs.append(o)
