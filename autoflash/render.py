@@ -36,9 +36,9 @@ names it); --standalone inlines them, so the one file compiles with no -I (and c
 directives, which would point into templates the file travels without).
 
 The switch flags (--causal, --bottom-right, --window, --chunk, --softcap, --alibi, --key-bias,
---varlen, --kvcache, --paged, --gather, --split, --dq-pass, --v-in-regs) add the name's suffixes
-(_causal, _br, _win, _chunk, _cap, _alibi, _kbias, _varlen, _kvc, _paged, _gather, _split, _dqpass,
-_vregs); they combine with --default (the GPU's built-in tiles for a kernel with those switches, as
+--varlen, --kvcache, --paged, --gather, --split, --qv, --dq-pass, --v-in-regs) add the name's suffixes
+(_causal, _br, _win, _chunk, _cap, _alibi, _kbias, _varlen, _kvc, _paged, _gather, _split, _qv,
+_dqpass, _vregs); they combine with --default (the GPU's built-in tiles for a kernel with those switches, as
 the launcher picks them) or with --block-m/--block-n/--warps/--stages. Window sizes, the cap, slopes,
 biases and lengths are kernel arguments at run time, so no flag takes them. A kernel name stands
 alone: it already fixes every field.
@@ -81,6 +81,9 @@ SWITCHES: tuple[tuple[str, str, object, str], ...] = (
     ("--split", "split", True,
      "with --kvcache: the key range split across blocks, fp32 partials merged by the source's <name>_combine "
      "kernel (_split)"),
+    ("--qv", "qv", True,
+     "forward, with --sm90 (or --default --kvcache on an sm_90 GPU): FlashAttention-3's qv, scores q . k + "
+     "qv . v, each V tile read once for both products (_qv)"),
     ("--dq-pass", "dq", "pass",
      "backward, fp16/bf16: dQ by a separate kernel (<name>_dq) instead of fp32 atomics: deterministic (_dqpass)"),
     ("--v-in-regs", "v_in_regs", True,
@@ -200,7 +203,7 @@ def default_for(head_dim: int, dtype: str, direction: str, switches: dict[str, o
         heavy = any(switches.get(f) for f in ("window", "chunk", "softcap", "alibi", "key_bias"))
         gather = bool(switches.get("gather"))
         base = default_decode_config(head_dim, dtype, profile, None if gather else page_size, heavy, gather,
-                                     head_dim_v)
+                                     head_dim_v, bool(switches.get("qv")))
     else:
         variant = {k: switches[k] for k in ("align", *VARIANTS) if k in switches}
         base = call_default(direction, head_dim, dtype, bool(switches.get("causal")), variant, profile, head_dim_v)

@@ -366,8 +366,8 @@ def test_the_packing_follows_the_templates_signatures(direction):
         expected[f"{config.name}_dq"] = launch.DQ_PARAMS
     assert set(expected) == set(config.symbols)
     for name, params in expected.items():
-        declared = re.search(r"\n" + re.escape(name) + r"\(([^)]*)\)\s*\{", source).group(1)
-        declared = re.sub(r"//[^\n]*", "", declared)  # comments naming the switches a parameter serves
+        # comments naming the switches a parameter serves (they may hold parentheses) go first
+        declared = re.search(r"\n" + re.escape(name) + r"\(([^)]*)\)\s*\{", re.sub(r"//[^\n]*", "", source)).group(1)
         codes = "".join(_c_code(" ".join(p.split())) for p in declared.split(","))
         assert "@" + codes == params.struct.format, name
 
