@@ -1,7 +1,10 @@
 """The KV-cache (decode) launcher: flash_attn_with_kvcache's kernels. Queries (batch, seqlen_q, heads,
 d) attend to a cache (batch_cache, seqlen_cache, heads_kv, d), or its pages (num_pages, page_size,
 heads_kv, d) listed per batch by an int32 block table, each batch up to its own length. The forward
-template's kvcache switch runs it; with split on, num_splits blocks share each query block's keys
+templates' kvcache switch runs it: the sm90 family's (templates/flash_fwd_sm90.cu.j2: K and V tiles by
+TMA, or gathered by the producer warpgroup's cp.async where pages do not hold whole tiles; FA3's qv)
+where it applies (an H100 or H200, 16-bit, head dims that are multiples of 16), else the sm80
+family's (templates/flash_fwd.cu.j2); with split on, num_splits blocks share each query block's keys
 and the config's _combine kernel merges their fp32 partials (templates/flash_combine.cu.j2).
 
 The query heads that share a K/V head are folded into one block's rows (row r = query r / group of
