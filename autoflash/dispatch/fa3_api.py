@@ -26,7 +26,7 @@ import dataclasses
 import torch
 
 from autoflash.dispatch import flash_api, kvcache
-from autoflash.kernels.checks import chunk_size, cu_seqlens_vector
+from autoflash.kernels.checks import check_qv_shape, chunk_size, cu_seqlens_vector
 
 __all__ = ["flash_attn_combine", "flash_attn_func", "flash_attn_qkvpacked_func", "flash_attn_varlen_func",
            "flash_attn_with_kvcache", "get_scheduler_metadata"]
@@ -54,10 +54,7 @@ def _with_qv(q, k, v, qv, softmax_scale):
     for name, t in (("q", q), ("k", k), ("v", v), ("qv", qv)):
         if not isinstance(t, torch.Tensor):
             raise TypeError(f"{name}: got {type(t).__name__}, expected a torch.Tensor")
-    want = (*q.shape[:-1], v.shape[-1])
-    if tuple(qv.shape) != want or qv.dtype != q.dtype or qv.device != q.device:
-        raise ValueError(f"qv: got {tuple(qv.shape)} {qv.dtype} on {qv.device}, expected {want} {q.dtype} on "
-                         f"{q.device} (q's rows, v's head dim)")
+    check_qv_shape(qv, q, v.shape[-1], "v")
     if k.shape[:-1] != v.shape[:-1]:
         raise ValueError(f"k and v shapes: got {tuple(k.shape)} and {tuple(v.shape)}; expected them equal but for the "
                          f"head dim")

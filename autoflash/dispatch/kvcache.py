@@ -24,7 +24,8 @@ from autoflash.dispatch.flash_api import Captured, _check_max_seqlen, _pad, _seq
     padded_head_dim, padded_head_dim_v
 from autoflash.dispatch.policy import REFERENCE, cpu_fallback, emulating, fall_back, is_strict
 from autoflash.dispatch.variant_ops import _like
-from autoflash.kernels.checks import check_scale, chunk_size, chunked, checks_values, empty_like_width, window_pair
+from autoflash.kernels.checks import check_qv_shape, check_scale, chunk_size, chunked, checks_values, \
+    empty_like_width, window_pair
 from autoflash.kernels.decode import CacheShape, check_kvcache
 from autoflash.kernels.variants import heads_view, resolve
 
@@ -225,10 +226,7 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
     d, width, dv = shape.head_dim, padded_head_dim(shape.head_dim), shape.dv
     width_v = width if dv == d else padded_head_dim_v(dv)
     if qv is not None:
-        want = (*q.shape[:-1], dv)
-        if not isinstance(qv, torch.Tensor) or tuple(qv.shape) != want or qv.dtype != q.dtype or qv.device != q.device:
-            got = f"{tuple(qv.shape)} {qv.dtype} on {qv.device}" if isinstance(qv, torch.Tensor) else repr(qv)
-            raise ValueError(f"qv: got {got}, expected {want} {q.dtype} on {q.device} (q's rows, v_cache's head dim)")
+        check_qv_shape(qv, q, dv, "v_cache")
     scale = check_scale(softmax_scale, d + (dv if qv is not None else 0))  # of the caller's head dims
     seqlens_tensor = cache_seqlens if isinstance(cache_seqlens, torch.Tensor) else None
     reason = cpu_fallback(q)
@@ -297,9 +295,9 @@ def kernel_plan(profile, call: KvCacheCall):
                               cu_seqlens_q=call.cu_seqlens_q, max_seqlen_q=call.max_seqlen_q)
     tuned, tuned_splits = select_decode(profile, call.q, shape)
     runs_tuned = tuned is not None and not _has_switches(call.window, call.softcap, call.alibi_slopes, None,
-                                                         call.attention_chunk, shape.gathered)
+                                                         call.attention_chunk, shape.gathered, call.qv)
     config, splits = decode_launch(shape, DTYPE_NAMES[call.q.dtype], profile, causal, variant,
-                                   tuned if runs_tuned and not call.qv else None, call.num_splits or tuned_splits,
+                                   tuned if runs_tuned else None, call.num_splits or tuned_splits,
                                    packed_heads(shape, call.alibi_slopes), call.qv)
     origin = "tuned decode table (autoflash.dispatch.selection.select_decode)" if runs_tuned else HEURISTIC
     why = family_reason(config, profile)
@@ -309,12 +307,12 @@ def kernel_plan(profile, call: KvCacheCall):
     return Selection(None, config, origin), splits, how
 
 
-def _has_switches(window, softcap, alibi_slopes, key_bias, attention_chunk, gathered: bool) -> bool:
+def _has_switches(window, softcap, alibi_slopes, key_bias, attention_chunk, gathered: bool, qv: bool) -> bool:
     """Whether a call carries a switch the tuned decode tiles were not measured with (their registers
-    may spill with it, see kernels.defaults), pages gathered row by row among them: those calls take
-    the built-in tiles."""
+    may spill with it, see kernels.defaults), pages gathered row by row and FlashAttention-3's qv (its
+    tiles hold qv's rows and all of V's columns) among them: those calls take the built-in tiles."""
     return (tuple(window) != (-1, -1) or bool(softcap) or alibi_slopes is not None or key_bias is not None
-            or bool(attention_chunk) or gathered)
+            or bool(attention_chunk) or gathered or qv)
 
 
 class _ForwardOnly(torch.autograd.Function):
@@ -414,7 +412,7 @@ def flash_kvcache(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
         from autoflash.kernels.launch import profile_for
 
         config, tuned_splits = select_decode(profile_for(q, "flash_attn_with_kvcache"), q, shape)
-        if _has_switches(window, softcap, alibi_slopes, key_bias, attention_chunk, shape.gathered) or qv is not None:
+        if _has_switches(window, softcap, alibi_slopes, key_bias, attention_chunk, shape.gathered, qv is not None):
             config = None  # the built-in tiles, the tuned split count
         kw["qv"] = None if qv is None else chunked(qv)
         out, lse = flash_decode(chunked(q), k_cache, v_cache, seqused, num_splits=num_splits or tuned_splits,

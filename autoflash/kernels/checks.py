@@ -133,6 +133,15 @@ def empty_like_width(t: torch.Tensor, width: int | None) -> torch.Tensor:
     return torch.empty_permuted((*t.shape[:-1], width), physical_order(t), dtype=t.dtype, device=t.device)
 
 
+def check_qv_shape(qv, q: torch.Tensor, dv: int, v_name: str) -> None:
+    """ValueError unless `qv` (FlashAttention-3's: scores q . k + qv . v) is a tensor of q's rows by V's
+    head dim dv, in q's dtype on q's device; `v_name` names the tensor whose head dim that is."""
+    want = (*q.shape[:-1], dv)
+    if not isinstance(qv, torch.Tensor) or tuple(qv.shape) != want or qv.dtype != q.dtype or qv.device != q.device:
+        got = f"{tuple(qv.shape)} {qv.dtype} on {qv.device}" if isinstance(qv, torch.Tensor) else repr(qv)
+        raise ValueError(f"qv: got {got}, expected {want} {q.dtype} on {q.device} (q's rows, {v_name}'s head dim)")
+
+
 def check_chunked_layout(name: str, t: torch.Tensor) -> None:
     """Raises with the offending strides when `t` is not is_chunked_layout."""
     if is_chunked_layout(t):

@@ -17,8 +17,8 @@ import math
 
 import torch
 
-from autoflash.kernels.checks import DTYPE_NAMES, GRID_YZ_MAX, check_chunked_layout, check_scale, cu_seqlens_vector, \
-    int32_vector
+from autoflash.kernels.checks import DTYPE_NAMES, GRID_YZ_MAX, check_chunked_layout, check_qv_shape, check_scale, \
+    cu_seqlens_vector, int32_vector
 from autoflash.kernels.config import HEAD_DIM_MAX, HEAD_DIM_MIN, HEAD_DIM_STEP, HEAD_DIM_V_MAX, KernelConfig
 from autoflash.kernels.defaults import default_decode_config, sm90_applies
 from autoflash.kernels.gpus import GpuProfile
@@ -337,11 +337,7 @@ def flash_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, 
         raise ValueError(f"num_splits: got {num_splits!r}, expected an int >= 0 (0 chooses)")
     profile = profile_for(q, "flash_attn_with_kvcache")
     if qv is not None:
-        want = (*q.shape[:-1], shape.dv)
-        if not isinstance(qv, torch.Tensor) or tuple(qv.shape) != want or qv.dtype != q.dtype \
-                or qv.device != q.device:
-            got = f"{tuple(qv.shape)} {qv.dtype} on {qv.device}" if isinstance(qv, torch.Tensor) else repr(qv)
-            raise ValueError(f"qv: got {got}, expected {want} {q.dtype} on {q.device} (q's rows, v_cache's head dim)")
+        check_qv_shape(qv, q, shape.dv, "v_cache")
         check_chunked_layout("qv", qv)
     dtype = DTYPE_NAMES[q.dtype]
     scale = check_scale(scale, shape.head_dim + (shape.dv if qv is not None else 0))

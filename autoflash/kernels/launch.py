@@ -212,10 +212,10 @@ DELTA_PARAMS = KernelParams(3, "q" * 6 + "i")  # o dout delta; 2 x 3 strides; se
 BWD_PARAMS = KernelParams(15, "q" * 22 + "iiiiii" + "ffff" + "i")  # q k v dout lse delta dq_accum dk dv +6;
 #                                       6 x 3 strides +4; seqlen_q seqlen_k group +3; scale scale_log2 +2; n_block0
 # The sm90 family's forward (templates/flash_fwd_sm90.cu.j2): q k v o qv maps (qv's: q's where the kernel
-# has no qv); o (packed sequences' plain
-# stores) lse +6 variant pointers +6 decode pointers, k_cache v_cache (gathered pages' rows); o_sm o_sh
-# lse_sb lse_sh alibi_sb bias_sb block_table_sb, k and v (page, head, row) strides; seqlen_q seqlen_k group
-# window_left window_right chunk page_size num_splits qpack; scale_log2 softcap_in softcap_out.
+# has no qv); o (packed sequences' plain stores) lse +6 variant pointers +6 decode pointers, k_cache v_cache
+# (gathered pages' rows); o_sm o_sh lse_sb lse_sh alibi_sb bias_sb block_table_sb, k and v (page, head, row)
+# strides; seqlen_q seqlen_k group window_left window_right chunk page_size num_splits qpack; scale_log2
+# softcap_in softcap_out.
 SM90_FWD_NAMES = ("q", "k", "v", "out", "qv", "out", "lse", *_VARIANT_POINTERS, *DECODE_POINTERS, "k_cache",
                   "v_cache")
 SM90_FWD_PARAMS = KernelParams(16, "q" * 13 + "i" * 9 + "fff", maps=5)
@@ -403,7 +403,8 @@ def flash_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: 
         maps = sm90_maps(config, q4, k4, v4, out4)
         maps += maps[:1]  # no qv here: q's map in its place, never read
         o_rows = (out, out.stride(0), out.stride(1)) if varlen else (None, 0, 0)  # packed: plain stores
-        scalars = (*o_rows[1:], *variant.scalars(lse), 0, *(0,) * 6, lq, lk, hq // hkv, *variant.window, 1, 1, 1,
+        # no KV cache: block_table_sb and the caches' strides 0, page_size num_splits qpack 1
+        scalars = (*o_rows[1:], *variant.scalars(lse), *(0,) * 7, lq, lk, hq // hkv, *variant.window, 1, 1, 1,
                    scale * LOG2E, *variant.softcap_factors(scale))
         for sequences, pointers in variant.runs(b):
             _call(fn, (math.ceil(lq / config.block_m) * config.head_split, hq, sequences), config.threads,
