@@ -300,3 +300,26 @@ def test_smem_model_matches_ptxas(cfg):
     # here ptxas itself reports the bytes of the same layout declared statically.
     res = static_smem_probe(cfg, "sm_80")
     assert res.static_smem_bytes == cfg.smem_bytes, (cfg.name, res)
+
+
+def test_a_log_without_ptxas_report_is_compiled_again(monkeypatch, tmp_path):
+    """NVRTC 13.0.88 once returned a cubin with an empty log (first H200 run, 16 workers compiling at
+    once): the compile is repeated until the report is there, and a report never given is an error."""
+    from autoflash.kernels import compiler
+
+    monkeypatch.setenv("AUTOFLASH_CACHE_DIR", str(tmp_path))
+    cfg = KernelConfig(head_dim=64, dtype="fp16", causal=False, block_m=64, block_n=64, num_warps=4, num_stages=2)
+    real, answers = compiler._nvrtc_compile, []
+
+    def blank_first(*args):
+        cubin, log = real(*args)
+        answers.append(log)
+        return cubin, "" if len(answers) == 1 else log
+
+    monkeypatch.setattr(compiler, "_nvrtc_compile", blank_first)
+    compiled = compile_config(cfg, "sm_80", use_cache=False)
+    assert len(answers) == 2 and compiled.resources.registers > 0
+
+    monkeypatch.setattr(compiler, "_nvrtc_compile", lambda *args: (real(*args)[0], ""))
+    with pytest.raises(ValueError, match="no ptxas report"):
+        compile_config(cfg, "sm_80", use_cache=False)
