@@ -302,24 +302,58 @@ def test_smem_model_matches_ptxas(cfg):
     assert res.static_smem_bytes == cfg.smem_bytes, (cfg.name, res)
 
 
-def test_a_log_without_ptxas_report_is_compiled_again(monkeypatch, tmp_path):
-    """NVRTC 13.0.88 once returned a cubin with an empty log (first H200 run, 16 workers compiling at
-    once): the compile is repeated until the report is there, and a report never given is an error."""
+
+def _ptxas_options(arch, *extra):
+    from autoflash.kernels import compiler
+
+    return [f"--gpu-architecture={arch}", *compiler.BASE_OPTIONS, *extra, f"-I{compiler.templates_dir()}",
+            f"-I{compiler.cuda_include_dir()}"]
+
+
+@pytest.mark.parametrize("arch, direction, extra", [
+    ("sm_80", "fwd", ()), ("sm_80", "bwd", ()), ("sm_90a", "fwd", ()), ("sm_90a", "bwd", ()),
+    ("sm_80", "fwd", ("--maxrregcount=64",)),  # spills: a stack frame
+    ("sm_80", "fwd", ("-DAUTOFLASH_STATIC_SMEM",)),  # static shared memory
+])
+def test_the_cubin_records_what_ptxas_reports(arch, direction, extra):
+    """NVRTC 13.0.88 gave empty logs to most compiles of 16 processes at once (first H200 run): the
+    resources are then read from the cubin, and they are ptxas's (every entry of the module)."""
+    from autoflash.kernels import compiler
+    from autoflash.kernels.codegen import render
+
+    family = "sm90" if arch == "sm_90a" else "sm80"
+    profile = get_profile("h100" if family == "sm90" else "a100")
+    cfg = (default_config(64, "bf16", True, profile, family=family) if direction == "fwd"
+           else default_backward_config(64, "bf16", True, profile, family=family))
+    if "STATIC" in "".join(extra):  # a layout that can be declared statically (48 KB at most)
+        cfg = KernelConfig(head_dim=64, dtype="bf16", causal=True, block_m=64, block_n=64, num_warps=4, num_stages=2)
+    cubin, log = compiler._nvrtc_compile(render(cfg), cfg.name, arch, _ptxas_options(arch, *extra))
+    if "Overriding global maxrregcount" in log:
+        pytest.skip(f"NVRTC {compiler.nvrtc_version()} overrides --maxrregcount with the launch bounds' count")
+    entries = re.findall(r"Compiling entry function '(\w+)'", log)
+    assert cfg.name in entries
+    for entry in entries:
+        want, got = compiler.parse_ptxas_report(log, entry), compiler.cubin_resources(cubin, entry, arch)
+        assert (got.registers, got.stack_bytes, got.static_smem_bytes) == \
+            (want.registers, want.stack_bytes, want.static_smem_bytes), entry
+        assert got.spills == want.spills, entry
+    if extra and extra[0].startswith("--maxrregcount"):
+        assert compiler.parse_ptxas_report(log, cfg.name).spills
+    if extra and "STATIC" in extra[0]:
+        assert compiler.parse_ptxas_report(log, cfg.name).static_smem_bytes > 0
+
+
+def test_a_compile_without_ptxas_report_takes_the_cubins_resources(monkeypatch, tmp_path):
     from autoflash.kernels import compiler
 
     monkeypatch.setenv("AUTOFLASH_CACHE_DIR", str(tmp_path))
-    cfg = KernelConfig(head_dim=64, dtype="fp16", causal=False, block_m=64, block_n=64, num_warps=4, num_stages=2)
-    real, answers = compiler._nvrtc_compile, []
-
-    def blank_first(*args):
-        cubin, log = real(*args)
-        answers.append(log)
-        return cubin, "" if len(answers) == 1 else log
-
-    monkeypatch.setattr(compiler, "_nvrtc_compile", blank_first)
-    compiled = compile_config(cfg, "sm_80", use_cache=False)
-    assert len(answers) == 2 and compiled.resources.registers > 0
-
+    cfg = default_backward_config(64, "fp16", False, get_profile("a100"), family="sm80")
+    reported = compile_config(cfg, "sm_80", use_cache=False)
+    real = compiler._nvrtc_compile
     monkeypatch.setattr(compiler, "_nvrtc_compile", lambda *args: (real(*args)[0], ""))
-    with pytest.raises(ValueError, match="no ptxas report"):
-        compile_config(cfg, "sm_80", use_cache=False)
+    blank = compile_config(cfg, "sm_80", use_cache=False)
+    assert blank.log == "" and blank.resources == reported.resources
+    delta = f"{cfg.name}_delta"
+    assert compiler.entry_resources(blank, delta) == compiler.entry_resources(reported, delta)
+    with pytest.raises(ValueError, match="no .text section"):
+        compiler.entry_resources(blank, "no_such_kernel")

@@ -361,7 +361,7 @@ def fa2_kernels(index: list[Located], cubins: Fa2Cubins, arch: str, d: int, caus
 
 
 def our_kernels(arch: str, d: int, causal: bool, profile) -> dict[str, Kernel]:
-    from autoflash.kernels.compiler import compile_config, parse_ptxas_report
+    from autoflash.kernels.compiler import compile_config, entry_resources
     from autoflash.kernels.defaults import default_backward_config, default_config
 
     out = {}
@@ -378,7 +378,7 @@ def our_kernels(arch: str, d: int, causal: bool, profile) -> dict[str, Kernel]:
             delta = f"{cfg.name}_delta"
             out["delta"] = dataclasses.replace(out[key], name=delta, direction="helper", text=functions[delta],
                                                block_m=cfg.delta_rows, warps=4,  # 128 threads
-                                               registers=parse_ptxas_report(compiled.log, delta).registers)
+                                               registers=entry_resources(compiled, delta).registers)
     return out
 
 

@@ -40,7 +40,7 @@ def kernel_registers(config: KernelConfig, arch: str, name: str) -> int | None:
     """Registers per thread ptxas gives kernel `name` of `config` on `arch` (NVRTC, disk-cached); None
     where NVRTC or the CUDA headers are missing (the register limit is then not checked; a warning
     says so). A kernel NVRTC rejects is refused: no GPU could launch it."""
-    from autoflash.kernels.compiler import CompileError, compile_config, parse_ptxas_report, upgrade_hint
+    from autoflash.kernels.compiler import CompileError, compile_config, entry_resources, upgrade_hint
 
     try:
         compiled = compile_config(config, arch)
@@ -54,7 +54,7 @@ def kernel_registers(config: KernelConfig, arch: str, name: str) -> int | None:
         return None
     if name == config.name:
         return compiled.resources.registers
-    return parse_ptxas_report(compiled.log, name).registers
+    return entry_resources(compiled, name).registers
 
 
 def check_launch(name: str, config: KernelConfig | None, grid: tuple, block: tuple, shared_mem: int,
