@@ -198,6 +198,24 @@ def test_sm90_splits_count_one_block_an_sm():
         choose_num_splits(4 * 8, H100.sm_count, tiles, per_sm=2)
 
 
+
+def test_a_signature_is_decided_once_and_its_switches_still_count():
+    """decode_launch is cached per signature (sizes, switches, config, splits): a repeated call gets the
+    very same decision, and a call that differs in a switch or a size its own."""
+    from autoflash.kernels.decode import CacheShape
+
+    q = torch.empty(2, 1, 32, 128, dtype=torch.bfloat16)
+    k = torch.empty(2, 4096, 8, 128, dtype=torch.bfloat16).transpose(1, 2)
+    shape = CacheShape(2, 1, 32, 8, 128, 4096, None, 0)
+    plain = resolve(q.transpose(1, 2), k, False, align="bottom_right", cache_len=4096)
+    capped = resolve(q.transpose(1, 2), k, False, align="bottom_right", cache_len=4096, softcap=30.0)
+    first = decode_launch(shape, "bf16", H100, *plain, None, 0, 4)
+    assert decode_launch(shape, "bf16", H100, *plain, None, 0, 4) is first
+    assert decode_launch(shape, "bf16", H100, *capped, None, 0, 4)[0].softcap and not first[0].softcap
+    longer = decode_launch(CacheShape(2, 1, 32, 8, 128, 65536, None, 0), "bf16", H100, *plain, None, 0, 4)
+    assert longer[0] == first[0] and longer[1] != first[1]
+
+
 @pytest.mark.parametrize("dv", [256, 512])
 @pytest.mark.parametrize("layout, kw", [
     ("dense", dict(num_splits=1)), ("paged-64", dict(num_splits=3, causal=True)), ("paged-5", dict(softcap=4.0)),

@@ -108,8 +108,8 @@ def cubin_resources(cubin: bytes, kernel: str, arch: str) -> Resources:
     """The resources of entry `kernel` as its cubin records them, for a log without ptxas's report.
 
     NVRTC 13.0.88 (the NVRTC of torch's CUDA 13.0 wheels) returned a good cubin with an empty log for
-    73 of 96 compiles when 16 processes compiled at once on the first H200 run (none when one process
-    did; compiling again in the same process did not help). The cubin holds the registers, the stack
+    73 of 96 first compiles when 16 processes compiled at once on the first H200 run (none when one
+    process did; each of the 73 compiled twice more in its process was empty again). The cubin holds the registers, the stack
     frame and the static shared memory as ptxas reports them (the same for all 13,710 kernels compiled
     here under NVRTC 12.1 to 13.5); it holds no spill counts, so the stack frame stands for both:
     every one of those kernels that had a stack frame had spills, and no other had any."""

@@ -13,6 +13,7 @@ tile is then read once per (batch, kv-head, split) instead of once per query hea
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 
 import torch
@@ -22,7 +23,7 @@ from autoflash.kernels.checks import DTYPE_NAMES, GRID_YZ_MAX, check_chunked_lay
 from autoflash.kernels.config import HEAD_DIM_MAX, HEAD_DIM_MIN, HEAD_DIM_STEP, HEAD_DIM_V_MAX, KernelConfig
 from autoflash.kernels.defaults import default_decode_config, sm90_applies
 from autoflash.kernels.gpus import GpuProfile
-from autoflash.kernels.variants import LOG2E, heads_view, resolve, with_variant
+from autoflash.kernels.variants import LOG2E, heads_view, resolve
 
 MAX_SPLITS = 128  # FlashAttention-2's cap on num_splits (flash_api.cpp, set_params_splitkv)
 PAGE_MULTIPLE = 16  # pages read tile by tile: multiples of the smallest key tile (others are gathered)
@@ -247,15 +248,15 @@ def choose_num_splits(blocks: int, sm_count: int, key_tiles: int, max_splits: in
     return next(s for s, e in efficiency.items() if e >= 0.85 * best)
 
 
-def decode_config(shape: CacheShape, dtype: str, profile: GpuProfile, causal: bool, variant,
+def decode_config(shape: CacheShape, dtype: str, profile: GpuProfile, causal: bool, switches: dict,
                   config: KernelConfig | None, qv: bool = False) -> KernelConfig:
     """The kernel a call runs, unsplit: `config` (a tuned or explicit one) or the built-in one, with
-    the call's variant and paging switches and kvcache on (and qv: FlashAttention-3's, the sm90
-    family's switch)."""
+    the call's variant switches (Variant.switches) and paging switches and kvcache on (and qv:
+    FlashAttention-3's, the sm90 family's switch)."""
     if qv:
         check_qv(shape, dtype, profile)
     if config is None:
-        heavy = any(variant.switches[k] for k in ("window", "chunk", "softcap", "alibi", "key_bias"))
+        heavy = any(switches[k] for k in ("window", "chunk", "softcap", "alibi", "key_bias"))
         config = default_decode_config(shape.head_dim, dtype, profile, None if shape.gathered else shape.page_size,
                                        heavy, shape.gathered, shape.head_dim_v, qv)
     elif not isinstance(config, KernelConfig):
@@ -263,8 +264,7 @@ def decode_config(shape: CacheShape, dtype: str, profile: GpuProfile, causal: bo
     paged = shape.page_size is not None
     # Tiles that would straddle pages are gathered row by row (the gather switch).
     gather = shape.gathered or (paged and shape.page_size % config.block_n != 0)
-    config = with_variant(config, causal, variant).replace(kvcache=True, paged=paged, gather=gather, split=False,
-                                                           qv=qv)
+    config = config.replace(causal=causal, **switches, kvcache=True, paged=paged, gather=gather, split=False, qv=qv)
     if (config.head_dim, config.dv, config.dtype, config.direction) != (shape.head_dim, shape.dv, dtype, "fwd"):
         raise ValueError(f"config {config.name}: expected a forward config for head_dim {shape.head_dim}, head_dim_v "
                          f"{shape.dv} {dtype}")
@@ -292,7 +292,17 @@ def decode_launch(shape: CacheShape, dtype: str, profile: GpuProfile, causal: bo
     """(the kernel, the number of key splits) a call launches: decode_config's kernel, split
     num_splits ways (0: choose_num_splits from the blocks and the SMs: head_split blocks share each
     query block's O where V's head dim is its own), at most MAX_SPLITS and the key tiles."""
-    config = decode_config(shape, dtype, profile, causal, variant, config, qv)
+    return _decode_launch(shape, dtype, profile, causal, tuple(variant.switches.items()), config, num_splits, qpack,
+                          qv)
+
+
+# A call's kernel and splits follow from its sizes and switches alone, so they are decided once per
+# signature: on the first H200 run the decision (defaults, replace and validation of three configs)
+# was a good part of the ~300 us of host time a decode step took beside 13-20 us of kernels.
+@functools.lru_cache(maxsize=4096)
+def _decode_launch(shape: CacheShape, dtype: str, profile: GpuProfile, causal: bool, switches: tuple,
+                   config: KernelConfig | None, num_splits: int, qpack: int, qv: bool) -> tuple[KernelConfig, int]:
+    config = decode_config(shape, dtype, profile, causal, dict(switches), config, qv)
     m_blocks = math.ceil(shape.seqlen_q * qpack / config.block_m) * config.head_split
     key_tiles = math.ceil(shape.capacity / config.block_n)
     if num_splits == 0:
