@@ -320,9 +320,19 @@ def variant_config(config: KernelConfig | None, direction: str, d: int, dtype: s
     """The kernel a call launches: `config` (tuned or explicit) with the call's variant switches
     (kernels.variants.resolve) turned on, or the built-in one (defaults.call_default; `head_dim_v`:
     V's head dim where it differs)."""
+    if config is not None and not isinstance(config, KernelConfig):
+        return with_variant(config, causal, variant)  # its TypeError
+    return _variant_config(config, direction, d, dtype, causal, tuple(variant.switches.items()), profile, head_dim_v)
+
+
+# Decided once per signature: the default's lookup and the variant's replace (with KernelConfig's
+# validation) were ~15% of autoflash.attention's host time per call on the first H200 run.
+@functools.lru_cache(maxsize=4096)
+def _variant_config(config: KernelConfig | None, direction: str, d: int, dtype: str, causal: bool, switches: tuple,
+                    profile: GpuProfile, head_dim_v: int | None) -> KernelConfig:
     if config is None:
-        return call_default(direction, d, dtype, causal, variant.switches, profile, head_dim_v)
-    return with_variant(config, causal, variant)
+        return call_default(direction, d, dtype, causal, dict(switches), profile, head_dim_v)
+    return config.replace(causal=causal, **dict(switches))
 
 
 def family_reason(config: KernelConfig, profile: GpuProfile) -> str | None:
