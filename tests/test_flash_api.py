@@ -321,6 +321,32 @@ def test_custom_op_registration_varlen():
     assert lse.shape == (2, sum(lq))
 
 
+def test_the_eager_path_is_the_op_without_its_dispatch(monkeypatch):
+    """flash_forward_call runs the op's kernels and autograd formula through an autograd.Function
+    eagerly: the same out, lse and gradients as torch.ops.autoflash.flash_fwd, bit for bit (emulated
+    kernels), and no op call on the way."""
+    from autoflash.dispatch import variant_ops
+
+    g = torch.Generator().manual_seed(3)
+    with autoflash.emulate("h100"):
+        q = _randn((1, 2, 70, 64), torch.bfloat16, g, True)
+        k, v = (_randn((1, 1, 90, 64), torch.bfloat16, g, True) for _ in range(2))
+        args = _fwd_args(q, k, v, causal=True, align="bottom_right", window=(40, 0))
+        results = []
+        for call in (variant_ops.flash_forward_call, torch.ops.autoflash.flash_fwd):
+            out, lse = call(*args)
+            dout = torch.ones_like(out)
+            results.append((out, lse, *torch.autograd.grad(out, (q, k, v), dout)))
+    for eager, op in zip(*results):
+        assert torch.equal(eager, op)
+    calls = []
+    real = variant_ops.flash_fwd
+    monkeypatch.setattr(variant_ops, "flash_fwd", lambda *a: calls.append(a) or real(*a))
+    with autoflash.emulate("h100"):
+        variant_ops.flash_forward_call(*args)
+    assert not calls
+
+
 def test_compile_fullgraph_forward_and_backward():
     def step(q, k, v):
         out = flash_attn_func(q, k, v, causal=True, window_size=(5, -1), softcap=3.0)

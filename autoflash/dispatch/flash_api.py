@@ -343,9 +343,9 @@ def _run(q, k, v, *, scale: float, causal: bool, align: str, window: tuple[int, 
     q, k, v = _pad(q, width), _pad(k, width), _pad(v, width_v)
     if reason is not None:
         fall_back(entry, reason, strict, REFERENCE, explain=f"autoflash.explain(autoflash.{entry}, ...)")
-    out, lse = torch.ops.autoflash.flash_fwd(q, k, v, alibi_slopes, key_bias, cu_q, cu_k, used_q, used_k, scale,
-                                             causal, align, window[0], window[1], attention_chunk, softcap, max_q,
-                                             max_k, deterministic)
+    out, lse = variant_ops.flash_forward_call(q, k, v, alibi_slopes, key_bias, cu_q, cu_k, used_q, used_k, scale,
+                                              causal, align, window[0], window[1], attention_chunk, softcap, max_q,
+                                              max_k, deterministic)
     return (out if width_v == dv else out[..., :dv]), lse
 
 

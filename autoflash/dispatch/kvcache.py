@@ -206,7 +206,7 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
     FallbackWarning; strict=True (or AUTOFLASH_STRICT=1) raises UnsupportedCallError there instead.
 
     One custom op, autoflash::flash_kvcache (mutating k_cache and v_cache), so torch.compile traces
-    it as a single node."""
+    it as a single node (eagerly its body runs without the op's dispatch)."""
     shape = check_kvcache(q, k_cache, v_cache, k=k, v=v, rotary_cos=rotary_cos, rotary_sin=rotary_sin,
                           cache_seqlens=cache_seqlens, cache_batch_idx=cache_batch_idx, cache_leftpad=cache_leftpad,
                           block_table=block_table, any_head_dim=True, rotary_seqlens=rotary_seqlens,
@@ -242,11 +242,11 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
     if padded:  # zero-padded copies; the rows appended to them go back into the caller's caches below
         q, k, k_cache = (None if t is None else _pad(t, width) for t in (q, k, k_cache))
         v, v_cache, qv = (None if t is None else _pad(t, width_v) for t in (v, v_cache, qv))
-    out, lse = flash_kvcache(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, rotary_seqlens, seqlens_tensor,
-                             cache_seqlens if seqlens_tensor is None else 0, cache_batch_idx, cache_leftpad,
-                             block_table, cu_seqlens_q, cu_seqlens_k_new, max_seqlen_q, alibi_slopes, None, scale,
-                             causal, window_size[0], window_size[1], attention_chunk, float(softcap),
-                             rotary_interleaved, num_splits, qv)
+    out, lse = _run_kvcache(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, rotary_seqlens, seqlens_tensor,
+                              cache_seqlens if seqlens_tensor is None else 0, cache_batch_idx, cache_leftpad,
+                              block_table, cu_seqlens_q, cu_seqlens_k_new, max_seqlen_q, alibi_slopes, None, scale,
+                              causal, window_size[0], window_size[1], attention_chunk, float(softcap),
+                              rotary_interleaved, num_splits, qv)
     if padded:
         if k is not None:
             for cache, wide in zip(caches, (k_cache, v_cache)):
@@ -321,7 +321,9 @@ class _ForwardOnly(torch.autograd.Function):
     message would name an internal op."""
 
     @staticmethod
-    def forward(ctx, x, entry: str = "flash_attn_with_kvcache"):
+    def forward(ctx, x, entry: str = "flash_attn_with_kvcache", *inputs):
+        # `inputs`: the call's tensors, so that the result asks for a gradient when they do (the kernels'
+        # out, from an eager call that skips the custom op, records no graph of its own)
         ctx.entry = entry
         return x.view_as(x)
 
@@ -335,13 +337,14 @@ class _ForwardOnly(torch.autograd.Function):
 
 def forward_only(out: torch.Tensor, lse: torch.Tensor | None, entry: str, *inputs) -> tuple:
     """out and lse (None: none) whose gradient is _ForwardOnly's error where any of `inputs` wants one."""
-    if torch.is_grad_enabled() and any(isinstance(t, torch.Tensor) and t.requires_grad for t in inputs):
-        return _ForwardOnly.apply(out, entry), None if lse is None else _ForwardOnly.apply(lse, entry)
+    wanting = [t for t in inputs if isinstance(t, torch.Tensor) and t.requires_grad]
+    if torch.is_grad_enabled() and wanting:
+        return (_ForwardOnly.apply(out, entry, *wanting),
+                None if lse is None else _ForwardOnly.apply(lse, entry, *wanting))
     return out, lse
 
 
-@torch.library.custom_op("autoflash::flash_kvcache", mutates_args=("k_cache", "v_cache"))
-def flash_kvcache(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, k: Optional[torch.Tensor],
+def _kvcache(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, k: Optional[torch.Tensor],
                   v: Optional[torch.Tensor], rotary_cos: Optional[torch.Tensor], rotary_sin: Optional[torch.Tensor],
                   rotary_seqlens: Optional[torch.Tensor], cache_seqlens: Optional[torch.Tensor], cache_seqlens_int: int,
                   cache_batch_idx: Optional[torch.Tensor], cache_leftpad: Optional[torch.Tensor],
@@ -420,6 +423,17 @@ def flash_kvcache(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
     return _like(out, q), lse.contiguous()  # the strides the fake implementation promises
 
 
+flash_kvcache = torch.library.custom_op("autoflash::flash_kvcache", mutates_args=("k_cache", "v_cache"))(_kvcache)
+
+
+def _run_kvcache(*args):
+    """flash_kvcache's work where a call site needs it. Under torch.compile it goes through the custom op,
+    one node with its mutated caches. Eagerly it runs the op's body: the op's dispatch (filling in its
+    defaults, the mutated caches' bookkeeping, in Python) was about a third of a decode step's host time
+    (the append's own writes still bump the caches' version counters)."""
+    return flash_kvcache(*args) if torch.compiler.is_compiling() else _kvcache(*args)
+
+
 @flash_kvcache.register_fake
 def _flash_kvcache_fake(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, rotary_seqlens, cache_seqlens,
                         cache_seqlens_int, cache_batch_idx, cache_leftpad, block_table, cu_seqlens_q, cu_seqlens_k_new,
@@ -440,9 +454,9 @@ def attention_over_cache(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.
     sequence of k_cache, v_cache (batch, >= seqlen, heads_kv, d), bottom-right aligned; key_bias
     fp32 (batch, k_cache rows) or None: a padding mask as -inf, read by the kernel (no value is read
     here), indexed from each sequence's first key (after its left padding)."""
-    out, _ = flash_kvcache(q, k_cache, v_cache, None, None, None, None, None, None, seqlen, None, cache_leftpad, None,
-                           None, None, None, None, key_bias, scale, causal, window[0], window[1], 0, float(softcap),
-                           False, 0)
+    out, _ = _run_kvcache(q, k_cache, v_cache, None, None, None, None, None, None, seqlen, None, cache_leftpad, None,
+                          None, None, None, None, key_bias, scale, causal, window[0], window[1], 0, float(softcap),
+                          False, 0)
     return out
 
 
