@@ -296,6 +296,46 @@ def test_qv_packed_and_its_refusals():
     assert torch.equal(cache, dense)  # refused before the append
 
 
+def test_qv_runs_the_sm90_cache_kernel_on_an_h100(launched):
+    """On an H100 (emulated), FA3's qv in flash_attn_func and flash_attn_varlen_func runs the sm90
+    KV-cache kernel with its qv switch over k and v as the cache (no [q, qv] product, no copy), the
+    kernel explain() names, within FA3's rule; packed sequences with seqused_k too. Still forward only."""
+    from autoflash.flash_attn_interface import flash_attn_varlen_func as fa3_varlen
+
+    g = torch.Generator().manual_seed(12)
+    q, qv = torch.randn(1, 40, 4, 64, generator=g).bfloat16(), torch.randn(1, 40, 4, 256, generator=g).bfloat16()
+    k, v = torch.randn(1, 60, 2, 64, generator=g).bfloat16(), torch.randn(1, 60, 2, 256, generator=g).bfloat16()
+    kw = dict(causal=True, window_size=(30, 0), softcap=12.0)
+    plan = autoflash.explain(fa3_flash_attn_func, q, k, v, qv=qv, gpu="h100", **kw)
+    with autoflash.emulate("h100"):
+        out, lse = fa3_flash_attn_func(q.requires_grad_(), k, v, qv=qv, return_attn_probs=True, **kw)
+    assert [c.family for c in launched] == ["sm90"] and launched[0].qv and launched[0].kvcache
+    assert plan.forward.config == launched[0] and "qv" in plan.forward.config.name
+    assert out.shape == (1, 40, 4, 256) and lse.shape == (1, 4, 40)
+    args = (q.detach(), k, v, qv, True, (30, 0), 12.0)
+    ok, err, bound = within_tolerance(out.detach(), _qv_reference(*args, torch.float32),
+                                      _qv_reference(*args, torch.bfloat16), softcap=12.0)
+    assert ok, f"out: err {err:.3e} > bound {bound:.3e}"
+    with pytest.raises(RuntimeError, match="flash_attn_func with qv is forward only"):
+        out.sum().backward()
+
+    lens_q, lens_k, used_k = [3, 37], [50, 10], [44, 10]
+    cu_q, cu_k = _cu(lens_q, "cpu"), _cu(lens_k, "cpu")
+    pq, pqv = torch.randn(40, 4, 64, generator=g).bfloat16(), torch.randn(40, 4, 256, generator=g).bfloat16()
+    pk, pv = torch.randn(60, 2, 64, generator=g).bfloat16(), torch.randn(60, 2, 256, generator=g).bfloat16()
+    launched.clear()
+    with autoflash.emulate("h100"):
+        out = fa3_varlen(pq, pk, pv, cu_q, cu_k, 37, 50, causal=True, qv=pqv,
+                         seqused_k=torch.tensor(used_k, dtype=torch.int32))
+    assert [c.family for c in launched] == ["sm90"] and launched[0].qv
+    for b in range(2):
+        rows, keys = slice(cu_q[b], cu_q[b + 1]), slice(cu_k[b], cu_k[b] + used_k[b])
+        args = (pq[rows][None], pk[keys][None], pv[keys][None], pqv[rows][None], True, (-1, -1), 0.0)
+        ok, err, bound = within_tolerance(out[rows][None], _qv_reference(*args, torch.float32),
+                                          _qv_reference(*args, torch.bfloat16))
+        assert ok, f"sequence {b}: err {err:.3e} > bound {bound:.3e}"
+
+
 def test_explain_says_how_qv_runs():
     """explain() of a qv call names the appended product (its kernel shows Q and K d + dv wide) and that
     it has no backward."""

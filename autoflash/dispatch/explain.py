@@ -172,7 +172,7 @@ def _explain_entry(fn, args, kwargs, gpu: str | None) -> Explanation:
 
     name = getattr(fn, "__name__", repr(fn))
     try:
-        with explaining():
+        with explaining(gpu):
             fn(*args, **kwargs)
     except Captured as captured:
         call = captured.call

@@ -11,8 +11,9 @@ What FlashAttention-3 has and autoflash does not run raises ValueError naming th
 inputs with descales (q_descale, k_descale, v_descale). qv in flash_attn_with_kvcache (DeepSeek's MLA
 decode) runs on the sm90 family's KV-cache kernel, which reads each V tile once for both products (an
 H100 or H200; elsewhere a ValueError that says so). qv in flash_attn_func and flash_attn_varlen_func
-(scores q . k + q_v . v, forward only as in FA3) runs as one product of [q, qv] with [k, v], their
-columns appended per call (a copy of k and v). attention_chunk, seqused_q / seqused_k,
+(scores q . k + q_v . v, forward only as in FA3) runs on that same kernel on an H100 or H200, k and
+v taken as the cache (_qv_over_cache); elsewhere as one product of [q, qv] with [k, v], their columns
+appended per call (a copy of k and v). attention_chunk, seqused_q / seqused_k,
 rotary_seqlens and flash_attn_with_kvcache's packed queries and new keys (cu_seqlens_q,
 cu_seqlens_k_new) run as FA3 runs them. num_splits, pack_gqa and sm_margin are scheduling choices that
 do not change the result: they are checked and taken as FA3 takes them where autoflash has the same
@@ -63,6 +64,37 @@ def _with_qv(q, k, v, qv, softmax_scale):
     return torch.cat([q, qv], -1), torch.cat([k, v], -1), softmax_scale
 
 
+def _qv_over_cache(q, k, v, qv, softmax_scale, causal, window_size, attention_chunk, softcap, num_splits,
+                   packed=None):
+    """FA3's qv on an H100 or H200: k and v taken as a KV cache by flash_attn_with_kvcache, whose sm90
+    kernel has the qv switch (each V tile read once for both products, k and v not copied), aligned
+    bottom-right as flash_attn_func is. `packed` (cu_seqlens_q, cu_seqlens_k, max_seqlen_q, seqused_k):
+    all keys in one cache row, sequence b's at rows cu_seqlens_k[b] .. + its length (cache_batch_idx 0
+    for every sequence, cache_leftpad its first row). Returns (out, lse), or None where that kernel does
+    not take the call (another GPU, fp32, head dims off multiples of 16, no kernels at all): the
+    product of [q, qv] with [k, v] runs then."""
+    from autoflash.kernels.checks import DTYPE_NAMES
+    from autoflash.kernels.defaults import sm90_applies
+
+    if qv is None or not all(isinstance(t, torch.Tensor) for t in (q, k, v, qv)) or q.dtype not in DTYPE_NAMES:
+        return None
+    profile = flash_api.planned_profile(q)
+    if profile is None or not (sm90_applies(q.shape[-1], DTYPE_NAMES[q.dtype], profile) and v.shape[-1] % 16 == 0):
+        return None
+    check_qv_shape(qv, q, v.shape[-1], "v")
+    kw = dict(softmax_scale=softmax_scale, causal=causal, window_size=window_size, softcap=softcap,
+              num_splits=num_splits, return_softmax_lse=True, attention_chunk=attention_chunk, qv=qv)
+    if packed is None:
+        return kvcache.flash_attn_with_kvcache(q, k, v, cache_seqlens=k.shape[1], **kw)
+    cu_q, cu_k, max_q, used_k = packed
+    starts = cu_k[:-1]
+    ends = cu_k[1:] if used_k is None else starts + used_k
+    rows = torch.zeros(starts.shape, dtype=torch.int32, device=cu_k.device)
+    return kvcache.flash_attn_with_kvcache(q, k[None], v[None], cache_seqlens=ends.to(torch.int32),
+                                           cache_batch_idx=rows, cache_leftpad=starts.to(torch.int32),
+                                           cu_seqlens_q=cu_q, max_seqlen_q=max_q, **kw)
+
+
 def _qv_run(run, qv, d: int):
     """run() with FA3's qv appended to q (d its own columns): under explain() the captured call notes
     it, since the kernel then shows Q and K as wide as both."""
@@ -109,10 +141,14 @@ def flash_attn_func(q, k, v, softmax_scale=None, causal=False, qv=None, q_descal
     (forward only; _with_qv)."""
     _unsupported(q_descale, k_descale, v_descale)
     _check_hints(num_splits, pack_gqa, sm_margin)
-    qk, kk, scale = _with_qv(q, k, v, qv, softmax_scale)
-    out = _qv_run(lambda: flash_api.flash_attn_func(qk, kk, v, 0.0, scale, causal, window_size, softcap, None,
-                                                    deterministic, return_attn_probs, attention_chunk=attention_chunk),
-                  qv, q.shape[-1])
+    out = _qv_over_cache(q, k, v, qv, softmax_scale, causal, window_size, attention_chunk, softcap, num_splits)
+    if out is None:
+        qk, kk, scale = _with_qv(q, k, v, qv, softmax_scale)
+        out = _qv_run(lambda: flash_api.flash_attn_func(qk, kk, v, 0.0, scale, causal, window_size, softcap, None,
+                                                        deterministic, return_attn_probs,
+                                                        attention_chunk=attention_chunk), qv, q.shape[-1])
+    elif not return_attn_probs:
+        out = out[0]
     out = _qv_forward_only(out, qv, "flash_attn_func", q, k, v)
     return out[:2] if return_attn_probs else out  # FA3: (out, softmax_lse), flash-attn 2: + None
 
@@ -129,11 +165,18 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
     qv (total_q, heads, v's head dim) as in flash_attn_func."""
     _unsupported(q_descale, k_descale, v_descale)
     _check_hints(num_splits, pack_gqa, sm_margin)
-    qk, kk, scale = _with_qv(q, k, v, qv, softmax_scale)
-    out = _qv_run(lambda: flash_api.flash_attn_varlen_func(
-        qk, kk, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, 0.0, scale, causal, window_size, softcap,
-        None, deterministic, return_attn_probs, attention_chunk=attention_chunk, seqused_q=seqused_q,
-        seqused_k=seqused_k), qv, q.shape[-1])
+    out = None
+    if seqused_q is None and isinstance(cu_seqlens_k, torch.Tensor):  # the cache's rows have no seqused_q
+        out = _qv_over_cache(q, k, v, qv, softmax_scale, causal, window_size, attention_chunk, softcap, num_splits,
+                             (cu_seqlens_q, cu_seqlens_k, max_seqlen_q, seqused_k))
+    if out is None:
+        qk, kk, scale = _with_qv(q, k, v, qv, softmax_scale)
+        out = _qv_run(lambda: flash_api.flash_attn_varlen_func(
+            qk, kk, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, 0.0, scale, causal, window_size,
+            softcap, None, deterministic, return_attn_probs, attention_chunk=attention_chunk, seqused_q=seqused_q,
+            seqused_k=seqused_k), qv, q.shape[-1])
+    elif not return_attn_probs:
+        out = out[0]
     out = _qv_forward_only(out, qv, "flash_attn_varlen_func", q, k, v)
     return out[:2] if return_attn_probs else out  # FA3: (out, softmax_lse), flash-attn 2: + None
 

@@ -301,16 +301,30 @@ class Captured(Exception):
 
 
 _EXPLAINING = contextvars.ContextVar("autoflash_explaining", default=False)
+_EXPLAIN_GPU = contextvars.ContextVar("autoflash_explain_gpu", default=None)
 
 
 @contextlib.contextmanager
-def explaining():
-    """A context in which the entry points check their arguments and raise Captured instead of running."""
-    token = _EXPLAINING.set(True)
+def explaining(gpu: str | None = None):
+    """A context in which the entry points check their arguments and raise Captured instead of running
+    (`gpu`: explain's gpu=, the profile the call is planned for instead of its tensors' device)."""
+    token, gpu_token = _EXPLAINING.set(True), _EXPLAIN_GPU.set(gpu)
     try:
         yield
     finally:
         _EXPLAINING.reset(token)
+        _EXPLAIN_GPU.reset(gpu_token)
+
+
+def planned_profile(t: torch.Tensor):
+    """The GPU profile a call on `t` runs its kernels for: explain's gpu= while explaining, else its
+    CUDA device or the emulated GPU; None where it runs no kernel (CPU tensors outside emulate())."""
+    from autoflash.kernels.gpus import get_profile
+    from autoflash.kernels.launch import profile_for
+
+    if explaining_now() and _EXPLAIN_GPU.get() is not None:
+        return get_profile(_EXPLAIN_GPU.get())
+    return None if cpu_fallback(t) is not None else profile_for(t, "autoflash")
 
 
 def stand_in(shape, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
