@@ -1,7 +1,9 @@
 #!/usr/bin/env bash
 # The GPU checks of a lent GPU session (../shared/docs/gpu-workflow.md), in one script so a device
-# call does them together. Written on a machine without a GPU: the first session that runs it
-# should fix whatever it trips on.
+# call does them together. The first GPU run (one H200, 2026-11-28) used its own scripts
+# (bench/results/h200/2026-11-28-first-run/scripts/); what it taught is in here: pytest-xdist's
+# --dist load (pyproject's loadfile puts a whole file on one worker), a time limit per step, the GPU
+# sweeps sampled one case per key. This script itself has not run on a GPU yet.
 #
 # Usage, from the repository root on the device machine:
 #   bash bench/gpu_session.sh [tests|sanitize|bench|tune|model|all]      (default: all but tune and model)
@@ -20,8 +22,11 @@ nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv | tee "$OUT
 python3 -c "import torch, cupy; print('torch', torch.__version__, 'cupy', cupy.__version__)" | tee -a "$OUT/device.txt"
 
 if [[ $step == tests || $step == all ]]; then
-  # Accuracy tier: correctness only, so several processes may share the GPU (pytest-xdist).
-  python3 -m pytest -m gpu -q -n 8 -p no:cacheprovider 2>&1 | tee "$OUT/gpu-tests.log" | tail -25
+  # Accuracy tier: correctness only, so several processes may share the GPU (pytest-xdist). Each sweep
+  # runs one case per key (825 tests; AUTOFLASH_SWEEP=full for all 9,391). SIGINT at the limit makes
+  # pytest print its summary of what ran. pytest-timeout is on the device image.
+  timeout -s INT 420 python3 -m pytest -m gpu -q -n 16 --dist load -p no:cacheprovider --timeout 120 -rfE \
+    2>&1 | tee "$OUT/gpu-tests.log" | tail -25
   status=$(( status | ${PIPESTATUS[0]} ))
 fi
 
