@@ -210,7 +210,7 @@ def test_the_scheduler_plan_is_the_split_flash_attn_with_kvcache_runs(monkeypatc
     seqlens = torch.tensor([900, 37], dtype=torch.int32)
     seen = []
     real = kvcache._kvcache  # the op's body, which an eager call runs
-    monkeypatch.setattr(kvcache, "_kvcache", lambda *a: seen.append(a[-2]) or real(*a))  # num_splits, qv
+    monkeypatch.setattr(kvcache, "_kvcache", lambda *a: seen.append(a[25]) or real(*a))  # num_splits
     with autoflash.emulate("h100"):
         plan = fa3.get_scheduler_metadata(2, 1, 1024, 8, 2, 128, seqlens)
         forced = fa3.get_scheduler_metadata(2, 1, 1024, 8, 2, 128, seqlens, num_splits=3)

@@ -299,7 +299,8 @@ def test_qv_packed_and_its_refusals():
 def test_qv_runs_the_sm90_cache_kernel_on_an_h100(launched):
     """On an H100 (emulated), FA3's qv in flash_attn_func and flash_attn_varlen_func runs the sm90
     KV-cache kernel with its qv switch over k and v as the cache (no [q, qv] product, no copy), the
-    kernel explain() names, within FA3's rule; packed sequences with seqused_k too. Still forward only."""
+    kernel explain() names, within FA3's rule; packed sequences with seqused_q and seqused_k too. Still
+    forward only."""
     from autoflash.flash_attn_interface import flash_attn_varlen_func as fa3_varlen
 
     g = torch.Generator().manual_seed(12)
@@ -319,17 +320,19 @@ def test_qv_runs_the_sm90_cache_kernel_on_an_h100(launched):
     with pytest.raises(RuntimeError, match="flash_attn_func with qv is forward only"):
         out.sum().backward()
 
-    lens_q, lens_k, used_k = [3, 37], [50, 10], [44, 10]
+    lens_q, lens_k, used_q, used_k = [3, 37], [50, 10], [2, 37], [44, 10]
     cu_q, cu_k = _cu(lens_q, "cpu"), _cu(lens_k, "cpu")
     pq, pqv = torch.randn(40, 4, 64, generator=g).bfloat16(), torch.randn(40, 4, 256, generator=g).bfloat16()
     pk, pv = torch.randn(60, 2, 64, generator=g).bfloat16(), torch.randn(60, 2, 256, generator=g).bfloat16()
     launched.clear()
     with autoflash.emulate("h100"):
         out = fa3_varlen(pq, pk, pv, cu_q, cu_k, 37, 50, causal=True, qv=pqv,
+                         seqused_q=torch.tensor(used_q, dtype=torch.int32),
                          seqused_k=torch.tensor(used_k, dtype=torch.int32))
     assert [c.family for c in launched] == ["sm90"] and launched[0].qv
+    assert torch.equal(out[2], torch.zeros_like(out[2]))  # sequence 0's third row is past seqused_q
     for b in range(2):
-        rows, keys = slice(cu_q[b], cu_q[b + 1]), slice(cu_k[b], cu_k[b] + used_k[b])
+        rows, keys = slice(cu_q[b], cu_q[b] + used_q[b]), slice(cu_k[b], cu_k[b] + used_k[b])
         args = (pq[rows][None], pk[keys][None], pv[keys][None], pqv[rows][None], True, (-1, -1), 0.0)
         ok, err, bound = within_tolerance(out[rows][None], _qv_reference(*args, torch.float32),
                                           _qv_reference(*args, torch.bfloat16))

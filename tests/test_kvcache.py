@@ -240,6 +240,38 @@ def _packed_case(draw: int, variant: str, d: int, dev: str, dt):
     return case, t, index, packed, kw, seqlens, lens_q, lens_new
 
 
+@pytest.mark.parametrize("gpu", ["a100", "h100"])
+def test_packed_queries_with_seqused_q(gpu):
+    """seqused_q with the KV cache's packed queries (FlashAttention-3's varlen semantics, as its
+    flash_attn_varlen_func takes them): only the first seqused_q[b] rows of each span are queries,
+    aligned bottom-right as such, the rest out 0 and lse +inf; split and unsplit, on both families."""
+    import autoflash
+
+    g = torch.Generator().manual_seed(21)
+    used_q, lens_k = [2, 9, 0], [40, 70, 33]
+    cu_q = torch.tensor([0, 5, 14, 17], dtype=torch.int32)
+    q = torch.randn(17, 4, 64, generator=g).bfloat16()
+    k_cache, v_cache = (torch.randn(3, 80, 2, 64, generator=g).bfloat16() for _ in range(2))
+    seqlens, used = torch.tensor(lens_k, dtype=torch.int32), torch.tensor(used_q, dtype=torch.int32)
+    ref, ref_lse = attention_kvcache_ref(q, k_cache, v_cache, lens_k, causal=True, cu_seqlens_q=cu_q.tolist(),
+                                         seqused_q=used_q)
+    same, _ = attention_kvcache_ref(q, k_cache, v_cache, lens_k, causal=True, cu_seqlens_q=cu_q.tolist(),
+                                    seqused_q=used_q, upcast=False)
+    unused = torch.tensor([r >= cu_q[b] + used_q[b] for b in range(3) for r in range(cu_q[b], cu_q[b + 1])])
+    for splits in (1, 3):
+        with autoflash.emulate(gpu):
+            out, lse = flash_attn_with_kvcache(q, k_cache, v_cache, cache_seqlens=seqlens, causal=True,
+                                               cu_seqlens_q=cu_q, max_seqlen_q=9, seqused_q=used,
+                                               num_splits=splits, return_softmax_lse=True)
+        ok, err, bound = within_tolerance(out, ref, same)
+        assert ok, f"{gpu}, {splits} splits: err {err:.3e} > bound {bound:.3e}"
+        assert torch.equal(out[unused], torch.zeros_like(out[unused]))
+        assert torch.isinf(lse[:, unused]).all() and torch.isinf(ref_lse[:, unused]).all()
+        assert torch.allclose(lse[:, ~unused], ref_lse[:, ~unused], atol=1e-3)
+    with pytest.raises(ValueError, match="seqused_q"):
+        flash_attn_with_kvcache(q[:3].reshape(3, 1, 4, 64), k_cache, v_cache, cache_seqlens=seqlens, seqused_q=used)
+
+
 @pytest.mark.sweep
 @pytest.mark.parametrize("draw", range(12))
 @pytest.mark.parametrize("variant", sorted(VARIANTS))

@@ -68,11 +68,12 @@ def _qv_over_cache(q, k, v, qv, softmax_scale, causal, window_size, attention_ch
                    packed=None):
     """FA3's qv on an H100 or H200: k and v taken as a KV cache by flash_attn_with_kvcache, whose sm90
     kernel has the qv switch (each V tile read once for both products, k and v not copied), aligned
-    bottom-right as flash_attn_func is. `packed` (cu_seqlens_q, cu_seqlens_k, max_seqlen_q, seqused_k):
-    all keys in one cache row, sequence b's at rows cu_seqlens_k[b] .. + its length (cache_batch_idx 0
-    for every sequence, cache_leftpad its first row). Returns (out, lse), or None where that kernel does
-    not take the call (another GPU, fp32, head dims off multiples of 16, no kernels at all): the
-    product of [q, qv] with [k, v] runs then."""
+    bottom-right as flash_attn_func is. `packed` (cu_seqlens_q, cu_seqlens_k, max_seqlen_q, seqused_q,
+    seqused_k): all keys in one cache row, sequence b's at rows cu_seqlens_k[b] .. + its length
+    (cache_batch_idx 0 for every sequence, cache_leftpad its first row); the queries packed by
+    cu_seqlens_q with seqused_q as the KV cache takes them. Returns (out, lse), or None where that
+    kernel does not take the call (another GPU, fp32, head dims off multiples of 16, no kernels at
+    all): the product of [q, qv] with [k, v] runs then."""
     from autoflash.kernels.checks import DTYPE_NAMES
     from autoflash.kernels.defaults import sm90_applies
 
@@ -86,13 +87,13 @@ def _qv_over_cache(q, k, v, qv, softmax_scale, causal, window_size, attention_ch
               num_splits=num_splits, return_softmax_lse=True, attention_chunk=attention_chunk, qv=qv)
     if packed is None:
         return kvcache.flash_attn_with_kvcache(q, k, v, cache_seqlens=k.shape[1], **kw)
-    cu_q, cu_k, max_q, used_k = packed
+    cu_q, cu_k, max_q, used_q, used_k = packed
     starts = cu_k[:-1]
     ends = cu_k[1:] if used_k is None else starts + used_k
     rows = torch.zeros(starts.shape, dtype=torch.int32, device=cu_k.device)
     return kvcache.flash_attn_with_kvcache(q, k[None], v[None], cache_seqlens=ends.to(torch.int32),
                                            cache_batch_idx=rows, cache_leftpad=starts.to(torch.int32),
-                                           cu_seqlens_q=cu_q, max_seqlen_q=max_q, **kw)
+                                           cu_seqlens_q=cu_q, max_seqlen_q=max_q, seqused_q=used_q, **kw)
 
 
 def _qv_run(run, qv, d: int):
@@ -166,9 +167,9 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
     _unsupported(q_descale, k_descale, v_descale)
     _check_hints(num_splits, pack_gqa, sm_margin)
     out = None
-    if seqused_q is None and isinstance(cu_seqlens_k, torch.Tensor):  # the cache's rows have no seqused_q
+    if isinstance(cu_seqlens_k, torch.Tensor):
         out = _qv_over_cache(q, k, v, qv, softmax_scale, causal, window_size, attention_chunk, softcap, num_splits,
-                             (cu_seqlens_q, cu_seqlens_k, max_seqlen_q, seqused_k))
+                             (cu_seqlens_q, cu_seqlens_k, max_seqlen_q, seqused_q, seqused_k))
     if out is None:
         qk, kk, scale = _with_qv(q, k, v, qv, softmax_scale)
         out = _qv_run(lambda: flash_api.flash_attn_varlen_func(

@@ -165,7 +165,7 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
                             causal=False, window_size=(-1, -1), softcap=0.0, rotary_interleaved=True,
                             alibi_slopes=None, num_splits=0, return_softmax_lse=False, *, attention_chunk=0,
                             rotary_seqlens=None, cu_seqlens_q=None, cu_seqlens_k_new=None, max_seqlen_q=None,
-                            strict=None, qv=None):
+                            strict=None, qv=None, seqused_q=None):
     """Attention of q over a KV cache, appending new keys and values first (flash-attn 2.x).
 
     q: (batch, seqlen_q, heads, head_dim). k_cache, v_cache: (batch_cache, seqlen_cache, heads_kv,
@@ -192,7 +192,9 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
     Keyword only, FlashAttention-3's varlen calls: cu_seqlens_q (int32 (batch + 1,)) with max_seqlen_q
     packs q as (total_q, heads, head_dim), sequence b its rows cu_seqlens_q[b] .. cu_seqlens_q[b + 1] - 1,
     each bottom-right aligned on its own keys (out (total_q, heads, head_dim), LSE (heads, total_q));
-    cu_seqlens_k_new packs k and v as (total_new, heads_kv, head_dim) the same way.
+    cu_seqlens_k_new packs k and v as (total_new, heads_kv, head_dim) the same way. seqused_q (int32
+    (batch,), with cu_seqlens_q; FlashAttention-3's varlen semantics): only the first seqused_q[b] rows of
+    sequence b's span are queries, aligned as such; the rest get out 0 and lse +inf.
     qv (keyword only, FlashAttention-3's; q's rows by v_cache's head dim): the scores q . k + qv . v
     (DeepSeek's MLA decode: k_cache the rope columns, v_cache the latent), softmax_scale by default
     1/sqrt(head_dim + head_dim_v); no rotary on qv. It runs on the sm90 family's kernel (each V tile read
@@ -246,7 +248,7 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
                               cache_seqlens if seqlens_tensor is None else 0, cache_batch_idx, cache_leftpad,
                               block_table, cu_seqlens_q, cu_seqlens_k_new, max_seqlen_q, alibi_slopes, None, scale,
                               causal, window_size[0], window_size[1], attention_chunk, float(softcap),
-                              rotary_interleaved, num_splits, qv)
+                              rotary_interleaved, num_splits, qv, seqused_q)
     if padded:
         if k is not None:
             for cache, wide in zip(caches, (k_cache, v_cache)):
@@ -353,7 +355,8 @@ def _kvcache(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, k: O
                   alibi_slopes: Optional[torch.Tensor],
                   key_bias: Optional[torch.Tensor], softmax_scale: Optional[float], causal: bool, window_left: int,
                   window_right: int, attention_chunk: int, softcap: float, rotary_interleaved: bool,
-                  num_splits: int, qv: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, torch.Tensor]:
+                  num_splits: int, qv: Optional[torch.Tensor] = None,
+                  seqused_q: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, torch.Tensor]:
     """flash_attn_with_kvcache's work: the checks that read values, rotary, the append into k_cache
     and v_cache, then attention: (out like q, lse (batch, heads, seqlen_q) fp32). cache_seqlens: the
     tensor, or None and cache_seqlens_int for every sequence. key_bias: fp32 (batch, capacity) added
@@ -361,7 +364,8 @@ def _kvcache(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, k: O
     see attention_over_cache). rotary_seqlens: FlashAttention-3's rotary positions (int32 (batch,)),
     where sequence b's rotary starts instead of at cache_seqlens[b]. cu_seqlens_q (with max_seqlen_q)
     and cu_seqlens_k_new: packed queries and new keys (FlashAttention-3's), LSE then (heads, total_q). qv:
-    FlashAttention-3's (q's rows by V's head dim), the scores q . k + qv . v."""
+    FlashAttention-3's (q's rows by V's head dim), the scores q . k + qv . v. seqused_q: the rows of each
+    packed sequence in use (FlashAttention-3's)."""
     seqlens = cache_seqlens if cache_seqlens is not None else cache_seqlens_int
     window = (window_left, window_right)
     shape = check_kvcache(q, k_cache, v_cache, k=k, v=v, rotary_cos=rotary_cos, rotary_sin=rotary_sin,
@@ -373,7 +377,7 @@ def _kvcache(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, k: O
     resolve(heads_view(q) if shape.packed_q else q.transpose(1, 2), k_cache.transpose(1, 2), causal,
             align="bottom_right", window=window, softcap=softcap, alibi_slopes=alibi_slopes, key_bias=key_bias,
             cache_len=shape.capacity, attention_chunk=attention_chunk, cu_seqlens_q=cu_seqlens_q,
-            max_seqlen_q=max_seqlen_q)
+            max_seqlen_q=max_seqlen_q, seqused_q=seqused_q)
     _check_values(shape, seqlens, cache_batch_idx, cache_leftpad, block_table, k_cache.shape[0], k_cache.shape[0],
                   cu_seqlens_q, cu_seqlens_k_new, q.shape[0])
     if rotary_cos is not None and rotary_seqlens is not None:
@@ -406,7 +410,7 @@ def _kvcache(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, k: O
 
     kw = dict(cache_batch_idx=cache_batch_idx, cache_leftpad=cache_leftpad, block_table=block_table, causal=causal,
               scale=scale, window=window, softcap=softcap, alibi_slopes=alibi_slopes, key_bias=key_bias,
-              attention_chunk=attention_chunk, cu_seqlens_q=cu_seqlens_q, qv=qv)
+              attention_chunk=attention_chunk, cu_seqlens_q=cu_seqlens_q, qv=qv, seqused_q=seqused_q)
     if q.device.type == "cpu" and not emulating():
         out, lse = _reference(q, k_cache, v_cache, seqused, shape, kw)
     else:
@@ -438,7 +442,7 @@ def _run_kvcache(*args):
 def _flash_kvcache_fake(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, rotary_seqlens, cache_seqlens,
                         cache_seqlens_int, cache_batch_idx, cache_leftpad, block_table, cu_seqlens_q, cu_seqlens_k_new,
                         max_seqlen_q, alibi_slopes, key_bias, softmax_scale, causal, window_left, window_right,
-                        attention_chunk, softcap, rotary_interleaved, num_splits, qv=None):
+                        attention_chunk, softcap, rotary_interleaved, num_splits, qv=None, seqused_q=None):
     out = empty_like_width(q, v_cache.shape[-1])
     if cu_seqlens_q is not None:  # packed (total_q, heads, d): LSE (heads, total_q)
         return out, q.new_empty((q.shape[1], q.shape[0]), dtype=torch.float32)
@@ -466,12 +470,12 @@ def _reference(q, k_cache, v_cache, seqused, shape: CacheShape, kw: dict):
 
     lengths = seqused.tolist() if isinstance(seqused, torch.Tensor) else [seqused] * shape.batch
     leftpad = kw["cache_leftpad"].tolist() if kw["cache_leftpad"] is not None else None
-    cu = kw["cu_seqlens_q"]
+    cu, used_q = kw["cu_seqlens_q"], kw["seqused_q"]
     out, lse = attention_kvcache_ref(q, k_cache, v_cache, lengths, cache_leftpad=leftpad,
                                      block_table=kw["block_table"], cache_batch_idx=kw["cache_batch_idx"],
                                      causal=kw["causal"], scale=kw["scale"], window=kw["window"],
                                      softcap=kw["softcap"], alibi_slopes=kw["alibi_slopes"], key_bias=kw["key_bias"],
                                      attention_chunk=kw["attention_chunk"],
                                      cu_seqlens_q=cu.tolist() if cu is not None else None,
-                                     qv=kw["qv"])
+                                     qv=kw["qv"], seqused_q=used_q.tolist() if used_q is not None else None)
     return out.to(q.dtype), lse

@@ -318,7 +318,7 @@ def flash_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, 
                  window=(-1, -1), softcap: float = 0.0, alibi_slopes: torch.Tensor | None = None,
                  key_bias: torch.Tensor | None = None, num_splits: int = 0, config: KernelConfig | None = None,
                  attention_chunk: int = 0, cu_seqlens_q: torch.Tensor | None = None, max_seqlen_q: int | None = None,
-                 qv: torch.Tensor | None = None):
+                 qv: torch.Tensor | None = None, seqused_q: torch.Tensor | None = None):
     """Attention of q (batch, seqlen_q, heads, d) over a KV cache on CUDA tensors (CPU tensors inside
     autoflash.emulate(): the emulated kernels), flash-attn's layout. cache_seqlens (int or int32
     (batch,)): each batch's keys, rows [cache_leftpad[b], cache_seqlens[b]) of cache row
@@ -332,8 +332,10 @@ def flash_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, 
     the queries as (total_q, heads, d), sequence b's rows cu_seqlens_q[b] .. cu_seqlens_q[b + 1] - 1
     (FlashAttention-3's varlen KV-cache call; values trusted). qv (q's rows by v_cache's head dim,
     FlashAttention-3's): the scores q . k + qv . v, scale by default 1/sqrt(d + dv), on the sm90 family's
-    kernel (its qv switch: each V tile read once for both products). Returns (out like q, lse (batch,
-    heads, seqlen_q) fp32; packed: (heads, total_q))."""
+    kernel (its qv switch: each V tile read once for both products). seqused_q (int32 (batch,), with
+    cu_seqlens_q; FlashAttention-3's): only the first seqused_q[b] rows of sequence b's span are
+    queries, aligned as such; the rest get out 0 and lse +inf. Returns (out like q, lse (batch, heads,
+    seqlen_q) fp32; packed: (heads, total_q))."""
     from autoflash.kernels.launch import COMBINE_PARAMS, FWD_NAMES, FWD_PARAMS, SM90_FWD_NAMES, SM90_FWD_PARAMS, \
         _call, empty, empty_like, kernel_functions, profile_for, tile_maps
 
@@ -357,7 +359,7 @@ def flash_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, 
     causal, variant = resolve(heads_view(q) if packed else q.transpose(1, 2), k_cache.transpose(1, 2), causal,
                               align="bottom_right", window=window, softcap=softcap, alibi_slopes=alibi_slopes,
                               key_bias=key_bias, cache_len=shape.capacity, attention_chunk=attention_chunk,
-                              cu_seqlens_q=cu_seqlens_q, max_seqlen_q=max_seqlen_q)
+                              cu_seqlens_q=cu_seqlens_q, max_seqlen_q=max_seqlen_q, seqused_q=seqused_q)
     qpack = packed_heads(shape, alibi_slopes)
     heads, rows = hq // qpack, lq * qpack
     config, num_splits = decode_launch(shape, dtype, profile, causal, variant, config, num_splits, qpack,
@@ -387,6 +389,9 @@ def flash_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, 
     lse4 = empty((heads, q4.shape[2]), torch.float32, q.device, "hl", name="lse", rows="q").unsqueeze(0) if packed \
         else empty((b, heads, rows), torch.float32, q.device, "bhl", name="lse")
     batch_strides = lambda t, dims=3: (0 if packed else t.stride(0), *t.stride()[1:dims])  # noqa: E731
+    if variant.seqused:  # the rows past seqused_q are never written: no query there
+        out4.zero_()
+        lse4.fill_(math.inf)
 
     device = q.device
     # Index tensors the call does not have go as null pointers (the template's defaults: every

@@ -120,15 +120,17 @@ def resolve(q: torch.Tensor, k: torch.Tensor, causal: bool, *, align: str = "top
     window kernel: a causal call becomes the window (unbounded, 0), a call with no window the
     window (unbounded, unbounded). seqused_q / seqused_k (packed sequences only, FlashAttention-3's):
     int32 (batch,), the rows of each sequence's cu_seqlens span in use. With cache_len, cu_seqlens_q and
-    max_seqlen_q alone pack a KV cache's queries (FlashAttention-3's flash_attn_with_kvcache)."""
+    max_seqlen_q (and seqused_q) alone pack a KV cache's queries (FlashAttention-3's flash_attn_with_kvcache)."""
     if align not in ALIGNS:
         raise ValueError(f"align: got {align!r}, expected one of {ALIGNS}")
     varlen = cu_seqlens_q is not None or cu_seqlens_k is not None
     if varlen and cache_len is not None:  # a KV cache's packed queries: its keys come from the cache
-        if cu_seqlens_k is not None or seqused_q is not None or seqused_k is not None or key_bias is not None:
-            raise ValueError("cu_seqlens_k, seqused_q, seqused_k, key_bias: got one with a KV cache's packed queries; "
+        if cu_seqlens_k is not None or seqused_k is not None or key_bias is not None:
+            raise ValueError("cu_seqlens_k, seqused_k, key_bias: got one with a KV cache's packed queries; "
                              "expected None (the cache's lengths count its keys)")
         batch = cu_seqlens_vector("cu_seqlens_q", cu_seqlens_q, q.device)
+        if seqused_q is not None:
+            _check_used("seqused_q", seqused_q, batch, q.device)
         if isinstance(max_seqlen_q, bool) or not isinstance(max_seqlen_q, int) or max_seqlen_q < 0:
             raise ValueError(f"max_seqlen_q: got {max_seqlen_q!r}, expected an int >= 0 (the longest sequence)")
         lq, lk = max_seqlen_q, cache_len
@@ -177,7 +179,7 @@ def resolve(q: torch.Tensor, k: torch.Tensor, causal: bool, *, align: str = "top
     switches = {"align": align, "window": windowed, "chunk": attention_chunk > 0, "softcap": softcap > 0, "alibi": alibi,
                 "key_bias": key_bias is not None, "varlen": varlen}
     if varlen and cache_len is not None:  # the kernels read no key bounds there; valid pointers all the same
-        end_q = _seq_end(cu_seqlens_q, None)
+        end_q = _seq_end(cu_seqlens_q, seqused_q)
         pointers = (cu_seqlens_q, cu_seqlens_q, end_q, end_q, alibi_slopes, key_bias)
     else:
         ends = (_seq_end(cu_seqlens_q, seqused_q), _seq_end(cu_seqlens_k, seqused_k)) if varlen else (None, None)

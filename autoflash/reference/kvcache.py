@@ -58,7 +58,7 @@ def attention_kvcache_ref(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch
                           causal: bool = False, scale: float | None = None, window=(-1, -1), softcap: float = 0.0,
                           alibi_slopes: torch.Tensor | None = None, key_bias: torch.Tensor | None = None,
                           upcast: bool = True, attention_chunk: int = 0, cu_seqlens_q: list[int] | None = None,
-                          qv: torch.Tensor | None = None):
+                          qv: torch.Tensor | None = None, seqused_q: list[int] | None = None):
     """Attention of q (batch, seqlen_q, heads, d) over sequence b's cache rows [leftpad[b],
     seqused[b]), bottom-right aligned (flash-attn's), batch row by batch row. Returns out (batch,
     seqlen_q, heads, d) in the compute dtype and lse (batch, heads, seqlen_q); a row that sees no key
@@ -67,13 +67,17 @@ def attention_kvcache_ref(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch
     may differ from q's and k_cache's. cu_seqlens_q: q packed as
     (total_q, heads, d), sequence b its rows cu_seqlens_q[b] .. cu_seqlens_q[b + 1] - 1; out is then
     (total_q, heads, d) and lse (heads, total_q). qv (q's rows, v_cache's head dim; FlashAttention-3's):
-    the scores q . k + qv . v, one product of [q, qv] with [k, v] here (scale by default 1/sqrt(d + dv))."""
+    the scores q . k + qv . v, one product of [q, qv] with [k, v] here (scale by default 1/sqrt(d + dv)).
+    seqused_q (with cu_seqlens_q; FlashAttention-3's): only the first seqused_q[b] rows of sequence b's
+    span are queries, aligned as such; the rest get out 0 and lse +inf."""
     outs, lses = [], []
     for b in range(len(seqused)):
         start = cache_leftpad[b] if cache_leftpad is not None else 0
         k = cache_rows(k_cache, b, start, seqused[b], block_table, cache_batch_idx)
         v = cache_rows(v_cache, b, start, seqused[b], block_table, cache_batch_idx)
-        rows = lambda x: x[cu_seqlens_q[b]:cu_seqlens_q[b + 1]].unsqueeze(0) if cu_seqlens_q is not None \
+        end = None if cu_seqlens_q is None else \
+            cu_seqlens_q[b + 1] if seqused_q is None else cu_seqlens_q[b] + seqused_q[b]
+        rows = lambda x: x[cu_seqlens_q[b]:end].unsqueeze(0) if cu_seqlens_q is not None \
             else x[b:b + 1]  # noqa: E731
         qb = rows(q).transpose(1, 2)
         keys = k if qv is None else torch.cat([k, v], -1)  # qv: the scores over [k, v]
@@ -91,6 +95,12 @@ def attention_kvcache_ref(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch
                                alibi_slopes=slopes, key_bias=bias, attention_chunk=attention_chunk)
         outs.append(o)
         lses.append(lse.float())
+    if seqused_q is not None:  # the unused rows of each span: out 0, lse +inf
+        for b in reversed(range(len(seqused))):
+            unused = cu_seqlens_q[b + 1] - cu_seqlens_q[b] - seqused_q[b]
+            o, lse = outs[b], lses[b]
+            outs[b] = torch.cat([o, o.new_zeros((*o.shape[:2], unused, o.shape[3]))], 2)
+            lses[b] = torch.cat([lse, lse.new_full((*lse.shape[:2], unused), float("inf"))], 2)
     if cu_seqlens_q is not None:
         return torch.cat(outs, dim=2)[0].transpose(0, 1), torch.cat(lses, dim=2)[0]
     return torch.cat(outs).transpose(1, 2), torch.cat(lses)
