@@ -77,8 +77,9 @@ def _qv_over_cache(q, k, v, qv, softmax_scale, causal, window_size, attention_ch
     from autoflash.kernels.checks import DTYPE_NAMES
     from autoflash.kernels.defaults import sm90_applies
 
-    if qv is None or not all(isinstance(t, torch.Tensor) for t in (q, k, v, qv)) or q.dtype not in DTYPE_NAMES:
+    if qv is None:
         return None
+    flash_api._check_qkv(q, k, v, "bshd" if packed is None else "thd")  # the errors name q, k and v, not the cache
     profile = flash_api.planned_profile(q)
     if profile is None or not (sm90_applies(q.shape[-1], DTYPE_NAMES[q.dtype], profile) and v.shape[-1] % 16 == 0):
         return None
