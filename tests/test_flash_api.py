@@ -321,6 +321,36 @@ def test_custom_op_registration_varlen():
     assert lse.shape == (2, sum(lq))
 
 
+@pytest.mark.parametrize("gpu", ["a100", "h100"])
+def test_small_gqa_calls_without_gradient_pack_the_query_heads(gpu, launched):
+    """FA3's pack_gqa: flash_attn_func with GQA, seqlen_q x group <= 64 and no gradient asked for runs
+    the KV-cache kernel with each K/V head's query heads in one tile (the kernel explain() names, with
+    the note), within FA3's rule, window and softcap included. Asking for a gradient, a group too big for
+    the tile, or ALiBi keeps the dense kernel."""
+    q, k, v = _bshd(2, 5, 83, 8, 2, 64, torch.bfloat16, seed=4, grad=False)
+    kw = dict(causal=True, window_size=(40, 0), softcap=20.0)
+    plan = autoflash.explain(flash_attn_func, q, k, v, gpu=gpu, **kw)
+    with autoflash.emulate(gpu):
+        out, lse, _ = flash_attn_func(q, k, v, return_attn_probs=True, **kw)
+    assert len(launched) == 1 and launched[0].kvcache and launched[0] == plan.forward.config
+    assert any(note.startswith("pack_gqa: the 4 query heads") for note in plan.notes) and plan.backward is None
+    rkw = dict(causal=True, window=(40, 0), softcap=20.0)
+    ref, ref_lse = _ref_bshd(q, k, v, **rkw)
+    ok, err, bound = within_tolerance(out, ref, _ref_bshd(q, k, v, upcast=False, **rkw)[0], softcap=20.0)
+    assert ok, f"err {err:.3e} > bound {bound:.3e}"
+    assert torch.allclose(lse, ref_lse, atol=1e-3)
+    dense = [(q.clone().requires_grad_(), k, v), (*_bshd(2, 17, 83, 8, 2, 64, torch.bfloat16, grad=False),)]
+    for args in dense:
+        launched.clear()
+        with autoflash.emulate(gpu):
+            flash_attn_func(*args, **kw)
+        assert launched and not launched[0].kvcache
+    launched.clear()
+    with autoflash.emulate(gpu):
+        flash_attn_func(q, k, v, alibi_slopes=_slopes((8,)), **kw)
+    assert launched and not launched[0].kvcache
+
+
 def test_the_eager_path_is_the_op_without_its_dispatch(monkeypatch):
     """flash_forward_call runs the op's kernels and autograd formula through an autograd.Function
     eagerly: the same out, lse and gradients as torch.ops.autoflash.flash_fwd, bit for bit (emulated

@@ -190,7 +190,7 @@ def _explain_entry(fn, args, kwargs, gpu: str | None) -> Explanation:
     notes = getattr(call, "notes", ()) + notes
     if isinstance(call, kvcache.KvCacheCall):
         selection, splits, how = kvcache.kernel_plan(profile, call)
-        notes = (f"key splits: {splits} ({how})",)
+        notes += (f"key splits: {splits} ({how})",)
         if call.qv:
             cfg = selection.config
             notes += ("qv: the scores q . k + qv . v, each V tile read once for both products"

@@ -18,8 +18,9 @@ rotary_seqlens and flash_attn_with_kvcache's packed queries and new keys (cu_seq
 cu_seqlens_k_new) run as FA3 runs them. num_splits, pack_gqa and sm_margin are scheduling choices that
 do not change the result: they are checked and taken as FA3 takes them where autoflash has the same
 choice (num_splits of the KV-cache kernel), and otherwise left to autoflash's own plan (the dense
-forward never splits; autoflash folds query heads into one tile where the KV-cache kernel pays for
-it; it uses every SM)."""
+forward never splits; query heads are folded into one tile by the KV-cache kernel, which
+flash_attn_func also runs for small GQA calls without a gradient (flash_api.packs_query_heads);
+it uses every SM)."""
 from __future__ import annotations
 
 import dataclasses

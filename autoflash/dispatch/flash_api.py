@@ -395,6 +395,25 @@ def attention_variant(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, scal
     return out, lse
 
 
+# Query rows of one K/V head (seqlen_q x its query heads) that the KV-cache kernel's tile holds at once.
+PACKED_ROWS = 64
+
+
+def packs_query_heads(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dims: Dims, alibi_slopes) -> bool:
+    """Whether flash_attn_func runs on the KV-cache kernel with the query heads of each K/V head folded
+    into one tile's rows (FlashAttention-3's pack_gqa, which its own heuristic takes where packing fills
+    the tiles better): GQA or MQA, all of a K/V head's query rows (seqlen_q x group) in one 64-row tile,
+    no ALiBi (each row then needs its own head's slope) and no gradient asked for (the KV-cache kernel
+    is forward only). Such a call reads each K/V tile once for the group instead of once per query
+    head, and fills its tile where the dense kernel's 128-row tile holds seqlen_q rows."""
+    group = dims.heads // dims.heads_k
+    if group == 1 or alibi_slopes is not None or dims.seqlen_q * group > PACKED_ROWS or torch.compiler.is_compiling():
+        return False
+    if torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad):
+        return False
+    return planned_profile(q) is not None
+
+
 def _check_common(dropout_p, causal, deterministic, return_attn_probs, strict) -> None:
     _check_dropout(dropout_p)
     is_strict(strict)  # a bool or None
@@ -426,6 +445,20 @@ def flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False, wi
     """
     _check_common(dropout_p, causal, deterministic, return_attn_probs, strict)
     dims = _check_qkv(q, k, v, "bshd")
+    if packs_query_heads(q, k, v, dims, alibi_slopes):
+        from autoflash.dispatch.kvcache import flash_attn_with_kvcache
+
+        try:
+            out, lse = flash_attn_with_kvcache(q, k, v, cache_seqlens=dims.seqlen_k, softmax_scale=softmax_scale,
+                                               causal=causal, window_size=window_size, softcap=softcap,
+                                               return_softmax_lse=True, attention_chunk=attention_chunk, strict=strict)
+        except Captured as captured:
+            note = (f"pack_gqa: the {dims.heads // dims.heads_k} query heads of each K/V head in one tile of the "
+                    f"KV-cache kernel, k and v read as the cache (seqlen_q x group <= {PACKED_ROWS}, no gradient "
+                    "asked for)",)
+            captured.call = dataclasses.replace(captured.call, notes=note + captured.call.notes)
+            raise
+        return _result(out, lse, return_attn_probs)
     out, lse = _run(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
                     scale=_check_scale("softmax_scale", softmax_scale, dims.head_dim), causal=causal,
                     align="bottom_right", window=_check_window("window_size", window_size, causal),

@@ -279,6 +279,7 @@ class KvCacheCall:
     max_seqlen_q: Optional[int] = None
     head_dim_v: Optional[int] = None
     qv: bool = False  # FlashAttention-3's qv (the sm90 family's switch)
+    notes: tuple[str, ...] = ()  # what the entry that routed the call here did (explain prints them)
 
 
 def kernel_plan(profile, call: KvCacheCall):
