@@ -76,13 +76,13 @@ def _qv_over_cache(q, k, v, qv, softmax_scale, causal, window_size, attention_ch
     kernel does not take the call (another GPU, fp32, head dims off multiples of 16, no kernels at
     all): the product of [q, qv] with [k, v] runs then."""
     from autoflash.kernels.checks import DTYPE_NAMES
-    from autoflash.kernels.defaults import sm90_applies
+    from autoflash.kernels.decode import qv_applies
 
     if qv is None:
         return None
     flash_api._check_qkv(q, k, v, "bshd" if packed is None else "thd")  # the errors name q, k and v, not the cache
     profile = flash_api.planned_profile(q)
-    if profile is None or not (sm90_applies(q.shape[-1], DTYPE_NAMES[q.dtype], profile) and v.shape[-1] % 16 == 0):
+    if profile is None or not qv_applies(q.shape[-1], v.shape[-1], DTYPE_NAMES[q.dtype], profile):
         return None
     check_qv_shape(qv, q, v.shape[-1], "v")
     kw = dict(softmax_scale=softmax_scale, causal=causal, window_size=window_size, softcap=softcap,

@@ -109,12 +109,13 @@ def cubin_resources(cubin: bytes, kernel: str, arch: str) -> Resources:
 
     NVRTC 13.0.88 (the NVRTC of torch's CUDA 13.0 wheels) returned a good cubin with an empty log for
     73 of 96 first compiles when 16 processes compiled at once on the first H200 run (none when one
-    process did; each of the 73 compiled twice more in its process was empty again). The cubin holds the registers, the stack
-    frame and the static shared memory as ptxas reports them (the same for all 13,710 kernels compiled
-    here under NVRTC 12.1 to 13.5); it holds no spill counts, so the stack frame stands for both:
-    every one of those kernels that had a stack frame had spills, and no other had any."""
+    process did; each of the 73 compiled twice more in its process was empty again). The cubin holds
+    the registers, the stack frame and the static shared memory as ptxas reports them (the same for all
+    13,710 kernels compiled here under NVRTC 12.1 to 13.5); it holds no spill counts, so the stack
+    frame stands for both: every one of those kernels that had a stack frame had spills, and no other
+    had any."""
     use = cubin_usage(cubin, kernel)
-    reserved = 1024 if int(re.sub(r"\D", "", arch)) >= 90 else 0  # the driver's from sm_90 on, not the kernel's
+    reserved = 1024 if arch_number(arch) >= 90 else 0  # the driver's from sm_90 on, not the kernel's
     return Resources(registers=use.registers, spill_stores=use.frame_bytes, spill_loads=use.frame_bytes,
                      stack_bytes=use.frame_bytes, static_smem_bytes=max(0, use.shared_section_bytes - reserved))
 
@@ -286,9 +287,14 @@ def supported_archs() -> tuple[int, ...]:
     return tuple(sorted(_check(_nvrtc().nvrtcGetSupportedArchs(), "nvrtcGetSupportedArchs")))
 
 
+def arch_number(arch: str) -> int:
+    """90 for "sm_90" and "sm_90a", 100 for "sm_100f": what NVRTC's supported list holds."""
+    return int(re.sub(r"\D", "", arch))
+
+
 def check_arch(arch: str) -> None:
     """ValueError unless the installed NVRTC compiles for `arch` (before NVRTC says so in a log)."""
-    number, suffix = int(re.sub(r"\D", "", arch)), arch[-1] if arch[-1] in "af" else ""
+    number, suffix = arch_number(arch), arch[-1] if arch[-1] in "af" else ""
     version = tuple(int(x) for x in nvrtc_version().split("."))
     family_too_old = suffix == "f" and version < FIRST_NVRTC_FAMILY
     if number in supported_archs() and not family_too_old:

@@ -272,10 +272,15 @@ def decode_config(shape: CacheShape, dtype: str, profile: GpuProfile, causal: bo
     return config
 
 
+def qv_applies(head_dim: int, head_dim_v: int, dtype: str, profile: GpuProfile) -> bool:
+    """Whether the KV-cache kernel on `profile` takes FlashAttention-3's qv: the sm90 family's (its qv
+    switch), for 16-bit inputs and head dims that are multiples of 16."""
+    return sm90_applies(head_dim, dtype, profile) and head_dim_v % 16 == 0
+
+
 def check_qv(shape: CacheShape, dtype: str, profile: GpuProfile) -> None:
-    """ValueError unless the KV-cache kernel on `profile` takes FlashAttention-3's qv: the sm90 family's
-    (its qv switch), for 16-bit inputs and head dims that are multiples of 16."""
-    if not (sm90_applies(shape.head_dim, dtype, profile) and shape.dv % 16 == 0):
+    """ValueError unless the KV-cache kernel on `profile` takes FlashAttention-3's qv (qv_applies)."""
+    if not qv_applies(shape.head_dim, shape.dv, dtype, profile):
         raise ValueError(f"qv: got it in a KV-cache call on {profile.name} ({dtype}, head dims {shape.head_dim} and "
                          f"{shape.dv}); qv in the KV cache runs on the sm90 family's kernel: expected an H100 or "
                          f"H200, fp16/bf16, head dims that are multiples of 16")

@@ -96,7 +96,7 @@ def attention_kvcache_ref(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch
         outs.append(o)
         lses.append(lse.float())
     if seqused_q is not None:  # the unused rows of each span: out 0, lse +inf
-        for b in reversed(range(len(seqused))):
+        for b in range(len(seqused)):
             unused = cu_seqlens_q[b + 1] - cu_seqlens_q[b] - seqused_q[b]
             o, lse = outs[b], lses[b]
             outs[b] = torch.cat([o, o.new_zeros((*o.shape[:2], unused, o.shape[3]))], 2)
